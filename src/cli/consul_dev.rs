@@ -1,0 +1,107 @@
+//! `rcfarm consul-dev`: the embedded Consul-compatible server on its own.
+
+use std::io::Write as _;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use super::{CliError, parse_duration_flag, shutdown_signal};
+use crate::server::{EmbeddedServer, ServerConfig};
+
+#[derive(Debug, clap::Args)]
+pub struct ConsulDevArgs {
+    /// Address to serve the Consul HTTP API on. Loopback unless you say otherwise.
+    #[arg(
+        long,
+        env = "RCFARM_CONSUL_DEV_LISTEN",
+        default_value = "127.0.0.1:8500"
+    )]
+    pub listen: SocketAddr,
+    /// Keep state in this directory (a write-ahead log with fsync, and snapshots). Without it,
+    /// state lives in memory only, like `consul agent -dev`.
+    #[arg(long, env = "RCFARM_CONSUL_DEV_DATA_DIR")]
+    pub data_dir: Option<PathBuf>,
+    /// Shortest session TTL accepted (Consul's session_ttl_min). Tests use short TTLs with it.
+    #[arg(long, env = "RCFARM_CONSUL_DEV_SESSION_TTL_MIN", default_value = "10s", value_parser = parse_duration_flag)]
+    pub session_ttl_min: Duration,
+    /// Require this ACL token on every request (except /v1/status/*).
+    #[arg(long, env = "RCFARM_CONSUL_DEV_ACL_TOKEN", hide_env_values = true)]
+    pub acl_token: Option<String>,
+    /// The node name sessions are registered on.
+    #[arg(long, default_value = "rcfarm-dev")]
+    pub node_name: String,
+    /// Refuse transactions with more operations (Consul < 1.14: 64, later: 128).
+    #[arg(long, default_value_t = 64)]
+    pub max_txn_ops: usize,
+}
+
+impl ConsulDevArgs {
+    pub fn to_config(&self) -> ServerConfig {
+        ServerConfig {
+            listen: self.listen,
+            data_dir: self.data_dir.clone(),
+            session_ttl_min: self.session_ttl_min,
+            acl_token: self.acl_token.clone(),
+            node_name: self.node_name.clone(),
+            max_txn_ops: self.max_txn_ops,
+            ..ServerConfig::default()
+        }
+    }
+}
+
+/// Starts the server and says where, how reachable, and how durable it is.
+pub async fn start(args: &ConsulDevArgs) -> Result<EmbeddedServer, CliError> {
+    let server = EmbeddedServer::start(args.to_config())
+        .await
+        .map_err(|e| CliError::Failed(e.to_string()))?;
+    let addr = server.addr();
+    let reach = if addr.ip().is_loopback() {
+        "loopback only: other machines cannot reach it (use --listen 0.0.0.0:8500 to expose it)"
+            .to_string()
+    } else {
+        format!(
+            "reachable from other machines on {}{}",
+            addr.ip(),
+            if args.acl_token.is_none() {
+                "; anyone who can reach it can change everything (set --acl-token)"
+            } else {
+                ""
+            }
+        )
+    };
+    tracing::info!(
+        "consul-dev serving the Consul HTTP API on {} ({reach})",
+        server.url()
+    );
+    match (&args.data_dir, server.recovery()) {
+        (Some(dir), Some(r)) => tracing::info!(
+            "state kept in {} (recovered index {}, {} records replayed{})",
+            dir.display(),
+            r.index,
+            r.replayed,
+            if r.torn_bytes > 0 {
+                format!(
+                    ", {} bytes of an unacknowledged torn write dropped",
+                    r.torn_bytes
+                )
+            } else {
+                String::new()
+            }
+        ),
+        _ => tracing::info!(
+            "state kept in memory only; it is lost when the server stops (use --data-dir DIR to keep it)"
+        ),
+    }
+    // A machine-readable line on stdout, for scripts and tests that start the server on port 0.
+    println!("consul-dev listening on {}", server.url());
+    let _ = std::io::stdout().flush();
+    Ok(server)
+}
+
+pub async fn run(args: ConsulDevArgs) -> Result<(), CliError> {
+    let server = start(&args).await?;
+    shutdown_signal().await;
+    tracing::info!("shutting down");
+    server.shutdown().await;
+    Ok(())
+}

@@ -1,0 +1,182 @@
+//! Command-line front ends of `rcfarm` and `rcctl`. The binaries in `bin/` only call
+//! [`rcfarm_main`] and [`rcctl_main`].
+
+mod consul_dev;
+mod logging;
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+
+pub use logging::{LogFormat, init_logging};
+
+/// How a command ended badly: a usage mistake (exit 2) or a failed operation (exit 1).
+#[derive(Debug, thiserror::Error)]
+pub enum CliError {
+    #[error("{0}")]
+    Usage(String),
+    #[error("{0}")]
+    Failed(String),
+}
+
+impl CliError {
+    pub fn exit_code(&self) -> ExitCode {
+        match self {
+            CliError::Usage(_) => ExitCode::from(2),
+            CliError::Failed(_) => ExitCode::from(1),
+        }
+    }
+}
+
+/// Parses a Go-style duration (`500ms`, `10s`, `1m30s`) for a flag.
+pub fn parse_duration_flag(s: &str) -> Result<Duration, String> {
+    let d = crate::util::parse_go_duration(s)
+        .map_err(|e| format!("{e} (use a unit: 500ms, 10s, 1m30s)"))?;
+    if d.negative {
+        return Err("must not be negative".into());
+    }
+    Ok(Duration::from_nanos(d.nanos))
+}
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "rcfarm",
+    version,
+    about = "A replication-controller farm backed by Consul"
+)]
+struct RcfarmCli {
+    /// Log format: `text` for people, `json` for log collectors. Filter with RUST_LOG.
+    #[arg(long, global = true, env = "RCFARM_LOG_FORMAT", default_value = "text")]
+    log_format: LogFormat,
+    #[command(subcommand)]
+    command: RcfarmCommand,
+}
+
+#[derive(Debug, Subcommand)]
+enum RcfarmCommand {
+    /// Run the embedded Consul-compatible development server alone.
+    ConsulDev(consul_dev::ConsulDevArgs),
+}
+
+/// `rcfarm`'s main.
+pub fn rcfarm_main() -> ExitCode {
+    let cli = RcfarmCli::parse();
+    init_logging(cli.log_format);
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("rcfarm: cannot start the async runtime: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let result = runtime.block_on(async {
+        match cli.command {
+            RcfarmCommand::ConsulDev(args) => consul_dev::run(args).await,
+        }
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("rcfarm: {e}");
+            e.exit_code()
+        }
+    }
+}
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "rcctl",
+    version,
+    about = "Operate rcfarm: replication controllers, nodes, audit log"
+)]
+struct RcctlCli {
+    /// Consul's HTTP address.
+    #[arg(
+        long,
+        global = true,
+        env = "CONSUL_HTTP_ADDR",
+        default_value = "http://127.0.0.1:8500"
+    )]
+    consul: String,
+    /// ACL token for Consul.
+    #[arg(long, global = true, env = "CONSUL_HTTP_TOKEN", hide_env_values = true)]
+    consul_token: Option<String>,
+    #[command(subcommand)]
+    command: RcctlCommand,
+}
+
+#[derive(Debug, Subcommand)]
+enum RcctlCommand {
+    /// Check that Consul answers and has a leader.
+    Ping,
+}
+
+/// Signals that end a long-running command gracefully.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+}
+
+/// `rcctl`'s main.
+pub fn rcctl_main() -> ExitCode {
+    let cli = RcctlCli::parse();
+    init_logging(LogFormat::Text);
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("rcctl: cannot start the async runtime: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let result: Result<(), CliError> = runtime.block_on(async {
+        let cfg = crate::consul::ConsulConfig::new(cli.consul.clone())
+            .with_token(cli.consul_token.clone());
+        let consul = crate::consul::Consul::new(cfg).map_err(|e| CliError::Usage(e.to_string()))?;
+        match cli.command {
+            RcctlCommand::Ping => {
+                let leader = consul
+                    .leader()
+                    .await
+                    .map_err(|e| CliError::Failed(e.to_string()))?;
+                if leader.is_empty() {
+                    return Err(CliError::Failed(format!(
+                        "Consul at {} answers but has no leader; wait for the cluster to elect one",
+                        consul.address()
+                    )));
+                }
+                println!("Consul at {} is up; leader {leader}", consul.address());
+                Ok(())
+            }
+        }
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("rcctl: {e}");
+            e.exit_code()
+        }
+    }
+}

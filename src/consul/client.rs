@@ -1,0 +1,958 @@
+//! The HTTP client: one method per Consul call rcfarm makes, typed answers, typed errors, and
+//! retries only where repeating a call cannot change its meaning.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use percent_encoding::{AsciiSet, CONTROLS, utf8_percent_encode};
+use reqwest::{Method, StatusCode};
+use serde::de::DeserializeOwned;
+
+use super::error::{ConsulError, Result};
+use super::txn::{MAX_TXN_OPS, TxnOp, TxnResponse, WireTxnResponse};
+use super::types::{KvPair, QueryMeta, QueryOptions, SessionEntry, SessionRequest};
+use crate::util::Backoff;
+
+/// Characters escaped in a key's URL path: everything but unreserved characters and `/`, so
+/// Consul's path decoding gives back the exact key.
+const KEY_ESCAPE: &AsciiSet = &CONTROLS
+    .add(b' ')
+    .add(b'"')
+    .add(b'#')
+    .add(b'%')
+    .add(b'<')
+    .add(b'>')
+    .add(b'?')
+    .add(b'`')
+    .add(b'{')
+    .add(b'}')
+    .add(b'+')
+    .add(b'&')
+    .add(b'=')
+    .add(b';')
+    .add(b'\\')
+    .add(b'^')
+    .add(b'|')
+    .add(b'[')
+    .add(b']');
+
+/// Where Consul is and how to talk to it.
+#[derive(Debug, Clone)]
+pub struct ConsulConfig {
+    /// `http://host:port` or `https://…`; a bare `host:port` means `http://`.
+    pub address: String,
+    /// ACL token, sent as `X-Consul-Token`.
+    pub token: Option<String>,
+    /// Timeout of a non-blocking request. Blocking queries get `wait + wait/16 + margin`.
+    pub timeout: Duration,
+    /// Attempts for reads and idempotent writes (1 = no retry).
+    pub attempts: u32,
+    pub retry_base: Duration,
+    pub retry_cap: Duration,
+}
+
+impl Default for ConsulConfig {
+    fn default() -> Self {
+        Self {
+            address: "http://127.0.0.1:8500".into(),
+            token: None,
+            timeout: Duration::from_secs(10),
+            attempts: 4,
+            retry_base: Duration::from_millis(50),
+            retry_cap: Duration::from_secs(2),
+        }
+    }
+}
+
+impl ConsulConfig {
+    pub fn new(address: impl Into<String>) -> Self {
+        Self {
+            address: address.into(),
+            ..Default::default()
+        }
+    }
+
+    /// Reads `CONSUL_HTTP_ADDR` and `CONSUL_HTTP_TOKEN` as the Consul CLI does.
+    pub fn from_env() -> Self {
+        let mut c = Self::default();
+        if let Ok(a) = std::env::var("CONSUL_HTTP_ADDR")
+            && !a.is_empty()
+        {
+            c.address = a;
+        }
+        c.token = std::env::var("CONSUL_HTTP_TOKEN")
+            .ok()
+            .filter(|t| !t.is_empty());
+        c
+    }
+
+    pub fn with_token(mut self, token: Option<String>) -> Self {
+        self.token = token;
+        self
+    }
+}
+
+/// Installs rustls' crypto provider for every HTTPS client of the process (reqwest is built
+/// without a default one). Idempotent.
+pub fn init_tls() {
+    // Another caller may have installed one already; any installed provider will do.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+}
+
+/// Counters a benchmark or the status page can read without a metrics registry.
+#[derive(Debug, Default)]
+pub struct ClientStats {
+    pub requests: AtomicU64,
+    pub txns: AtomicU64,
+    pub errors: AtomicU64,
+    pub blocking_open: AtomicI64,
+}
+
+/// A snapshot of [`ClientStats`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct ClientStatsSnapshot {
+    pub requests: u64,
+    pub txns: u64,
+    pub errors: u64,
+    pub blocking_open: i64,
+}
+
+/// A Consul HTTP client. Cheap to clone; clones share the connection pool and counters.
+#[derive(Clone)]
+pub struct Consul {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    http: reqwest::Client,
+    base: String,
+    cfg: ConsulConfig,
+    stats: ClientStats,
+}
+
+impl std::fmt::Debug for Consul {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Consul")
+            .field("address", &self.inner.base)
+            .finish()
+    }
+}
+
+/// How a call may be repeated after a failure.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Retry {
+    /// Reads and idempotent writes: retry on any unavailability.
+    Idempotent,
+    /// Writes whose repetition could change the answer: retry only if the request never left
+    /// (connection refused), so it cannot have been applied.
+    ConnectOnly,
+}
+
+struct Raw {
+    status: StatusCode,
+    headers: reqwest::header::HeaderMap,
+    body: Bytes,
+}
+
+impl Raw {
+    fn meta(&self) -> QueryMeta {
+        let h = |name: &str| self.headers.get(name).and_then(|v| v.to_str().ok());
+        QueryMeta {
+            index: h("x-consul-index")
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0),
+            known_leader: h("x-consul-knownleader") == Some("true"),
+            last_contact: Duration::from_millis(
+                h("x-consul-lastcontact")
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(0),
+            ),
+        }
+    }
+
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).trim().to_string()
+    }
+
+    fn json<T: DeserializeOwned>(&self) -> Result<T> {
+        serde_json::from_slice(&self.body).map_err(|e| {
+            ConsulError::BadResponse(format!(
+                "cannot decode JSON ({e}): {}",
+                truncate(&String::from_utf8_lossy(&self.body), 200)
+            ))
+        })
+    }
+}
+
+fn truncate(s: &str, n: usize) -> &str {
+    match s.char_indices().nth(n) {
+        Some((i, _)) => &s[..i],
+        None => s,
+    }
+}
+
+impl Consul {
+    pub fn new(cfg: ConsulConfig) -> Result<Self> {
+        init_tls();
+        let base = normalize_address(&cfg.address)?;
+        let mut builder = reqwest::Client::builder()
+            .pool_idle_timeout(Duration::from_secs(90))
+            .connect_timeout(Duration::from_secs(5))
+            .tcp_nodelay(true);
+        if let Some(token) = &cfg.token {
+            let mut headers = reqwest::header::HeaderMap::new();
+            let value = reqwest::header::HeaderValue::from_str(token).map_err(|_| {
+                ConsulError::Rejected {
+                    status: 0,
+                    body: "the ACL token contains characters not allowed in an HTTP header".into(),
+                }
+            })?;
+            headers.insert("X-Consul-Token", value);
+            builder = builder.default_headers(headers);
+        }
+        let http = builder
+            .build()
+            .map_err(|e| ConsulError::BadResponse(format!("cannot build HTTP client: {e}")))?;
+        Ok(Self {
+            inner: Arc::new(Inner {
+                http,
+                base,
+                cfg,
+                stats: ClientStats::default(),
+            }),
+        })
+    }
+
+    /// The base URL requests go to.
+    pub fn address(&self) -> &str {
+        &self.inner.base
+    }
+
+    pub fn stats(&self) -> ClientStatsSnapshot {
+        let s = &self.inner.stats;
+        ClientStatsSnapshot {
+            requests: s.requests.load(Ordering::Relaxed),
+            txns: s.txns.load(Ordering::Relaxed),
+            errors: s.errors.load(Ordering::Relaxed),
+            blocking_open: s.blocking_open.load(Ordering::Relaxed),
+        }
+    }
+
+    fn kv_url(&self, key: &str) -> String {
+        format!(
+            "{}/v1/kv/{}",
+            self.inner.base,
+            utf8_percent_encode(key, KEY_ESCAPE)
+        )
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("{}{}", self.inner.base, path)
+    }
+
+    /// Sends a request built by `build` (called again for each attempt) and returns the raw
+    /// answer; statuses every endpoint treats alike (403, unavailability) become errors here.
+    async fn execute(
+        &self,
+        endpoint: &'static str,
+        retry: Retry,
+        timeout: Duration,
+        attempts: u32,
+        build: impl Fn() -> reqwest::RequestBuilder,
+    ) -> Result<Raw> {
+        let cfg = &self.inner.cfg;
+        let mut backoff = Backoff::new(cfg.retry_base, cfg.retry_cap);
+        let mut attempt = 0u32;
+        loop {
+            attempt += 1;
+            self.inner.stats.requests.fetch_add(1, Ordering::Relaxed);
+            metrics::counter!("rcfarm_consul_requests_total", "endpoint" => endpoint).increment(1);
+            let (err, may_retry) = match build().timeout(timeout).send().await {
+                Ok(resp) => {
+                    let status = resp.status();
+                    let headers = resp.headers().clone();
+                    match resp.bytes().await {
+                        Ok(body) => {
+                            let raw = Raw {
+                                status,
+                                headers,
+                                body,
+                            };
+                            match self.generic_error(&raw) {
+                                None => return Ok(raw),
+                                Some(e) => {
+                                    let retry_ok = e.is_retryable() && retry == Retry::Idempotent;
+                                    (e, retry_ok)
+                                }
+                            }
+                        }
+                        Err(e) => (self.unavailable(e.to_string()), retry == Retry::Idempotent),
+                    }
+                }
+                Err(e) => {
+                    let never_sent = e.is_connect();
+                    (
+                        self.unavailable(describe_reqwest(&e)),
+                        retry == Retry::Idempotent || never_sent,
+                    )
+                }
+            };
+            self.inner.stats.errors.fetch_add(1, Ordering::Relaxed);
+            metrics::counter!("rcfarm_consul_request_errors_total", "endpoint" => endpoint, "reason" => err.reason_label())
+                .increment(1);
+            if !may_retry || attempt >= attempts.max(1) {
+                return Err(err);
+            }
+            tracing::debug!(endpoint, attempt, error = %err, "retrying Consul request");
+            tokio::time::sleep(backoff.next_delay()).await;
+        }
+    }
+
+    fn unavailable(&self, reason: String) -> ConsulError {
+        ConsulError::Unavailable {
+            addr: self.inner.base.clone(),
+            reason,
+        }
+    }
+
+    /// Errors shared by every endpoint. Endpoint-specific statuses (404, 409, 400, 413) are left
+    /// to the caller.
+    fn generic_error(&self, raw: &Raw) -> Option<ConsulError> {
+        match raw.status.as_u16() {
+            403 => Some(ConsulError::PermissionDenied(raw.text())),
+            429 | 502 | 503 | 504 => {
+                Some(self.unavailable(format!("HTTP {}: {}", raw.status.as_u16(), raw.text())))
+            }
+            500 => {
+                let text = raw.text();
+                let lower = text.to_ascii_lowercase();
+                // A lock with an unknown session: `raft apply failed: invalid session "<id>"`.
+                // (Not to be confused with "Invalid Session TTL", a rejected create.)
+                if let Some(pos) = text.find("invalid session \"") {
+                    let id = text[pos..].split('"').nth(1).unwrap_or("").to_string();
+                    Some(ConsulError::InvalidSession(id))
+                } else if is_availability_error(&lower) {
+                    Some(self.unavailable(format!("HTTP 500: {text}")))
+                } else {
+                    Some(ConsulError::Rejected {
+                        status: 500,
+                        body: text,
+                    })
+                }
+            }
+            _ => None,
+        }
+    }
+
+    fn blocking_timeout(&self, opts: &QueryOptions) -> Duration {
+        if opts.index == 0 {
+            return self.inner.cfg.timeout;
+        }
+        // Consul clamps wait to 10 min and adds up to wait/16 of jitter.
+        let wait = opts
+            .wait
+            .filter(|w| !w.is_zero())
+            .unwrap_or(Duration::from_secs(300))
+            .min(Duration::from_secs(600));
+        wait + wait / 16 + self.inner.cfg.timeout.max(Duration::from_secs(5))
+    }
+
+    /// A read, with blocking-query parameters. Blocking reads are not retried here: the caller's
+    /// watch loop decides how to recover.
+    async fn read(
+        &self,
+        endpoint: &'static str,
+        url: String,
+        extra: &[(&str, &str)],
+        opts: &QueryOptions,
+    ) -> Result<Raw> {
+        let mut query: Vec<(String, String)> = extra
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        if opts.index > 0 {
+            query.push(("index".into(), opts.index.to_string()));
+            if let Some(w) = opts.wait {
+                query.push(("wait".into(), format!("{}ms", w.as_millis().max(1))));
+            }
+        }
+        if opts.consistent {
+            query.push(("consistent".into(), String::new()));
+        } else if opts.stale {
+            query.push(("stale".into(), String::new()));
+        }
+        let timeout = self.blocking_timeout(opts);
+        let blocking = opts.index > 0;
+        let _open = blocking.then(|| BlockingGuard::new(&self.inner.stats));
+        let attempts = if blocking { 1 } else { self.inner.cfg.attempts };
+        self.execute(endpoint, Retry::Idempotent, timeout, attempts, || {
+            self.inner.http.get(&url).query(&query)
+        })
+        .await
+    }
+}
+
+struct BlockingGuard<'a>(&'a ClientStats);
+
+impl<'a> BlockingGuard<'a> {
+    fn new(stats: &'a ClientStats) -> Self {
+        stats.blocking_open.fetch_add(1, Ordering::Relaxed);
+        metrics::gauge!("rcfarm_consul_blocking_queries_open").increment(1.0);
+        Self(stats)
+    }
+}
+
+impl Drop for BlockingGuard<'_> {
+    fn drop(&mut self) {
+        self.0.blocking_open.fetch_sub(1, Ordering::Relaxed);
+        metrics::gauge!("rcfarm_consul_blocking_queries_open").decrement(1.0);
+    }
+}
+
+fn is_availability_error(lower: &str) -> bool {
+    [
+        "no cluster leader",
+        "no path to datacenter",
+        "rpc error",
+        "i/o timeout",
+        "connection refused",
+        "eof",
+        "raft",
+        "leadership lost",
+        "rate limit",
+    ]
+    .iter()
+    .any(|s| lower.contains(s))
+}
+
+fn describe_reqwest(e: &reqwest::Error) -> String {
+    // reqwest's Display hides the cause ("error sending request"); the chain says why.
+    let mut s = e.to_string();
+    let mut src = std::error::Error::source(e);
+    while let Some(cause) = src {
+        s.push_str(": ");
+        s.push_str(&cause.to_string());
+        src = cause.source();
+    }
+    s
+}
+
+fn normalize_address(addr: &str) -> Result<String> {
+    let addr = addr.trim().trim_end_matches('/');
+    if addr.is_empty() {
+        return Err(ConsulError::Rejected {
+            status: 0,
+            body: "empty Consul address; give one like http://127.0.0.1:8500".into(),
+        });
+    }
+    let with_scheme = if addr.contains("://") {
+        addr.to_string()
+    } else {
+        format!("http://{addr}")
+    };
+    let url = reqwest::Url::parse(&with_scheme).map_err(|e| ConsulError::Rejected {
+        status: 0,
+        body: format!("invalid Consul address {addr:?} ({e}); give one like http://127.0.0.1:8500"),
+    })?;
+    if !matches!(url.scheme(), "http" | "https") {
+        return Err(ConsulError::Rejected {
+            status: 0,
+            body: format!("invalid Consul address {addr:?}: the scheme must be http or https"),
+        });
+    }
+    Ok(with_scheme)
+}
+
+/// A write's HTTP method, body and retry class.
+struct Write<'a> {
+    endpoint: &'static str,
+    method: Method,
+    url: String,
+    query: Vec<(&'a str, String)>,
+    body: Option<Vec<u8>>,
+    retry: Retry,
+}
+
+impl Consul {
+    async fn write(&self, w: Write<'_>) -> Result<Raw> {
+        let timeout = self.inner.cfg.timeout;
+        self.execute(
+            w.endpoint,
+            w.retry,
+            timeout,
+            self.inner.cfg.attempts,
+            || {
+                let mut rb = self
+                    .inner
+                    .http
+                    .request(w.method.clone(), &w.url)
+                    .query(&w.query);
+                if let Some(b) = &w.body {
+                    rb = rb.body(b.clone());
+                }
+                rb
+            },
+        )
+        .await
+    }
+
+    /// Reads a `true`/`false` answer (KV PUT and DELETE).
+    fn bool_answer(&self, raw: &Raw) -> Result<bool> {
+        match raw.status.as_u16() {
+            200 => {
+                let text = raw.text();
+                match text.as_str() {
+                    "true" => Ok(true),
+                    "false" => Ok(false),
+                    _ => Err(ConsulError::BadResponse(format!(
+                        "expected true or false, got {:?}",
+                        truncate(&text, 100)
+                    ))),
+                }
+            }
+            status => Err(ConsulError::Rejected {
+                status,
+                body: raw.text(),
+            }),
+        }
+    }
+
+    fn kv_write(
+        &self,
+        key: &str,
+        method: Method,
+        query: Vec<(&'static str, String)>,
+    ) -> Write<'static> {
+        Write {
+            endpoint: "kv",
+            method,
+            url: self.kv_url(key),
+            query,
+            body: None,
+            retry: Retry::Idempotent,
+        }
+    }
+
+    // ---- KV ---------------------------------------------------------------------------------
+
+    /// `GET /v1/kv/<key>`: the entry, or `None` if the key does not exist.
+    pub async fn kv_get(
+        &self,
+        key: &str,
+        opts: &QueryOptions,
+    ) -> Result<(Option<KvPair>, QueryMeta)> {
+        let raw = self.read("kv", self.kv_url(key), &[], opts).await?;
+        let meta = raw.meta();
+        match raw.status.as_u16() {
+            200 => {
+                let mut entries: Vec<KvPair> = raw.json()?;
+                Ok((entries.pop(), meta))
+            }
+            404 => Ok((None, meta)),
+            status => Err(ConsulError::Rejected {
+                status,
+                body: raw.text(),
+            }),
+        }
+    }
+
+    /// `GET /v1/kv/<prefix>?recurse`: every entry whose key starts with `prefix` (sorted by key).
+    /// An empty tree is an empty list.
+    pub async fn kv_list(
+        &self,
+        prefix: &str,
+        opts: &QueryOptions,
+    ) -> Result<(Vec<KvPair>, QueryMeta)> {
+        let raw = self
+            .read("kv", self.kv_url(prefix), &[("recurse", "")], opts)
+            .await?;
+        let meta = raw.meta();
+        match raw.status.as_u16() {
+            200 => Ok((raw.json()?, meta)),
+            404 => Ok((Vec::new(), meta)),
+            status => Err(ConsulError::Rejected {
+                status,
+                body: raw.text(),
+            }),
+        }
+    }
+
+    /// `GET /v1/kv/<prefix>?keys[&separator=…]`: the keys under `prefix`, cut after the separator.
+    pub async fn kv_keys(
+        &self,
+        prefix: &str,
+        separator: Option<&str>,
+        opts: &QueryOptions,
+    ) -> Result<(Vec<String>, QueryMeta)> {
+        let mut extra = vec![("keys", "")];
+        if let Some(sep) = separator {
+            extra.push(("separator", sep));
+        }
+        let raw = self.read("kv", self.kv_url(prefix), &extra, opts).await?;
+        let meta = raw.meta();
+        match raw.status.as_u16() {
+            200 => Ok((raw.json()?, meta)),
+            404 => Ok((Vec::new(), meta)),
+            status => Err(ConsulError::Rejected {
+                status,
+                body: raw.text(),
+            }),
+        }
+    }
+
+    /// `PUT /v1/kv/<key>`: an unconditional write (idempotent, so retried).
+    pub async fn kv_put(&self, key: &str, value: &[u8], flags: Option<u64>) -> Result<bool> {
+        let mut w = self.kv_write(key, Method::PUT, flags_query(flags));
+        w.body = Some(value.to_vec());
+        let raw = self.write(w).await?;
+        self.bool_answer(&raw)
+    }
+
+    /// `PUT /v1/kv/<key>?cas=N`: write only if `ModifyIndex == N` (0: only if absent).
+    pub async fn kv_cas(
+        &self,
+        key: &str,
+        value: &[u8],
+        index: u64,
+        flags: Option<u64>,
+    ) -> Result<bool> {
+        let mut query = flags_query(flags);
+        query.push(("cas", index.to_string()));
+        let mut w = self.kv_write(key, Method::PUT, query);
+        w.body = Some(value.to_vec());
+        w.retry = Retry::ConnectOnly;
+        let raw = self.write(w).await?;
+        self.bool_answer(&raw)
+    }
+
+    /// `PUT /v1/kv/<key>?acquire=<session>`: take the key's lock. Repeating it with the same
+    /// session is harmless, so it is retried.
+    pub async fn kv_acquire(
+        &self,
+        key: &str,
+        value: &[u8],
+        session: &str,
+        flags: Option<u64>,
+    ) -> Result<bool> {
+        let mut query = flags_query(flags);
+        query.push(("acquire", session.to_string()));
+        let mut w = self.kv_write(key, Method::PUT, query);
+        w.body = Some(value.to_vec());
+        let raw = self.write(w).await?;
+        self.bool_answer(&raw)
+    }
+
+    /// `PUT /v1/kv/<key>?release=<session>`: give the lock up (no lock-delay applies).
+    pub async fn kv_release(
+        &self,
+        key: &str,
+        value: &[u8],
+        session: &str,
+        flags: Option<u64>,
+    ) -> Result<bool> {
+        let mut query = flags_query(flags);
+        query.push(("release", session.to_string()));
+        let mut w = self.kv_write(key, Method::PUT, query);
+        w.body = Some(value.to_vec());
+        w.retry = Retry::ConnectOnly;
+        let raw = self.write(w).await?;
+        self.bool_answer(&raw)
+    }
+
+    /// `DELETE /v1/kv/<key>`.
+    pub async fn kv_delete(&self, key: &str) -> Result<()> {
+        let raw = self
+            .write(self.kv_write(key, Method::DELETE, vec![]))
+            .await?;
+        self.bool_answer(&raw).map(|_| ())
+    }
+
+    /// `DELETE /v1/kv/<prefix>?recurse`.
+    pub async fn kv_delete_tree(&self, prefix: &str) -> Result<()> {
+        let w = self.kv_write(prefix, Method::DELETE, vec![("recurse", String::new())]);
+        let raw = self.write(w).await?;
+        self.bool_answer(&raw).map(|_| ())
+    }
+
+    /// `DELETE /v1/kv/<key>?cas=N`: true if deleted at that index, or already absent.
+    pub async fn kv_delete_cas(&self, key: &str, index: u64) -> Result<bool> {
+        let mut w = self.kv_write(key, Method::DELETE, vec![("cas", index.to_string())]);
+        w.retry = Retry::ConnectOnly;
+        let raw = self.write(w).await?;
+        self.bool_answer(&raw)
+    }
+
+    // ---- Sessions ---------------------------------------------------------------------------
+
+    /// `PUT /v1/session/create`: the new session's id.
+    pub async fn session_create(&self, req: &SessionRequest) -> Result<String> {
+        let body = serde_json::to_vec(req).map_err(|e| ConsulError::BadResponse(e.to_string()))?;
+        let raw = self
+            .write(Write {
+                endpoint: "session",
+                method: Method::PUT,
+                url: self.url("/v1/session/create"),
+                query: vec![],
+                body: Some(body),
+                retry: Retry::ConnectOnly,
+            })
+            .await?;
+        match raw.status.as_u16() {
+            200 => {
+                #[derive(serde::Deserialize)]
+                struct Created {
+                    #[serde(rename = "ID")]
+                    id: String,
+                }
+                Ok(raw.json::<Created>()?.id)
+            }
+            status => Err(ConsulError::Rejected {
+                status,
+                body: raw.text(),
+            }),
+        }
+    }
+
+    /// `PUT /v1/session/renew/<id>`. A session Consul no longer has is `NotFound`.
+    pub async fn session_renew(&self, id: &str) -> Result<SessionEntry> {
+        let raw = self
+            .write(Write {
+                endpoint: "session",
+                method: Method::PUT,
+                url: self.url(&format!("/v1/session/renew/{id}")),
+                query: vec![],
+                body: None,
+                retry: Retry::Idempotent,
+            })
+            .await?;
+        match raw.status.as_u16() {
+            200 => raw
+                .json::<Vec<SessionEntry>>()?
+                .pop()
+                .ok_or_else(|| ConsulError::NotFound(format!("session {id}"))),
+            404 => Err(ConsulError::NotFound(format!("session {id}"))),
+            status => Err(ConsulError::Rejected {
+                status,
+                body: raw.text(),
+            }),
+        }
+    }
+
+    /// `PUT /v1/session/destroy/<id>`: releases or deletes every key the session holds.
+    pub async fn session_destroy(&self, id: &str) -> Result<()> {
+        let raw = self
+            .write(Write {
+                endpoint: "session",
+                method: Method::PUT,
+                url: self.url(&format!("/v1/session/destroy/{id}")),
+                query: vec![],
+                body: None,
+                retry: Retry::Idempotent,
+            })
+            .await?;
+        self.bool_answer(&raw).map(|_| ())
+    }
+
+    /// `GET /v1/session/info/<id>`: the session, or `None` if it does not exist.
+    pub async fn session_info(
+        &self,
+        id: &str,
+        opts: &QueryOptions,
+    ) -> Result<(Option<SessionEntry>, QueryMeta)> {
+        let raw = self
+            .read(
+                "session",
+                self.url(&format!("/v1/session/info/{id}")),
+                &[],
+                opts,
+            )
+            .await?;
+        let meta = raw.meta();
+        match raw.status.as_u16() {
+            // Consul answers `null` for an unknown session in some versions, `[]` in others.
+            200 => Ok((
+                raw.json::<Option<Vec<SessionEntry>>>()?
+                    .and_then(|mut v| v.pop()),
+                meta,
+            )),
+            404 => Ok((None, meta)),
+            status => Err(ConsulError::Rejected {
+                status,
+                body: raw.text(),
+            }),
+        }
+    }
+
+    /// `GET /v1/session/list`.
+    pub async fn session_list(
+        &self,
+        opts: &QueryOptions,
+    ) -> Result<(Vec<SessionEntry>, QueryMeta)> {
+        let raw = self
+            .read("session", self.url("/v1/session/list"), &[], opts)
+            .await?;
+        let meta = raw.meta();
+        match raw.status.as_u16() {
+            200 => Ok((
+                raw.json::<Option<Vec<SessionEntry>>>()?.unwrap_or_default(),
+                meta,
+            )),
+            status => Err(ConsulError::Rejected {
+                status,
+                body: raw.text(),
+            }),
+        }
+    }
+
+    // ---- Transactions -----------------------------------------------------------------------
+
+    /// `PUT /v1/txn`: all ops or none. A rollback is [`ConsulError::Conflict`] naming each
+    /// failed op. More than [`MAX_TXN_OPS`] ops is refused before anything is sent.
+    pub async fn txn(&self, ops: &[TxnOp]) -> Result<TxnResponse> {
+        if ops.len() > MAX_TXN_OPS {
+            return Err(ConsulError::TooManyOps {
+                count: ops.len(),
+                limit: MAX_TXN_OPS,
+            });
+        }
+        let body = serde_json::to_vec(ops).map_err(|e| ConsulError::BadResponse(e.to_string()))?;
+        let read_only = ops.iter().all(|op| op.verb.is_read());
+        self.inner.stats.txns.fetch_add(1, Ordering::Relaxed);
+        let raw = self
+            .write(Write {
+                endpoint: "txn",
+                // PUT, never POST: Consul 0.7 answers POST with 405.
+                method: Method::PUT,
+                url: self.url("/v1/txn"),
+                query: vec![],
+                body: Some(body),
+                retry: if read_only {
+                    Retry::Idempotent
+                } else {
+                    Retry::ConnectOnly
+                },
+            })
+            .await;
+        let raw = match raw {
+            Ok(r) => r,
+            Err(e) => {
+                metrics::counter!("rcfarm_consul_txn_total", "outcome" => e.reason_label())
+                    .increment(1);
+                return Err(e);
+            }
+        };
+        let index = raw
+            .headers
+            .get("x-consul-index")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse().ok());
+        let result = match raw.status.as_u16() {
+            200 => {
+                let wire: WireTxnResponse = raw.json()?;
+                let results = wire
+                    .results
+                    .unwrap_or_default()
+                    .into_iter()
+                    .filter_map(|r| r.kv)
+                    .collect();
+                Ok(TxnResponse { results, index })
+            }
+            409 => {
+                let wire: WireTxnResponse = raw.json()?;
+                match wire.errors {
+                    Some(errs) if !errs.is_empty() => Err(ConsulError::Conflict(errs)),
+                    _ => Err(ConsulError::BadResponse(format!(
+                        "409 without Errors: {}",
+                        truncate(&raw.text(), 200)
+                    ))),
+                }
+            }
+            status => Err(ConsulError::Rejected {
+                status,
+                body: raw.text(),
+            }),
+        };
+        let outcome = match &result {
+            Ok(_) => "committed",
+            Err(e) => e.reason_label(),
+        };
+        metrics::counter!("rcfarm_consul_txn_total", "outcome" => outcome).increment(1);
+        result
+    }
+
+    // ---- Status -----------------------------------------------------------------------------
+
+    /// `GET /v1/status/leader`: the leader's address, empty if the cluster has none.
+    pub async fn leader(&self) -> Result<String> {
+        let raw = self
+            .read(
+                "status",
+                self.url("/v1/status/leader"),
+                &[],
+                &QueryOptions::default(),
+            )
+            .await?;
+        match raw.status.as_u16() {
+            200 => raw.json(),
+            status => Err(ConsulError::Rejected {
+                status,
+                body: raw.text(),
+            }),
+        }
+    }
+
+    /// `GET /v1/status/peers`.
+    pub async fn peers(&self) -> Result<Vec<String>> {
+        let raw = self
+            .read(
+                "status",
+                self.url("/v1/status/peers"),
+                &[],
+                &QueryOptions::default(),
+            )
+            .await?;
+        match raw.status.as_u16() {
+            200 => raw.json(),
+            status => Err(ConsulError::Rejected {
+                status,
+                body: raw.text(),
+            }),
+        }
+    }
+}
+
+fn flags_query(flags: Option<u64>) -> Vec<(&'static str, String)> {
+    flags
+        .map(|f| vec![("flags", f.to_string())])
+        .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn addresses_are_normalized() {
+        assert_eq!(
+            normalize_address("127.0.0.1:8500").unwrap(),
+            "http://127.0.0.1:8500"
+        );
+        assert_eq!(
+            normalize_address("https://c:8501/").unwrap(),
+            "https://c:8501"
+        );
+        assert!(normalize_address("").is_err());
+        assert!(normalize_address("ftp://x").is_err());
+    }
+
+    #[test]
+    fn keys_are_escaped_so_consul_decodes_them_back() {
+        let c = Consul::new(ConsulConfig::new("http://h:1")).unwrap();
+        assert_eq!(
+            c.kv_url("a/b c+d?e%f"),
+            "http://h:1/v1/kv/a/b%20c%2Bd%3Fe%25f"
+        );
+    }
+}

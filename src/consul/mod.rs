@@ -1,0 +1,21 @@
+//! rcfarm's Consul client: KV, sessions, transactions and blocking queries over HTTP.
+//!
+//! Hand-rolled over `reqwest` because no crate on crates.io supports `/v1/txn`. It follows
+//! `shared/CONSUL_API.md` and never depends on anything only the embedded server does, so it
+//! works against real Consul clusters.
+
+mod client;
+mod error;
+mod session;
+mod txn;
+mod types;
+mod watch;
+
+pub use client::{ClientStatsSnapshot, Consul, ConsulConfig, init_tls};
+pub use error::{ConsulError, Result};
+pub use session::{Session, SessionConfig};
+pub use txn::{KvVerb, MAX_TXN_OPS, TxnFailure, TxnOp, TxnOpError, TxnResponse};
+pub use types::{
+    KvPair, QueryMeta, QueryOptions, ServiceCheck, SessionBehavior, SessionEntry, SessionRequest,
+};
+pub use watch::{Snapshot, SnapshotRx, Watch, WatchConfig, WatchStats, spawn_watch};

@@ -1,0 +1,264 @@
+//! Blocking queries as a watch: a background task keeps the latest result of one query in a
+//! `tokio::sync::watch` channel, following Consul's rules for indexes.
+//!
+//! The rules (Consul's "blocking queries" page): block on the last index seen; treat an index
+//! ≤ 0 as 1; if the index goes backwards (a restored or restarted server), start again from 0;
+//! an early return does not promise a change, so a result equal to the last one is not
+//! published; rate-limit the loop so a misbehaving server cannot make it spin.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use super::client::Consul;
+use super::error::Result;
+use super::types::{KvPair, QueryMeta, QueryOptions, SessionEntry};
+use crate::util::Backoff;
+
+/// How a watch queries.
+#[derive(Debug, Clone)]
+pub struct WatchConfig {
+    /// The `wait` of each blocking query.
+    pub wait: Duration,
+    /// At least this long between two queries (a floor against spinning; 0 disables it).
+    pub min_interval: Duration,
+    pub error_backoff_base: Duration,
+    pub error_backoff_cap: Duration,
+}
+
+impl Default for WatchConfig {
+    fn default() -> Self {
+        Self {
+            wait: Duration::from_secs(300),
+            min_interval: Duration::from_millis(5),
+            error_backoff_base: Duration::from_millis(100),
+            error_backoff_cap: Duration::from_secs(5),
+        }
+    }
+}
+
+/// One result of a watched query.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Snapshot<T> {
+    pub index: u64,
+    pub value: T,
+}
+
+/// The receiving side: `None` until the first answer arrives.
+pub type SnapshotRx<T> = watch::Receiver<Option<Arc<Snapshot<T>>>>;
+
+/// Counters of one watch.
+#[derive(Debug, Default)]
+pub struct WatchStats {
+    pub queries: AtomicU64,
+    pub errors: AtomicU64,
+    pub resets: AtomicU64,
+    pub published: AtomicU64,
+}
+
+/// A running watch. Dropping it stops the background task.
+pub struct Watch<T> {
+    rx: SnapshotRx<T>,
+    stats: Arc<WatchStats>,
+    cancel: CancellationToken,
+    task: Option<JoinHandle<()>>,
+}
+
+impl<T> Watch<T> {
+    pub fn subscribe(&self) -> SnapshotRx<T> {
+        self.rx.clone()
+    }
+
+    pub fn stats(&self) -> &Arc<WatchStats> {
+        &self.stats
+    }
+
+    /// The latest snapshot, if any arrived yet.
+    pub fn latest(&self) -> Option<Arc<Snapshot<T>>> {
+        self.rx.borrow().clone()
+    }
+
+    /// Stops the watch and waits for its task to end.
+    pub async fn stop(mut self) {
+        self.cancel.cancel();
+        if let Some(t) = self.task.take() {
+            let _ = t.await;
+        }
+    }
+}
+
+impl<T> Drop for Watch<T> {
+    fn drop(&mut self) {
+        self.cancel.cancel();
+    }
+}
+
+/// Starts a watch over any blocking query. `fetch` is called with the options of each query.
+pub fn spawn_watch<T, F, Fut>(name: impl Into<String>, config: WatchConfig, fetch: F) -> Watch<T>
+where
+    T: PartialEq + Send + Sync + 'static,
+    F: Fn(QueryOptions) -> Fut + Send + 'static,
+    Fut: Future<Output = Result<(T, QueryMeta)>> + Send + 'static,
+{
+    let (tx, rx) = watch::channel(None);
+    let stats = Arc::new(WatchStats::default());
+    let cancel = CancellationToken::new();
+    let task = tokio::spawn(run_watch(
+        name.into(),
+        config,
+        fetch,
+        tx,
+        stats.clone(),
+        cancel.clone(),
+    ));
+    Watch {
+        rx,
+        stats,
+        cancel,
+        task: Some(task),
+    }
+}
+
+async fn run_watch<T, F, Fut>(
+    name: String,
+    config: WatchConfig,
+    fetch: F,
+    tx: watch::Sender<Option<Arc<Snapshot<T>>>>,
+    stats: Arc<WatchStats>,
+    cancel: CancellationToken,
+) where
+    T: PartialEq + Send + Sync + 'static,
+    F: Fn(QueryOptions) -> Fut + Send + 'static,
+    Fut: Future<Output = Result<(T, QueryMeta)>> + Send + 'static,
+{
+    let mut backoff = Backoff::new(config.error_backoff_base, config.error_backoff_cap);
+    // The index to block on in the next query; 0 asks for the current state at once.
+    let mut block_on = 0u64;
+    // The index of the last answer, to notice an index going backwards.
+    let mut last_seen = 0u64;
+    let mut consecutive_errors = 0u32;
+    loop {
+        let started = Instant::now();
+        let opts = QueryOptions::blocking(block_on, config.wait);
+        stats.queries.fetch_add(1, Ordering::Relaxed);
+        let result = tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = tx.closed() => return,
+            r = fetch(opts) => r,
+        };
+        match result {
+            Ok((value, meta)) => {
+                if consecutive_errors > 0 {
+                    tracing::info!(watch = %name, after_errors = consecutive_errors, "blocking query recovered");
+                }
+                consecutive_errors = 0;
+                backoff.reset();
+                let index = meta.index.max(1);
+                if index < last_seen {
+                    // A restarted or restored server: our index means nothing there. Take this
+                    // answer as the truth and block on the new index from now on.
+                    stats.resets.fetch_add(1, Ordering::Relaxed);
+                    tracing::info!(watch = %name, from = last_seen, to = index, "Consul index went backwards; resetting");
+                }
+                last_seen = index;
+                block_on = index;
+                let changed = match &*tx.borrow() {
+                    Some(prev) => prev.value != value,
+                    None => true,
+                };
+                if changed {
+                    stats.published.fetch_add(1, Ordering::Relaxed);
+                    let _ = tx.send(Some(Arc::new(Snapshot { index, value })));
+                }
+                let elapsed = started.elapsed();
+                if elapsed < config.min_interval {
+                    tokio::select! {
+                        _ = cancel.cancelled() => return,
+                        _ = tokio::time::sleep(config.min_interval - elapsed) => {}
+                    }
+                }
+            }
+            Err(e) => {
+                consecutive_errors += 1;
+                stats.errors.fetch_add(1, Ordering::Relaxed);
+                metrics::counter!("rcfarm_consul_watch_reconnects_total", "watch" => name.clone())
+                    .increment(1);
+                // Log the first failure and then every tenth, not every retry.
+                if consecutive_errors == 1 || consecutive_errors.is_multiple_of(10) {
+                    tracing::warn!(watch = %name, error = %e, attempts = consecutive_errors, "blocking query failed; retrying");
+                }
+                // After an error, ask for the current state without blocking: if the server
+                // restarted with a lower index, blocking on our old one would stall a whole wait.
+                block_on = 0;
+                let delay = backoff.next_delay();
+                tokio::select! {
+                    _ = cancel.cancelled() => return,
+                    _ = tokio::time::sleep(delay) => {}
+                }
+            }
+        }
+    }
+}
+
+impl Consul {
+    /// Watches every entry under `prefix` with one blocking query.
+    pub fn watch_prefix(
+        &self,
+        prefix: impl Into<String>,
+        config: WatchConfig,
+    ) -> Watch<Vec<KvPair>> {
+        let prefix = prefix.into();
+        let consul = self.clone();
+        let name = format!("kv:{prefix}");
+        spawn_watch(name, config, move |opts| {
+            let consul = consul.clone();
+            let prefix = prefix.clone();
+            async move { consul.kv_list(&prefix, &opts).await }
+        })
+    }
+
+    /// Watches one key (`None` while it does not exist).
+    pub fn watch_key(&self, key: impl Into<String>, config: WatchConfig) -> Watch<Option<KvPair>> {
+        let key = key.into();
+        let consul = self.clone();
+        let name = format!("key:{key}");
+        spawn_watch(name, config, move |opts| {
+            let consul = consul.clone();
+            let key = key.clone();
+            async move { consul.kv_get(&key, &opts).await }
+        })
+    }
+
+    /// Watches the key names under `prefix`, cut after `separator` if given.
+    pub fn watch_keys(
+        &self,
+        prefix: impl Into<String>,
+        separator: Option<String>,
+        config: WatchConfig,
+    ) -> Watch<Vec<String>> {
+        let prefix = prefix.into();
+        let consul = self.clone();
+        let name = format!("keys:{prefix}");
+        spawn_watch(name, config, move |opts| {
+            let consul = consul.clone();
+            let prefix = prefix.clone();
+            let separator = separator.clone();
+            async move { consul.kv_keys(&prefix, separator.as_deref(), &opts).await }
+        })
+    }
+
+    /// Watches the list of sessions.
+    pub fn watch_sessions(&self, config: WatchConfig) -> Watch<Vec<SessionEntry>> {
+        let consul = self.clone();
+        spawn_watch("sessions", config, move |opts| {
+            let consul = consul.clone();
+            async move { consul.session_list(&opts).await }
+        })
+    }
+}

@@ -1,0 +1,11 @@
+//! rcfarm: a replication-controller farm backed by Consul.
+//!
+//! Layers, lowest first; no module reaches upward:
+//! - [`util`]: durations in Go syntax, backoff.
+//! - [`consul`]: the Consul HTTP client (KV, sessions, transactions, blocking-query watches).
+//! - [`server`]: the embedded Consul-compatible development server.
+
+pub mod cli;
+pub mod consul;
+pub mod server;
+pub mod util;

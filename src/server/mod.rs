@@ -1,0 +1,279 @@
+//! The embedded Consul-compatible development server (`rcfarm consul-dev`).
+//!
+//! A single-node Consul for the endpoints rcfarm uses (KV, blocking queries, sessions, `/v1/txn`,
+//! status), with Consul's exact semantics, so rcfarm runs and is tested without a Consul binary.
+//! Memory-only by default, like `consul agent -dev`; with a data directory every acknowledged
+//! write survives `kill -9`.
+
+mod http;
+mod store;
+mod waiters;
+mod wal;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+pub use store::{Commit, KvOp, Store};
+use waiters::Waiters;
+pub use wal::{Recovery, WalError};
+
+/// How to run the server.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    pub listen: SocketAddr,
+    /// Keep state here (log + snapshot); `None` keeps it in memory only.
+    pub data_dir: Option<PathBuf>,
+    /// The shortest session TTL accepted (Consul's `session_ttl_min`, default 10 s).
+    pub session_ttl_min: Duration,
+    /// When set, every request but `/v1/status/*` must carry this token.
+    pub acl_token: Option<String>,
+    pub node_name: String,
+    /// Transactions with more operations are refused with 413. Consul before 1.14 allowed 64,
+    /// later ones 128; the lower limit here means code that works against this server works
+    /// against every Consul.
+    pub max_txn_ops: usize,
+    pub kv_max_value_size: usize,
+    pub txn_max_req_len: usize,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 8500)),
+            data_dir: None,
+            session_ttl_min: Duration::from_secs(10),
+            acl_token: None,
+            node_name: "rcfarm-dev".to_string(),
+            max_txn_ops: 64,
+            kv_max_value_size: 512 * 1024,
+            txn_max_req_len: 512 * 1024,
+        }
+    }
+}
+
+impl ServerConfig {
+    /// A server on an ephemeral loopback port, for tests.
+    pub fn ephemeral() -> Self {
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            ..Default::default()
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Wal(#[from] WalError),
+}
+
+pub(crate) struct State {
+    pub store: Store,
+    pub waiters: Waiters,
+}
+
+pub(crate) struct Shared {
+    pub state: Mutex<State>,
+    pub wal: Option<wal::Wal>,
+    pub config: ServerConfig,
+    pub leader: String,
+    pub shutdown: CancellationToken,
+}
+
+impl Shared {
+    /// After a commit, under the state lock: log it and wake the queries it concerns.
+    pub fn publish(&self, st: &mut State, commit: &Commit) {
+        if let (Some(rec), Some(wal)) = (&commit.record, &self.wal) {
+            wal.append(rec);
+            if wal.take_snapshot_due() {
+                wal.snapshot(&st.store.snapshot());
+            }
+        }
+        for key in &commit.changed_keys {
+            st.waiters.key_changed(key);
+        }
+        if commit.sessions_changed {
+            st.waiters.sessions_changed();
+        }
+    }
+
+    /// Waits until `index` is durable (immediately without a data directory).
+    pub async fn wait_durable(&self, index: u64) -> Result<(), http::ApiError> {
+        match &self.wal {
+            None => Ok(()),
+            Some(wal) => wal.wait_durable(index).await.map_err(|e| {
+                http::ApiError::new(
+                    axum::http::StatusCode::INTERNAL_SERVER_ERROR,
+                    format!("raft apply failed: {e}"),
+                )
+            }),
+        }
+    }
+
+    /// Refuses writes once the log has failed: an acknowledged write must be durable.
+    pub fn check_writable(&self) -> Result<(), http::ApiError> {
+        match &self.wal {
+            Some(wal) if wal.is_failed() => Err(http::ApiError::new(
+                axum::http::StatusCode::INTERNAL_SERVER_ERROR,
+                "raft apply failed: the write-ahead log failed; restart the server",
+            )),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// Figures about a running server.
+#[derive(Debug, Clone, Copy, serde::Serialize)]
+pub struct ServerStats {
+    pub index: u64,
+    pub keys: usize,
+    pub sessions: usize,
+    pub blocked_queries: usize,
+    /// Bytes written to the log since start (0 without a data directory).
+    pub wal_bytes: u64,
+}
+
+/// A running embedded server.
+pub struct EmbeddedServer {
+    addr: SocketAddr,
+    shared: Arc<Shared>,
+    tasks: Vec<JoinHandle<()>>,
+    recovery: Option<Recovery>,
+}
+
+impl EmbeddedServer {
+    /// Binds, recovers the data directory if any, and starts serving.
+    pub async fn start(config: ServerConfig) -> Result<EmbeddedServer, ServerError> {
+        let listener =
+            TcpListener::bind(config.listen)
+                .await
+                .map_err(|source| ServerError::Bind {
+                    addr: config.listen,
+                    source,
+                })?;
+        let addr = listener.local_addr().map_err(|source| ServerError::Bind {
+            addr: config.listen,
+            source,
+        })?;
+        let (store, wal, recovery) = match &config.data_dir {
+            Some(dir) => {
+                let dir = dir.clone();
+                let (wal, store, rec) = tokio::task::spawn_blocking(move || wal::Wal::open(&dir))
+                    .await
+                    .map_err(|e| WalError::Io {
+                        path: PathBuf::new(),
+                        source: std::io::Error::other(e.to_string()),
+                    })??;
+                (store, Some(wal), Some(rec))
+            }
+            None => (Store::new(), None, None),
+        };
+        let leader = format!("{}:8300", addr.ip());
+        let shared = Arc::new(Shared {
+            state: Mutex::new(State {
+                store,
+                waiters: Waiters::default(),
+            }),
+            wal,
+            config,
+            leader,
+            shutdown: CancellationToken::new(),
+        });
+
+        let app = axum::Router::new().fallback({
+            let shared = shared.clone();
+            move |req: axum::http::Request<axum::body::Body>| http::handle(shared.clone(), req)
+        });
+        let serve_shutdown = shared.shutdown.clone();
+        let server = tokio::spawn(async move {
+            let r = axum::serve(listener, app)
+                .with_graceful_shutdown(async move { serve_shutdown.cancelled().await })
+                .await;
+            if let Err(e) = r {
+                tracing::error!(error = %e, "embedded Consul server stopped with an error");
+            }
+        });
+        let reaper = tokio::spawn(reap_loop(shared.clone()));
+        Ok(EmbeddedServer {
+            addr,
+            shared,
+            tasks: vec![server, reaper],
+            recovery,
+        })
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// `http://<addr>`.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// What recovery of the data directory found, if there is one.
+    pub fn recovery(&self) -> Option<Recovery> {
+        self.recovery
+    }
+
+    pub fn stats(&self) -> ServerStats {
+        let st = self.shared.state.lock();
+        ServerStats {
+            index: st.store.index(),
+            keys: st.store.len(),
+            sessions: st.store.session_count(),
+            blocked_queries: st.waiters.count(),
+            wal_bytes: self.shared.wal.as_ref().map_or(0, |w| w.bytes_logged()),
+        }
+    }
+
+    /// Ends blocking queries, stops serving and flushes the log.
+    pub async fn shutdown(self) {
+        self.shared.shutdown.cancel();
+        for t in self.tasks {
+            let _ = tokio::time::timeout(Duration::from_secs(10), t).await;
+        }
+        if let Some(wal) = &self.shared.wal {
+            wal.close();
+        }
+    }
+}
+
+/// Expires sessions (2×TTL without renewal) and reaps old tombstones and lock-delays.
+async fn reap_loop(shared: Arc<Shared>) {
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut last_reap = Instant::now();
+    loop {
+        tokio::select! {
+            _ = shared.shutdown.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        let now = Instant::now();
+        let mut st = shared.state.lock();
+        if st.store.next_session_expiry().is_some_and(|at| at <= now) {
+            for (id, commit) in st.store.expire_sessions(now) {
+                tracing::info!(session = %id, "session expired (no renewal for 2×TTL)");
+                shared.publish(&mut st, &commit);
+            }
+        }
+        if now.duration_since(last_reap) >= Duration::from_secs(30) {
+            st.store.reap(now);
+            last_reap = now;
+        }
+    }
+}

@@ -1,0 +1,112 @@
+//! Helpers shared by the integration test binaries.
+#![allow(dead_code)]
+
+use std::time::Duration;
+
+use rcfarm::consul::{Consul, ConsulConfig};
+use rcfarm::server::{EmbeddedServer, ServerConfig};
+
+/// An embedded server on an ephemeral loopback port, accepting TTLs down to 1 s.
+pub async fn server() -> EmbeddedServer {
+    server_with(ServerConfig {
+        session_ttl_min: Duration::from_secs(1),
+        ..ServerConfig::ephemeral()
+    })
+    .await
+}
+
+pub async fn server_with(config: ServerConfig) -> EmbeddedServer {
+    init_tracing();
+    EmbeddedServer::start(config)
+        .await
+        .expect("embedded server starts")
+}
+
+pub fn client(server: &EmbeddedServer) -> Consul {
+    client_for(&server.url())
+}
+
+pub fn client_for(url: &str) -> Consul {
+    Consul::new(ConsulConfig::new(url)).expect("client builds")
+}
+
+pub fn init_tracing() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+        )
+        .with_test_writer()
+        .try_init();
+}
+
+/// Polls `f` until it returns `Some`, or panics with `what` after `timeout`.
+pub async fn eventually<T, F, Fut>(timeout: Duration, what: &str, mut f: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            panic!("timed out after {timeout:?} waiting for {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A raw HTTP client, for checking exact statuses, headers and bodies.
+pub fn http() -> reqwest::Client {
+    rcfarm::consul::init_tls();
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(30))
+        .build()
+        .expect("reqwest client")
+}
+
+/// The Python virtualenv with the pinned third-party clients of `tests/interop/requirements.txt`,
+/// created on first use (under a file lock: test processes run in parallel). Set
+/// `RCFARM_PY_VENV` to use another one.
+pub fn py_venv() -> std::path::PathBuf {
+    use std::path::PathBuf;
+    use std::process::Command;
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let venv = std::env::var_os("RCFARM_PY_VENV")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root.join("target").join("py-venv"));
+    let reqs = root.join("tests").join("interop").join("requirements.txt");
+    let wanted = std::fs::read_to_string(&reqs).expect("requirements.txt");
+    let marker = venv.join(".rcfarm-installed");
+    std::fs::create_dir_all(venv.parent().unwrap()).unwrap();
+    let lock = std::fs::File::create(venv.with_extension("lock")).unwrap();
+    lock.lock().unwrap();
+    if std::fs::read_to_string(&marker).ok().as_deref() == Some(wanted.as_str()) {
+        return venv;
+    }
+    eprintln!(
+        "creating the Python venv {} for interop tests (pip install -r {})",
+        venv.display(),
+        reqs.display()
+    );
+    let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
+    let st = Command::new(&python)
+        .args(["-m", "venv", "--clear"])
+        .arg(&venv)
+        .status()
+        .expect("python3 runs");
+    assert!(st.success(), "python3 -m venv failed: install python3-venv");
+    let st = Command::new(venv.join("bin").join("pip"))
+        .args(["install", "--quiet", "--disable-pip-version-check", "-r"])
+        .arg(&reqs)
+        .status()
+        .expect("pip runs");
+    assert!(
+        st.success(),
+        "pip install -r {} failed (is PyPI reachable?)",
+        reqs.display()
+    );
+    std::fs::write(&marker, wanted).unwrap();
+    venv
+}

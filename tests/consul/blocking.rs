@@ -1,0 +1,312 @@
+//! Blocking queries: wake-up on change, timeout with the same index, no wake for other prefixes,
+//! tombstones keeping prefix indexes monotonic, and the watch primitive's index rules.
+
+use std::time::{Duration, Instant};
+
+use rcfarm::consul::{QueryOptions, WatchConfig};
+use rcfarm::server::{EmbeddedServer, ServerConfig};
+
+use crate::common::{client, client_for, eventually, server, server_with};
+
+fn wait(index: u64, ms: u64) -> QueryOptions {
+    QueryOptions::blocking(index, Duration::from_millis(ms))
+}
+
+#[tokio::test]
+async fn a_change_under_the_prefix_wakes_the_query() {
+    let s = server().await;
+    let c = client(&s);
+    c.kv_put("w/a", b"1", None).await.unwrap();
+    let (_, meta) = c.kv_list("w/", &QueryOptions::default()).await.unwrap();
+
+    let c2 = c.clone();
+    let started = Instant::now();
+    let blocked = tokio::spawn(async move { c2.kv_list("w/", &wait(meta.index, 20_000)).await });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(
+        !blocked.is_finished(),
+        "the query blocks while nothing changes"
+    );
+    c.kv_put("w/b", b"2", None).await.unwrap();
+    let (entries, meta2) = blocked.await.unwrap().unwrap();
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "woke on the change, not the timeout"
+    );
+    assert!(meta2.index > meta.index);
+    assert_eq!(entries.len(), 2);
+}
+
+#[tokio::test]
+async fn timeout_returns_the_same_index() {
+    let s = server().await;
+    let c = client(&s);
+    c.kv_put("t/a", b"1", None).await.unwrap();
+    let (_, meta) = c.kv_get("t/a", &QueryOptions::default()).await.unwrap();
+    let started = Instant::now();
+    let (e, meta2) = c.kv_get("t/a", &wait(meta.index, 300)).await.unwrap();
+    let took = started.elapsed();
+    assert!(
+        took >= Duration::from_millis(300),
+        "waited the full wait: {took:?}"
+    );
+    assert!(
+        took < Duration::from_secs(3),
+        "jitter is at most wait/16: {took:?}"
+    );
+    assert_eq!(meta2.index, meta.index);
+    assert!(e.is_some());
+}
+
+#[tokio::test]
+async fn changes_elsewhere_do_not_wake_the_query() {
+    let s = server().await;
+    let c = client(&s);
+    c.kv_put("mine/a", b"1", None).await.unwrap();
+    let (_, meta) = c.kv_list("mine/", &QueryOptions::default()).await.unwrap();
+    let c2 = c.clone();
+    let started = Instant::now();
+    let blocked = tokio::spawn(async move { c2.kv_list("mine/", &wait(meta.index, 700)).await });
+    for i in 0..20 {
+        c.kv_put(&format!("other/{i}"), b"x", None).await.unwrap();
+        // A key sharing a string prefix but outside "mine/".
+        c.kv_put(&format!("mine-not/{i}"), b"x", None)
+            .await
+            .unwrap();
+    }
+    let (_, meta2) = blocked.await.unwrap().unwrap();
+    assert!(
+        started.elapsed() >= Duration::from_millis(700),
+        "not woken by other prefixes"
+    );
+    assert_eq!(meta2.index, meta.index);
+}
+
+#[tokio::test]
+async fn an_identical_write_wakes_nobody() {
+    let s = server().await;
+    let c = client(&s);
+    c.kv_put("same/k", b"v", None).await.unwrap();
+    let (_, meta) = c.kv_get("same/k", &QueryOptions::default()).await.unwrap();
+    let c2 = c.clone();
+    let started = Instant::now();
+    let blocked = tokio::spawn(async move { c2.kv_get("same/k", &wait(meta.index, 600)).await });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    c.kv_put("same/k", b"v", None).await.unwrap();
+    let (_, meta2) = blocked.await.unwrap().unwrap();
+    assert!(started.elapsed() >= Duration::from_millis(600));
+    assert_eq!(meta2.index, meta.index);
+}
+
+#[tokio::test]
+async fn deletes_leave_tombstones_so_prefix_indexes_never_go_back() {
+    let s = server().await;
+    let c = client(&s);
+    c.kv_put("tomb/a", b"1", None).await.unwrap();
+    c.kv_put("tomb/b", b"2", None).await.unwrap();
+    c.kv_put("unrelated", b"3", None).await.unwrap();
+    let (_, before) = c.kv_list("tomb/", &QueryOptions::default()).await.unwrap();
+
+    let c2 = c.clone();
+    let blocked =
+        tokio::spawn(async move { c2.kv_list("tomb/", &wait(before.index, 20_000)).await });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    c.kv_delete("tomb/b").await.unwrap();
+    let (entries, after) = blocked.await.unwrap().unwrap();
+    assert_eq!(entries.len(), 1, "woken by the delete");
+    assert!(
+        after.index > before.index,
+        "the tombstone's index counts: {} -> {}",
+        before.index,
+        after.index
+    );
+
+    // A tree delete leaves one tombstone at the prefix: the index still moves forward.
+    c.kv_delete_tree("tomb/").await.unwrap();
+    let (empty, gone) = c.kv_list("tomb/", &QueryOptions::default()).await.unwrap();
+    assert!(empty.is_empty());
+    assert!(gone.index > after.index);
+}
+
+#[tokio::test]
+async fn a_missing_key_keeps_blocking_until_it_appears() {
+    let s = server().await;
+    let c = client(&s);
+    let (_, meta) = c.kv_get("later", &QueryOptions::default()).await.unwrap();
+    let c2 = c.clone();
+    let started = Instant::now();
+    let blocked = tokio::spawn(async move { c2.kv_get("later", &wait(meta.index, 20_000)).await });
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    for i in 0..5 {
+        c.kv_put(&format!("noise/{i}"), b"x", None).await.unwrap();
+    }
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    assert!(
+        !blocked.is_finished(),
+        "other keys do not wake a missing key's query"
+    );
+    c.kv_put("later", b"here", None).await.unwrap();
+    let (e, meta2) = blocked.await.unwrap().unwrap();
+    assert_eq!(e.unwrap().value_bytes(), b"here");
+    assert!(meta2.index > meta.index);
+    assert!(started.elapsed() < Duration::from_secs(5));
+}
+
+#[tokio::test]
+async fn an_index_above_the_current_one_waits_the_full_wait() {
+    let s = server().await;
+    let c = client(&s);
+    c.kv_put("hi", b"1", None).await.unwrap();
+    let started = Instant::now();
+    let (_, meta) = c.kv_get("hi", &wait(1_000_000, 400)).await.unwrap();
+    assert!(started.elapsed() >= Duration::from_millis(400));
+    assert!(meta.index < 1_000_000, "returns the current index");
+}
+
+#[tokio::test]
+async fn session_list_blocks_until_a_session_changes() {
+    let s = server().await;
+    let c = client(&s);
+    let (_, meta) = c.session_list(&QueryOptions::default()).await.unwrap();
+    let c2 = c.clone();
+    let blocked = tokio::spawn(async move { c2.session_list(&wait(meta.index, 20_000)).await });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    c.kv_put("kv-does-not-wake-sessions", b"x", None)
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(!blocked.is_finished());
+    c.session_create(&Default::default()).await.unwrap();
+    let (list, meta2) = blocked.await.unwrap().unwrap();
+    assert_eq!(list.len(), 1);
+    assert!(meta2.index > meta.index);
+}
+
+#[tokio::test]
+async fn watch_publishes_changes_and_skips_identical_results() {
+    let s = server().await;
+    let c = client(&s);
+    c.kv_put("wp/a", b"1", None).await.unwrap();
+    let watch = c.watch_prefix("wp/", WatchConfig::default());
+    let mut rx = watch.subscribe();
+    let first = eventually(Duration::from_secs(5), "first snapshot", || {
+        let v = rx.borrow().clone();
+        async move { v }
+    })
+    .await;
+    assert_eq!(first.value.len(), 1);
+    rx.mark_unchanged();
+
+    c.kv_put("wp/b", b"2", None).await.unwrap();
+    tokio::time::timeout(Duration::from_secs(5), rx.changed())
+        .await
+        .unwrap()
+        .unwrap();
+    let second = rx.borrow_and_update().clone().unwrap();
+    assert_eq!(second.value.len(), 2);
+    assert!(second.index > first.index);
+
+    // Writes elsewhere and identical rewrites publish nothing.
+    c.kv_put("elsewhere", b"x", None).await.unwrap();
+    c.kv_put("wp/b", b"2", None).await.unwrap();
+    assert!(
+        tokio::time::timeout(Duration::from_millis(400), rx.changed())
+            .await
+            .is_err()
+    );
+    watch.stop().await;
+}
+
+#[tokio::test]
+async fn watch_resets_when_the_server_index_goes_backwards() {
+    // A memory-only server restarted on the same port comes back with low indexes.
+    let s = server().await;
+    let addr = s.addr();
+    let c = client(&s);
+    for i in 0..50 {
+        c.kv_put(&format!("r/{i}"), b"x", None).await.unwrap();
+    }
+    let watch = c.watch_prefix(
+        "r/",
+        WatchConfig {
+            wait: Duration::from_secs(2),
+            error_backoff_base: Duration::from_millis(20),
+            ..Default::default()
+        },
+    );
+    let mut rx = watch.subscribe();
+    let before = eventually(Duration::from_secs(5), "snapshot of 50", || {
+        let v = rx.borrow().clone().filter(|s| s.value.len() == 50);
+        async move { v }
+    })
+    .await;
+    s.shutdown().await;
+    let s2: EmbeddedServer = server_with(ServerConfig {
+        listen: addr,
+        ..ServerConfig::ephemeral()
+    })
+    .await;
+    let c2 = client_for(&s2.url());
+    c2.kv_put("r/new", b"fresh", None).await.unwrap();
+    let after = eventually(
+        Duration::from_secs(10),
+        "snapshot from the new server",
+        || {
+            let v = rx
+                .borrow_and_update()
+                .clone()
+                .filter(|s| s.value.len() == 1);
+            async move { v }
+        },
+    )
+    .await;
+    assert!(
+        after.index < before.index,
+        "the new server's index is lower"
+    );
+    assert!(
+        watch
+            .stats()
+            .resets
+            .load(std::sync::atomic::Ordering::Relaxed)
+            >= 1
+    );
+    // And it keeps following the new server from its own index.
+    c2.kv_put("r/newer", b"x", None).await.unwrap();
+    eventually(Duration::from_secs(5), "follows the new server", || {
+        let v = rx.borrow().clone().filter(|s| s.value.len() == 2);
+        async move { v }
+    })
+    .await;
+    watch.stop().await;
+}
+
+#[tokio::test]
+async fn a_thousand_blocked_queries_wake_on_one_write() {
+    let s = server().await;
+    let c = client(&s);
+    c.kv_put("many/k", b"0", None).await.unwrap();
+    let (_, meta) = c.kv_get("many/k", &QueryOptions::default()).await.unwrap();
+    let mut handles = Vec::new();
+    for _ in 0..1000 {
+        let c = c.clone();
+        handles.push(tokio::spawn(async move {
+            c.kv_list("many/", &wait(meta.index, 30_000)).await
+        }));
+    }
+    eventually(Duration::from_secs(20), "1000 blocked queries", || {
+        let n = s.stats().blocked_queries;
+        async move { (n >= 1000).then_some(()) }
+    })
+    .await;
+    c.kv_put("many/k", b"1", None).await.unwrap();
+    for h in handles {
+        let (_, m) = tokio::time::timeout(Duration::from_secs(20), h)
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        assert!(m.index > meta.index);
+    }
+    assert_eq!(s.stats().blocked_queries, 0);
+}
