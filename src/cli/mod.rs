@@ -1,6 +1,7 @@
 //! Command-line front ends of `rcfarm` and `rcctl`. The binaries in `bin/` only call
 //! [`rcfarm_main`] and [`rcctl_main`].
 
+mod bench_consul;
 mod consul_dev;
 mod logging;
 
@@ -57,6 +58,15 @@ struct RcfarmCli {
 enum RcfarmCommand {
     /// Run the embedded Consul-compatible development server alone.
     ConsulDev(consul_dev::ConsulDevArgs),
+    /// Measure; prints figures (not a test).
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+#[derive(Debug, Subcommand)]
+enum BenchCommand {
+    /// KV and transaction throughput, blocking-query wake-up latency of the embedded server.
+    Consul(bench_consul::BenchConsulArgs),
 }
 
 /// `rcfarm`'s main.
@@ -76,6 +86,7 @@ pub fn rcfarm_main() -> ExitCode {
     let result = runtime.block_on(async {
         match cli.command {
             RcfarmCommand::ConsulDev(args) => consul_dev::run(args).await,
+            RcfarmCommand::Bench(BenchCommand::Consul(args)) => bench_consul::run(args).await,
         }
     });
     match result {

@@ -275,7 +275,8 @@ pub enum TxnFailure {
 impl TxnOpError {
     pub fn failure(&self) -> TxnFailure {
         let w = self.what.as_str();
-        if w.starts_with("unknown KV verb") {
+        // Consul ≥ 1.19.1 says "unknown KV operation: x", older ones `unknown KV verb "x"`.
+        if w.starts_with("unknown KV verb") || w.starts_with("unknown KV operation") {
             TxnFailure::UnknownVerb
         } else if w.starts_with("invalid session") {
             TxnFailure::InvalidSession
@@ -361,6 +362,7 @@ mod tests {
             ),
             (r#"invalid session "x""#, TxnFailure::InvalidSession),
             (r#"unknown KV verb "x""#, TxnFailure::UnknownVerb),
+            ("unknown KV operation: x", TxnFailure::UnknownVerb),
         ];
         for (what, want) in cases {
             let e = TxnOpError {

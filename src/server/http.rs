@@ -379,14 +379,38 @@ async fn blocking<T>(
             return Ok((value, index));
         };
         drop(value);
+        // Deregisters the waiter if this request ends (timeout, shutdown, or the client hanging
+        // up) before a change fires it, so abandoned queries leave nothing behind.
+        let mut guard = WaiterGuard {
+            shared,
+            target: &target,
+            id,
+            fired: false,
+        };
         let deadline = deadline.unwrap_or_else(Instant::now);
-        let woke = tokio::select! {
+        guard.fired = tokio::select! {
             r = rx => r.is_ok(),
             _ = tokio::time::sleep_until(deadline) => false,
             _ = shared.shutdown.cancelled() => false,
         };
-        if !woke {
-            shared.state.lock().waiters.deregister(&target, id);
+    }
+}
+
+struct WaiterGuard<'a> {
+    shared: &'a Shared,
+    target: &'a WatchTarget,
+    id: u64,
+    fired: bool,
+}
+
+impl Drop for WaiterGuard<'_> {
+    fn drop(&mut self) {
+        if !self.fired {
+            self.shared
+                .state
+                .lock()
+                .waiters
+                .deregister(self.target, self.id);
         }
     }
 }

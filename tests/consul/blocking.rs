@@ -310,3 +310,36 @@ async fn a_thousand_blocked_queries_wake_on_one_write() {
     }
     assert_eq!(s.stats().blocked_queries, 0);
 }
+
+#[tokio::test]
+async fn abandoned_blocking_queries_leave_no_waiters_behind() {
+    let s = server().await;
+    let c = client(&s);
+    c.kv_put("quiet/k", b"0", None).await.unwrap();
+    let (_, meta) = c.kv_get("quiet/k", &QueryOptions::default()).await.unwrap();
+    let mut handles = Vec::new();
+    for _ in 0..20 {
+        // Each on its own connection, so aborting it closes the socket.
+        let c = client(&s);
+        handles.push(tokio::spawn(async move {
+            c.kv_list("quiet/", &wait(meta.index, 60_000)).await
+        }));
+    }
+    eventually(Duration::from_secs(10), "20 blocked queries", || {
+        let n = s.stats().blocked_queries;
+        async move { (n >= 20).then_some(()) }
+    })
+    .await;
+    for h in handles {
+        h.abort();
+    }
+    eventually(
+        Duration::from_secs(10),
+        "waiters of hung-up clients removed",
+        || {
+            let n = s.stats().blocked_queries;
+            async move { (n == 0).then_some(()) }
+        },
+    )
+    .await;
+}
