@@ -5,7 +5,12 @@
 //! - [`consul`]: the Consul HTTP client (KV, sessions, transactions, blocking-query watches).
 //! - [`server`]: the embedded Consul-compatible development server.
 
+pub mod audit;
 pub mod cli;
 pub mod consul;
+pub mod health;
+pub mod labels;
+pub mod rc;
+pub mod scheduler;
 pub mod server;
 pub mod util;

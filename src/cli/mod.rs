@@ -2,6 +2,7 @@
 //! [`rcfarm_main`] and [`rcctl_main`].
 
 mod bench_consul;
+mod bench_selectors;
 mod consul_dev;
 mod logging;
 
@@ -67,6 +68,8 @@ enum RcfarmCommand {
 enum BenchCommand {
     /// KV and transaction throughput, blocking-query wake-up latency of the embedded server.
     Consul(bench_consul::BenchConsulArgs),
+    /// Label selector queries over a watched cache of many nodes.
+    Selectors(bench_selectors::BenchSelectorsArgs),
 }
 
 /// `rcfarm`'s main.
@@ -87,6 +90,7 @@ pub fn rcfarm_main() -> ExitCode {
         match cli.command {
             RcfarmCommand::ConsulDev(args) => consul_dev::run(args).await,
             RcfarmCommand::Bench(BenchCommand::Consul(args)) => bench_consul::run(args).await,
+            RcfarmCommand::Bench(BenchCommand::Selectors(args)) => bench_selectors::run(args).await,
         }
     });
     match result {

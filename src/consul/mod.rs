@@ -7,6 +7,7 @@
 mod client;
 mod error;
 mod session;
+mod tree_cache;
 mod txn;
 mod types;
 mod watch;
@@ -14,6 +15,7 @@ mod watch;
 pub use client::{ClientStatsSnapshot, Consul, ConsulConfig, init_tls};
 pub use error::{ConsulError, Result};
 pub use session::{Session, SessionConfig};
+pub use tree_cache::{ParseFn, TreeCache};
 pub use txn::{KvVerb, MAX_TXN_OPS, TxnFailure, TxnOp, TxnOpError, TxnResponse};
 pub use types::{
     KvPair, QueryMeta, QueryOptions, ServiceCheck, SessionBehavior, SessionEntry, SessionRequest,

@@ -1,0 +1,133 @@
+//! Pod health as P2's preparer reports it: `health/<pod-id>/<node>` holds a JSON result whose
+//! `Status` is `passing`, `warning`, `unknown` or `critical` (P2 writes Go field names; a
+//! lower-case `status` is accepted too).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use crate::consul::{Consul, TreeCache, WatchConfig};
+
+pub const HEALTH_PREFIX: &str = "health/";
+
+/// A pod's health, best first (P2's order).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum HealthStatus {
+    Passing,
+    Warning,
+    Unknown,
+    Critical,
+}
+
+impl HealthStatus {
+    /// P2's `ToHealthState`: anything unrecognised is unknown.
+    pub fn parse(s: &str) -> HealthStatus {
+        match s {
+            "passing" => HealthStatus::Passing,
+            "warning" => HealthStatus::Warning,
+            "critical" => HealthStatus::Critical,
+            _ => HealthStatus::Unknown,
+        }
+    }
+
+    pub fn is_passing(self) -> bool {
+        self == HealthStatus::Passing
+    }
+}
+
+/// Parses one health value.
+pub fn parse_health(value: &[u8]) -> Result<HealthStatus, String> {
+    let v: serde_json::Value =
+        serde_json::from_slice(value).map_err(|e| format!("not JSON: {e}"))?;
+    let obj = v
+        .as_object()
+        .ok_or("a health result must be a JSON object")?;
+    let status = obj
+        .iter()
+        .find(|(k, _)| k.eq_ignore_ascii_case("status"))
+        .map(|(_, v)| v)
+        .ok_or("the health result has no Status")?;
+    let s = status.as_str().ok_or("Status must be a string")?;
+    Ok(HealthStatus::parse(s))
+}
+
+/// The health tree, watched with one blocking query.
+pub struct HealthCache {
+    tree: TreeCache<HealthStatus>,
+}
+
+impl HealthCache {
+    pub fn spawn(consul: &Consul, config: WatchConfig) -> HealthCache {
+        let parse = Arc::new(
+            |suffix: &str, value: &[u8]| -> Result<HealthStatus, String> {
+                match suffix.split_once('/') {
+                    Some((pod, node))
+                        if !pod.is_empty() && !node.is_empty() && !node.contains('/') =>
+                    {
+                        parse_health(value)
+                    }
+                    _ => Err(format!(
+                        "expected health/<pod-id>/<node>, found health/{suffix}"
+                    )),
+                }
+            },
+        );
+        HealthCache {
+            tree: TreeCache::spawn(consul, HEALTH_PREFIX, config, parse),
+        }
+    }
+
+    /// The health of a pod on one node, if reported.
+    pub fn status(&self, pod_id: &str, node: &str) -> Option<HealthStatus> {
+        self.tree.get(&format!("{pod_id}/{node}")).map(|s| *s)
+    }
+
+    /// Every reported result of a pod, by node.
+    pub fn for_pod(&self, pod_id: &str) -> BTreeMap<String, HealthStatus> {
+        let sub = format!("{pod_id}/");
+        self.tree
+            .range(&sub)
+            .into_iter()
+            .map(|(k, v)| (k[sub.len()..].to_string(), *v))
+            .collect()
+    }
+
+    pub fn tree(&self) -> &TreeCache<HealthStatus> {
+        &self.tree
+    }
+
+    /// The pod ids whose health the latest snapshot changed.
+    pub fn changed_pods(&self) -> Vec<String> {
+        let mut pods: Vec<String> = self
+            .tree
+            .last_changed()
+            .iter()
+            .filter_map(|k| k.split_once('/').map(|(p, _)| p.to_string()))
+            .collect();
+        pods.dedup();
+        pods
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_p2_and_lowercase_results() {
+        let p2 = br#"{"Id":"web","Node":"n1","Service":"web","Status":"passing","Time":"2019-01-01T00:00:00Z"}"#;
+        assert_eq!(parse_health(p2), Ok(HealthStatus::Passing));
+        assert_eq!(
+            parse_health(br#"{"status":"critical"}"#),
+            Ok(HealthStatus::Critical)
+        );
+        assert_eq!(
+            parse_health(br#"{"status":"sideways"}"#),
+            Ok(HealthStatus::Unknown)
+        );
+        assert!(parse_health(b"[]").is_err());
+        assert!(parse_health(br#"{"Status":3}"#).is_err());
+        assert!(parse_health(b"{").is_err());
+        assert!(HealthStatus::Passing < HealthStatus::Critical);
+    }
+}

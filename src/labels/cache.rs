@@ -1,0 +1,458 @@
+//! A label tree kept in memory by one blocking query, with an index from `key=value` to ids, so
+//! selector queries are answered without asking Consul.
+//!
+//! Each snapshot from Consul is the whole tree; only entries whose `ModifyIndex` changed are
+//! re-parsed, and subscribers get the list of ids that changed (with old and new labels) to
+//! decide whom to wake. Malformed entries are reported per key and left out; they never stop
+//! the cache.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::ops::Bound;
+use std::sync::Arc;
+
+use parking_lot::RwLock;
+use tokio::sync::{broadcast, watch};
+use tokio::task::JoinHandle;
+
+use super::selector::{Requirement, Selector};
+use super::store::{LabelSet, LabelType, parse_entry};
+use crate::consul::{Consul, KvPair, WatchConfig};
+
+/// One id whose labels changed.
+#[derive(Debug, Clone)]
+pub struct LabelChange {
+    pub id: String,
+    pub old: Option<Arc<LabelSet>>,
+    pub new: Option<Arc<LabelSet>>,
+}
+
+/// The changes one snapshot brought.
+#[derive(Debug, Clone, Default)]
+pub struct LabelChanges {
+    pub index: u64,
+    pub changes: Vec<LabelChange>,
+}
+
+#[derive(Debug, Clone)]
+struct Cached {
+    labels: Arc<LabelSet>,
+    modify_index: u64,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    index: u64,
+    synced: bool,
+    /// Sorted, so scans come out in id order.
+    entries: BTreeMap<String, Cached>,
+    /// key → value → ids.
+    inverted: HashMap<String, HashMap<String, BTreeSet<String>>>,
+    /// Malformed keys: key → (ModifyIndex, reason).
+    errors: BTreeMap<String, (u64, String)>,
+}
+
+impl State {
+    fn unindex(&mut self, id: &str, labels: &LabelSet) {
+        for (k, v) in labels {
+            if let Some(values) = self.inverted.get_mut(k) {
+                if let Some(ids) = values.get_mut(v) {
+                    ids.remove(id);
+                    if ids.is_empty() {
+                        values.remove(v);
+                    }
+                }
+                if values.is_empty() {
+                    self.inverted.remove(k);
+                }
+            }
+        }
+    }
+
+    fn reindex(&mut self, id: &str, labels: &LabelSet) {
+        for (k, v) in labels {
+            self.inverted
+                .entry(k.clone())
+                .or_default()
+                .entry(v.clone())
+                .or_default()
+                .insert(id.to_string());
+        }
+    }
+
+    /// Applies a full snapshot; returns what changed.
+    fn apply(&mut self, t: LabelType, index: u64, entries: &[KvPair]) -> LabelChanges {
+        let prefix = t.prefix();
+        let mut seen: BTreeSet<&str> = BTreeSet::new();
+        let mut changes = Vec::new();
+        let mut errors = BTreeMap::new();
+        for e in entries {
+            let id = e.key.strip_prefix(prefix.as_str()).unwrap_or(&e.key);
+            if let Some(c) = self.entries.get(id)
+                && c.modify_index == e.modify_index
+            {
+                seen.insert(id);
+                continue;
+            }
+            if let Some((idx, reason)) = self.errors.get(&e.key)
+                && *idx == e.modify_index
+            {
+                errors.insert(e.key.clone(), (*idx, reason.clone()));
+                continue;
+            }
+            match parse_entry(t, &prefix, e) {
+                Ok(l) => {
+                    seen.insert(id);
+                    let new = Arc::new(l.labels);
+                    let old = self.entries.insert(
+                        l.id.clone(),
+                        Cached {
+                            labels: new.clone(),
+                            modify_index: l.modify_index,
+                        },
+                    );
+                    if let Some(o) = &old {
+                        let o = o.labels.clone();
+                        self.unindex(&l.id, &o);
+                    }
+                    self.reindex(&l.id, &new);
+                    let old = old.map(|c| c.labels);
+                    if old.as_deref() != Some(&*new) {
+                        changes.push(LabelChange {
+                            id: l.id,
+                            old,
+                            new: Some(new),
+                        });
+                    }
+                }
+                Err(reason) => {
+                    if !self.errors.contains_key(&e.key) {
+                        tracing::warn!(key = %e.key, %reason, "ignoring malformed labels");
+                    }
+                    errors.insert(e.key.clone(), (e.modify_index, reason));
+                }
+            }
+        }
+        let gone: Vec<String> = self
+            .entries
+            .keys()
+            .filter(|id| !seen.contains(id.as_str()))
+            .cloned()
+            .collect();
+        for id in gone {
+            if let Some(c) = self.entries.remove(&id) {
+                self.unindex(&id, &c.labels);
+                changes.push(LabelChange {
+                    id,
+                    old: Some(c.labels),
+                    new: None,
+                });
+            }
+        }
+        self.errors = errors;
+        self.index = index;
+        self.synced = true;
+        LabelChanges { index, changes }
+    }
+
+    /// The id sets an indexed requirement draws from (their union holds every id it can
+    /// match), or `None` if the index cannot narrow it.
+    fn sources<'a>(&'a self, r: &'a Requirement) -> Option<Vec<&'a BTreeSet<String>>> {
+        let by_value = self.inverted.get(r.key());
+        match r {
+            Requirement::Exists(_) => {
+                Some(by_value.map(|m| m.values().collect()).unwrap_or_default())
+            }
+            _ => r.required_values().map(|values| {
+                values
+                    .iter()
+                    .filter_map(|v| by_value.and_then(|m| m.get(*v)))
+                    .collect()
+            }),
+        }
+    }
+
+    fn matches(&self, selector: &Selector) -> Vec<String> {
+        // Draw candidates from the most selective indexed requirement and check each against
+        // the whole selector; scan everything when nothing narrows it enough.
+        let mut best: Option<(usize, Vec<&BTreeSet<String>>)> = None;
+        for r in selector.requirements() {
+            if let Some(sets) = self.sources(r) {
+                let size: usize = sets.iter().map(|s| s.len()).sum();
+                if best.as_ref().is_none_or(|(b, _)| size < *b) {
+                    best = Some((size, sets));
+                }
+            }
+        }
+        let check = |id: &str| {
+            self.entries
+                .get(id)
+                .is_some_and(|c| selector.matches(&*c.labels))
+        };
+        match best {
+            Some((0, _)) => Vec::new(),
+            Some((size, sets)) if size * 2 <= self.entries.len() => {
+                let mut out: Vec<String> = sets
+                    .into_iter()
+                    .flatten()
+                    .filter(|id| check(id))
+                    .cloned()
+                    .collect();
+                out.sort_unstable();
+                out
+            }
+            _ => self
+                .entries
+                .iter()
+                .filter(|(_, c)| selector.matches(&*c.labels))
+                .map(|(id, _)| id.clone())
+                .collect(),
+        }
+    }
+
+    /// Ids in `[from, ..)` with a prefix, in order (pods of one node: `<node>/`).
+    fn ids_with_prefix(&self, prefix: &str) -> Vec<String> {
+        self.entries
+            .range::<str, _>((Bound::Included(prefix), Bound::Unbounded))
+            .take_while(|(k, _)| k.starts_with(prefix))
+            .map(|(k, _)| k.clone())
+            .collect()
+    }
+}
+
+/// A watched label tree.
+pub struct LabelCache {
+    label_type: LabelType,
+    state: Arc<RwLock<State>>,
+    version: watch::Receiver<u64>,
+    changes: broadcast::Sender<Arc<LabelChanges>>,
+    task: JoinHandle<()>,
+    watch_stats: Arc<crate::consul::WatchStats>,
+}
+
+impl Drop for LabelCache {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl LabelCache {
+    /// Starts watching `labels/<type>/` with one blocking query.
+    pub fn spawn(consul: &Consul, label_type: LabelType, config: WatchConfig) -> LabelCache {
+        let watch = consul.watch_prefix(label_type.prefix(), config);
+        let watch_stats = watch.stats().clone();
+        let state: Arc<RwLock<State>> = Arc::default();
+        let (version_tx, version) = watch::channel(0u64);
+        let (changes, _) = broadcast::channel(1024);
+        let task = tokio::spawn(run(
+            label_type,
+            watch,
+            state.clone(),
+            version_tx,
+            changes.clone(),
+        ));
+        LabelCache {
+            label_type,
+            state,
+            version,
+            changes,
+            task,
+            watch_stats,
+        }
+    }
+
+    pub fn label_type(&self) -> LabelType {
+        self.label_type
+    }
+
+    /// Ids whose labels match, sorted.
+    pub fn matches(&self, selector: &Selector) -> Vec<String> {
+        self.state.read().matches(selector)
+    }
+
+    pub fn get(&self, id: &str) -> Option<Arc<LabelSet>> {
+        self.state.read().entries.get(id).map(|c| c.labels.clone())
+    }
+
+    /// Labels and the key's `ModifyIndex` (for a CAS that must fail if the key moved on).
+    pub fn get_with_index(&self, id: &str) -> Option<(Arc<LabelSet>, u64)> {
+        self.state
+            .read()
+            .entries
+            .get(id)
+            .map(|c| (c.labels.clone(), c.modify_index))
+    }
+
+    pub fn len(&self) -> usize {
+        self.state.read().entries.len()
+    }
+
+    /// Ids starting with `prefix`, sorted (for pods: `"<node>/"` lists a node's pods).
+    pub fn ids_with_prefix(&self, prefix: &str) -> Vec<String> {
+        self.state.read().ids_with_prefix(prefix)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Every id and its labels, sorted by id.
+    pub fn all(&self) -> Vec<(String, Arc<LabelSet>)> {
+        let st = self.state.read();
+        st.entries
+            .iter()
+            .map(|(k, c)| (k.clone(), c.labels.clone()))
+            .collect()
+    }
+
+    /// Malformed keys and why.
+    pub fn errors(&self) -> Vec<(String, String)> {
+        self.state
+            .read()
+            .errors
+            .iter()
+            .map(|(k, (_, r))| (k.clone(), r.clone()))
+            .collect()
+    }
+
+    /// The Consul index of the snapshot the cache holds.
+    pub fn index(&self) -> u64 {
+        self.state.read().index
+    }
+
+    pub fn is_synced(&self) -> bool {
+        self.state.read().synced
+    }
+
+    /// Waits for the first snapshot.
+    pub async fn synced(&self) {
+        let mut v = self.version.clone();
+        let _ = v.wait_for(|n| *n > 0).await;
+    }
+
+    /// Waits until the cache reflects Consul index `index` or later.
+    pub async fn wait_for_index(&self, index: u64) {
+        let mut v = self.version.clone();
+        let _ = v.wait_for(|_| self.state.read().index >= index).await;
+    }
+
+    /// Bumps on every applied snapshot that changed something.
+    pub fn subscribe_version(&self) -> watch::Receiver<u64> {
+        self.version.clone()
+    }
+
+    /// The ids each snapshot changed. A receiver that lags gets `Lagged` and should re-read
+    /// everything.
+    pub fn subscribe_changes(&self) -> broadcast::Receiver<Arc<LabelChanges>> {
+        self.changes.subscribe()
+    }
+
+    pub fn watch_stats(&self) -> &Arc<crate::consul::WatchStats> {
+        &self.watch_stats
+    }
+}
+
+async fn run(
+    t: LabelType,
+    watch: crate::consul::Watch<Vec<KvPair>>,
+    state: Arc<RwLock<State>>,
+    version: watch::Sender<u64>,
+    changes: broadcast::Sender<Arc<LabelChanges>>,
+) {
+    let mut rx = watch.subscribe();
+    let mut n = 0u64;
+    loop {
+        let snapshot = rx.borrow_and_update().clone();
+        if let Some(s) = snapshot {
+            let first = n == 0;
+            let c = state.write().apply(t, s.index, &s.value);
+            if first || !c.changes.is_empty() {
+                n += 1;
+                if !c.changes.is_empty() {
+                    let _ = changes.send(Arc::new(c));
+                }
+                let _ = version.send(n);
+            } else {
+                version.send_modify(|_| {});
+            }
+        }
+        if rx.changed().await.is_err() {
+            return;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn kv(key: &str, value: &str, idx: u64) -> KvPair {
+        KvPair {
+            key: key.into(),
+            value: Some(value.as_bytes().to_vec()),
+            modify_index: idx,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn applies_snapshots_incrementally() {
+        let mut st = State::default();
+        let c = st.apply(
+            LabelType::Node,
+            5,
+            &[
+                kv("labels/node/a", r#"{"env":"prod"}"#, 1),
+                kv("labels/node/b", r#"{"env":"dev"}"#, 2),
+            ],
+        );
+        assert_eq!(c.changes.len(), 2);
+        let sel = Selector::parse("env=prod").unwrap();
+        assert_eq!(st.matches(&sel), ["a"]);
+        // Same indexes: no changes. b changes, a goes away, c is malformed.
+        let c = st.apply(
+            LabelType::Node,
+            7,
+            &[
+                kv("labels/node/b", r#"{"env":"prod"}"#, 6),
+                kv("labels/node/c", "[", 7),
+            ],
+        );
+        let ids: Vec<_> = c.changes.iter().map(|c| c.id.as_str()).collect();
+        assert_eq!(ids, ["b", "a"]);
+        assert_eq!(st.matches(&sel), ["b"]);
+        assert_eq!(st.errors.len(), 1);
+        assert!(
+            !st.inverted["env"].contains_key("dev"),
+            "old index entries removed"
+        );
+    }
+
+    #[test]
+    fn selector_queries_use_every_operator() {
+        let mut st = State::default();
+        let entries: Vec<KvPair> = (0..50)
+            .map(|i| {
+                kv(
+                    &format!("labels/node/n{i:02}"),
+                    &format!(r#"{{"rack":"r{}","gpu":"{}"}}"#, i % 5, i % 2 == 0),
+                    i + 1,
+                )
+            })
+            .collect();
+        st.apply(LabelType::Node, 100, &entries);
+        let q = |s: &str| st.matches(&Selector::parse(s).unwrap()).len();
+        assert_eq!(q(""), 50);
+        assert_eq!(q("rack=r1"), 10);
+        assert_eq!(q("rack in (r1,r2),gpu=true"), 10);
+        assert_eq!(q("rack notin (r1,r2)"), 30);
+        assert_eq!(q("rack!=r1,gpu=true"), 20);
+        assert_eq!(q("gpu"), 50);
+        assert_eq!(q("!gpu"), 0);
+        assert_eq!(q("missing"), 0);
+        assert_eq!(q("rack=nowhere,gpu"), 0);
+        let sorted = st.matches(&Selector::parse("rack=r0").unwrap());
+        let mut s2 = sorted.clone();
+        s2.sort();
+        assert_eq!(sorted, s2);
+    }
+}

@@ -1,0 +1,258 @@
+//! Pod manifests: YAML (JSON is YAML too) whose top-level `id` is the pod id.
+//!
+//! The intent the farm writes is the manifest's original text, byte for byte (as P2 does, PGP
+//! clearsign armor included). Consistency checks compare digests of the parsed document, so a
+//! rewrite that only changes formatting, key order or comments is not a difference.
+
+use std::fmt;
+
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+
+/// A parsed, valid manifest.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Manifest {
+    raw: String,
+    pod_id: String,
+    digest: String,
+}
+
+impl fmt::Debug for Manifest {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Manifest")
+            .field("pod_id", &self.pod_id)
+            .field("digest", &&self.digest[..12])
+            .finish()
+    }
+}
+
+/// Why a manifest is not usable.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ManifestError {
+    #[error("the manifest is empty")]
+    Empty,
+    #[error("the manifest is not valid YAML: {0}")]
+    Yaml(String),
+    #[error("the manifest must be a YAML mapping with an `id`, found {0}")]
+    NotAMapping(&'static str),
+    #[error("the manifest has no `id` (the pod id)")]
+    MissingId,
+    #[error("the manifest's `id` {0:?} is not a usable pod id: {1}")]
+    BadId(String, &'static str),
+}
+
+impl Manifest {
+    pub fn parse(raw: &str) -> Result<Manifest, ManifestError> {
+        if raw.trim().is_empty() {
+            return Err(ManifestError::Empty);
+        }
+        let body = clearsigned_body(raw);
+        let body = body.as_deref().unwrap_or(raw);
+        let yaml: serde_yaml_ng::Value =
+            serde_yaml_ng::from_str(body).map_err(|e| ManifestError::Yaml(e.to_string()))?;
+        let canonical = yaml_to_json(&yaml);
+        let Value::Object(map) = &canonical else {
+            return Err(ManifestError::NotAMapping(kind(&canonical)));
+        };
+        let pod_id = match map.get("id") {
+            None | Some(Value::Null) => return Err(ManifestError::MissingId),
+            Some(Value::String(s)) => s.clone(),
+            Some(other) => other.to_string(),
+        };
+        validate_pod_id(&pod_id).map_err(|why| ManifestError::BadId(pod_id.clone(), why))?;
+        let digest = hex::encode(Sha256::digest(canonical_bytes(&canonical)));
+        Ok(Manifest {
+            raw: raw.to_string(),
+            pod_id,
+            digest,
+        })
+    }
+
+    /// The pod id (`id`).
+    pub fn pod_id(&self) -> &str {
+        &self.pod_id
+    }
+
+    /// The text as given; what the farm writes as the intent.
+    pub fn raw(&self) -> &str {
+        &self.raw
+    }
+
+    /// SHA-256 (hex) of the parsed document in canonical form: equal for documents that differ
+    /// only in formatting, key order or comments.
+    pub fn digest(&self) -> &str {
+        &self.digest
+    }
+}
+
+/// A pod id becomes part of keys (`intent/<node>/<pod-id>`): no `/`, no whitespace.
+pub fn validate_pod_id(id: &str) -> Result<(), &'static str> {
+    if id.is_empty() {
+        return Err("it is empty");
+    }
+    if id.contains('/') {
+        return Err("it contains '/'");
+    }
+    if id.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        return Err("it contains whitespace or control characters");
+    }
+    if id.len() > 253 {
+        return Err("it is longer than 253 characters");
+    }
+    Ok(())
+}
+
+/// The signed text of a PGP clearsigned message (dash-escaping undone), if `raw` is one.
+fn clearsigned_body(raw: &str) -> Option<String> {
+    let mut lines = raw.lines();
+    if lines.next()?.trim_end() != "-----BEGIN PGP SIGNED MESSAGE-----" {
+        return None;
+    }
+    // Armor headers ("Hash: SHA256") end at the first empty line.
+    for l in lines.by_ref() {
+        if l.trim().is_empty() {
+            break;
+        }
+    }
+    let mut body = String::new();
+    for l in lines {
+        if l.trim_end() == "-----BEGIN PGP SIGNATURE-----" {
+            return Some(body);
+        }
+        body.push_str(l.strip_prefix("- ").unwrap_or(l));
+        body.push('\n');
+    }
+    None
+}
+
+fn kind(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "nothing",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "a list",
+        Value::Object(_) => "a mapping",
+    }
+}
+
+fn yaml_to_json(v: &serde_yaml_ng::Value) -> Value {
+    use serde_yaml_ng::Value as Y;
+    match v {
+        Y::Null => Value::Null,
+        Y::Bool(b) => Value::Bool(*b),
+        Y::Number(n) => {
+            if let Some(i) = n.as_i64() {
+                Value::from(i)
+            } else if let Some(u) = n.as_u64() {
+                Value::from(u)
+            } else {
+                n.as_f64()
+                    .and_then(serde_json::Number::from_f64)
+                    .map(Value::Number)
+                    .unwrap_or(Value::Null)
+            }
+        }
+        Y::String(s) => Value::String(s.clone()),
+        Y::Sequence(s) => Value::Array(s.iter().map(yaml_to_json).collect()),
+        Y::Mapping(m) => Value::Object(
+            m.iter()
+                .map(|(k, v)| {
+                    let key = match k {
+                        Y::String(s) => s.clone(),
+                        other => yaml_to_json(other).to_string(),
+                    };
+                    (key, yaml_to_json(v))
+                })
+                .collect(),
+        ),
+        Y::Tagged(t) => yaml_to_json(&t.value),
+    }
+}
+
+/// JSON with object keys sorted at every level.
+fn canonical_bytes(v: &Value) -> Vec<u8> {
+    fn sort(v: &Value) -> Value {
+        match v {
+            Value::Object(m) => {
+                let mut entries: Vec<(&String, &Value)> = m.iter().collect();
+                entries.sort_by(|a, b| a.0.cmp(b.0));
+                Value::Object(
+                    entries
+                        .into_iter()
+                        .map(|(k, v)| (k.clone(), sort(v)))
+                        .collect(),
+                )
+            }
+            Value::Array(a) => Value::Array(a.iter().map(sort).collect()),
+            other => other.clone(),
+        }
+    }
+    serde_json::to_vec(&sort(v)).unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn yaml_and_json_manifests() {
+        let y =
+            Manifest::parse("id: web\nlaunchables:\n  app:\n    launchable_type: hoist\n").unwrap();
+        assert_eq!(y.pod_id(), "web");
+        let j = Manifest::parse(
+            r#"{"launchables": {"app": {"launchable_type": "hoist"}}, "id": "web"}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            y.digest(),
+            j.digest(),
+            "key order and syntax do not change the digest"
+        );
+        let commented =
+            Manifest::parse("# a comment\nid: web\nlaunchables: {app: {launchable_type: hoist}}\n")
+                .unwrap();
+        assert_eq!(commented.digest(), y.digest());
+        let other = Manifest::parse("id: web\nlaunchables: {}\n").unwrap();
+        assert_ne!(other.digest(), y.digest());
+        assert_eq!(
+            y.raw(),
+            "id: web\nlaunchables:\n  app:\n    launchable_type: hoist\n"
+        );
+    }
+
+    #[test]
+    fn invalid_manifests_say_why() {
+        assert_eq!(Manifest::parse("  \n"), Err(ManifestError::Empty));
+        assert_eq!(
+            Manifest::parse("launchables: {}"),
+            Err(ManifestError::MissingId)
+        );
+        assert_eq!(Manifest::parse("id: ~"), Err(ManifestError::MissingId));
+        assert!(matches!(
+            Manifest::parse("- a\n- b"),
+            Err(ManifestError::NotAMapping("a list"))
+        ));
+        assert!(matches!(
+            Manifest::parse("id: [unclosed"),
+            Err(ManifestError::Yaml(_))
+        ));
+        assert!(matches!(
+            Manifest::parse("id: a/b"),
+            Err(ManifestError::BadId(_, _))
+        ));
+        assert!(matches!(
+            Manifest::parse("id: ''"),
+            Err(ManifestError::BadId(_, _))
+        ));
+        assert_eq!(Manifest::parse("id: 42").unwrap().pod_id(), "42");
+    }
+
+    #[test]
+    fn clearsigned_manifests_parse_from_their_signed_text() {
+        let signed = "-----BEGIN PGP SIGNED MESSAGE-----\nHash: SHA256\n\nid: signed-pod\ntags:\n- - dash-escaped\n-----BEGIN PGP SIGNATURE-----\n\nabc\n-----END PGP SIGNATURE-----\n";
+        let m = Manifest::parse(signed).unwrap();
+        assert_eq!(m.pod_id(), "signed-pod");
+        assert_eq!(m.raw(), signed, "the intent keeps the signature");
+    }
+}

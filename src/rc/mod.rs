@@ -1,0 +1,17 @@
+//! Replication controllers: the record P2 stores, its validation, and the store over
+//! `replication_controllers/<uuid>` with its locks.
+
+pub mod manifest;
+pub mod model;
+
+pub use manifest::{Manifest, ManifestError};
+pub use model::{
+    AllocationStrategy, DesiredState, InvalidRc, POD_ID_LABEL, RC_ID_LABEL, RC_LOCK_PREFIX,
+    RC_PREFIX, RawRc, Rc, RcId, RcProblem,
+};
+pub mod store;
+
+pub use store::{
+    LockHolders, Mutation, NewRc, RcListing, RcStore, RcStoreError, RcWatch, Written,
+    parse_listing, parse_locks,
+};

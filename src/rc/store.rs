@@ -1,0 +1,662 @@
+//! The RC store over `replication_controllers/<uuid>`: create, read, watch, mutate with CAS,
+//! delete; and the ownership and mutation locks under `lock/replication_controllers/`.
+//!
+//! Every write is one transaction that also carries its audit record, so the record exists if
+//! and only if the change does. Mutations read the record, change it, and write it back with a
+//! CAS on its `ModifyIndex`, retrying a bounded number of times if another writer got in first.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use super::model::{
+    AllocationStrategy, InvalidRc, RC_LOCK_PREFIX, RC_PREFIX, RawRc, Rc, RcId, RcProblem,
+};
+use crate::audit::{AuditRecord, events};
+use crate::consul::{Consul, ConsulError, KvPair, QueryOptions, TxnFailure, TxnOp, WatchConfig};
+use crate::labels::{LabelSet, LabelStore, LabelType, LabelsError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum RcStoreError {
+    #[error(transparent)]
+    Consul(#[from] ConsulError),
+    #[error("replication controller {0} does not exist")]
+    NotFound(RcId),
+    #[error(transparent)]
+    Invalid(#[from] InvalidRc),
+    /// The change would make the RC invalid.
+    #[error("refusing the change: {0}")]
+    BadChange(RcProblem),
+    #[error("{0}")]
+    Refused(String),
+    #[error(
+        "replication controller {id} kept changing under us; gave up after {attempts} attempts"
+    )]
+    Contended { id: RcId, attempts: u32 },
+    #[error(transparent)]
+    Labels(#[from] LabelsError),
+}
+
+/// What to create.
+#[derive(Debug, Clone)]
+pub struct NewRc {
+    pub manifest: String,
+    pub node_selector: String,
+    pub pod_labels: LabelSet,
+    pub replicas_desired: u64,
+    pub strategy: AllocationStrategy,
+    /// The RC's own labels (matched by farms' `--rc-selector`).
+    pub rc_labels: LabelSet,
+    pub disabled: bool,
+}
+
+/// A change to an RC's desired state.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Mutation {
+    SetReplicas(u64),
+    /// Adds (or with a negative count removes) replicas; never below 0.
+    AddReplicas(i64),
+    Enable,
+    Disable,
+    SetManifest(String),
+    SetNodeSelector(String),
+    SetPodLabels(LabelSet),
+    SetStrategy(AllocationStrategy),
+}
+
+impl Mutation {
+    fn apply(&self, raw: &mut RawRc) {
+        match self {
+            Mutation::SetReplicas(n) => raw.replicas_desired = Some(*n as i64),
+            Mutation::AddReplicas(d) => {
+                let cur = raw.replicas_desired.unwrap_or(0).max(0);
+                raw.replicas_desired = Some(cur.saturating_add(*d).max(0));
+            }
+            Mutation::Enable => raw.disabled = false,
+            Mutation::Disable => raw.disabled = true,
+            Mutation::SetManifest(m) => raw.manifest = m.clone(),
+            Mutation::SetNodeSelector(s) => raw.node_selector = s.clone(),
+            Mutation::SetPodLabels(l) => raw.pod_labels = Some(l.clone()),
+            Mutation::SetStrategy(s) => raw.allocation_strategy = s.as_str().to_string(),
+        }
+    }
+}
+
+/// The outcome of a write: the RC as written, the ops of the transaction, and whether it was
+/// sent (not for a dry run).
+#[derive(Debug, Clone)]
+pub struct Written {
+    pub rc: Option<Rc>,
+    pub ops: Vec<TxnOp>,
+    pub committed: bool,
+}
+
+/// Valid RCs and the invalid records beside them.
+#[derive(Debug, Clone, Default)]
+pub struct RcListing {
+    pub index: u64,
+    pub rcs: BTreeMap<RcId, Arc<Rc>>,
+    pub invalid: BTreeMap<String, InvalidRc>,
+}
+
+/// A summary of a raw record's operator-facing fields, for audit diffs (the manifest by digest).
+fn summary(raw: &RawRc) -> Value {
+    json!({
+        "manifest_sha256": hex::encode(Sha256::digest(raw.manifest.as_bytes())),
+        "node_selector": raw.node_selector,
+        "pod_labels": raw.pod_labels,
+        "replicas_desired": raw.replicas_desired,
+        "disabled": raw.disabled,
+        "allocation_strategy": raw.allocation_strategy,
+    })
+}
+
+fn diff(old: &Value, new: &Value) -> serde_json::Map<String, Value> {
+    let mut out = serde_json::Map::new();
+    if let (Value::Object(o), Value::Object(n)) = (old, new) {
+        for (k, nv) in n {
+            let ov = o.get(k).cloned().unwrap_or(Value::Null);
+            if &ov != nv {
+                out.insert(k.clone(), json!({"old": ov, "new": nv}));
+            }
+        }
+    }
+    out
+}
+
+/// Who holds an RC's locks.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LockHolders {
+    /// Session and value of the ownership lock, if held.
+    pub ownership: Option<(String, String)>,
+    pub mutation: Option<(String, String)>,
+}
+
+/// Reads and writes RCs.
+#[derive(Debug, Clone)]
+pub struct RcStore {
+    consul: Consul,
+    retries: u32,
+}
+
+impl RcStore {
+    pub fn new(consul: Consul) -> Self {
+        Self {
+            consul,
+            retries: 10,
+        }
+    }
+
+    /// Waits before retry `attempt` (0: no wait), jittered so racing writers spread out.
+    async fn pause(attempt: u32) {
+        if attempt > 0 {
+            let step = std::time::Duration::from_millis(5 * (1 << attempt.min(6)));
+            tokio::time::sleep(crate::util::jitter_half(step)).await;
+        }
+    }
+
+    pub fn consul(&self) -> &Consul {
+        &self.consul
+    }
+
+    /// Creates an RC, its labels and its audit record in one transaction.
+    pub async fn create(
+        &self,
+        new: NewRc,
+        actor: &str,
+        dry_run: bool,
+    ) -> Result<Written, RcStoreError> {
+        crate::labels::validate_labels(&new.rc_labels)
+            .map_err(|e| RcStoreError::Refused(format!("RC label: {e}")))?;
+        let id = RcId::new();
+        let raw = RawRc {
+            id: id.to_string(),
+            manifest: new.manifest,
+            node_selector: new.node_selector,
+            pod_labels: Some(new.pod_labels),
+            replicas_desired: Some(new.replicas_desired as i64),
+            disabled: new.disabled,
+            allocation_strategy: new.strategy.as_str().to_string(),
+            extra: Default::default(),
+        };
+        let rc = Rc::from_raw(id, raw, 0).map_err(RcStoreError::BadChange)?;
+        let mut rc_labels = new.rc_labels;
+        rc_labels.insert(super::POD_ID_LABEL.to_string(), rc.pod_id().to_string());
+        let audit = AuditRecord::new(
+            events::RC_CREATED,
+            json!({
+                "replication_controller_id": id,
+                "pod_id": rc.pod_id(),
+                "actor": actor,
+                "rc": summary(&rc.raw),
+                "rc_labels": rc_labels,
+            }),
+        );
+        let ops = vec![
+            TxnOp::cas(id.key(), rc.raw.to_json(), 0),
+            LabelStore::set_op(
+                LabelType::ReplicationController,
+                &id.to_string(),
+                &rc_labels,
+            ),
+            audit.txn_op(),
+        ];
+        if dry_run {
+            return Ok(Written {
+                rc: Some(rc),
+                ops,
+                committed: false,
+            });
+        }
+        let resp = self.consul.txn(&ops).await?;
+        let mut rc = rc;
+        rc.modify_index = resp.results.first().map_or(0, |r| r.modify_index);
+        Ok(Written {
+            rc: Some(rc),
+            ops,
+            committed: true,
+        })
+    }
+
+    /// Reads one RC: `None` if absent, `Invalid` if it cannot be acted on.
+    pub async fn get(&self, id: RcId) -> Result<Option<Rc>, RcStoreError> {
+        let (entry, _) = self
+            .consul
+            .kv_get(&id.key(), &QueryOptions::default())
+            .await?;
+        match entry {
+            None => Ok(None),
+            Some(e) => Ok(Some(Rc::from_kv(&e.key, e.value_bytes(), e.modify_index)?)),
+        }
+    }
+
+    /// Every RC; invalid records are listed apart, never failing the list.
+    pub async fn list(&self) -> Result<RcListing, RcStoreError> {
+        let (entries, meta) = self
+            .consul
+            .kv_list(RC_PREFIX, &QueryOptions::default())
+            .await?;
+        let mut listing = RcListing {
+            index: meta.index,
+            ..Default::default()
+        };
+        for e in entries {
+            match Rc::from_kv(&e.key, e.value_bytes(), e.modify_index) {
+                Ok(rc) => {
+                    listing.rcs.insert(rc.id, Arc::new(rc));
+                }
+                Err(inv) => {
+                    listing.invalid.insert(e.key.clone(), inv);
+                }
+            }
+        }
+        Ok(listing)
+    }
+
+    /// Watches the whole RC tree with one blocking query.
+    pub fn watch(&self, config: WatchConfig) -> RcWatch {
+        RcWatch::spawn(&self.consul, config)
+    }
+
+    /// Reads, changes and writes back an RC with a CAS, and its audit record, in one
+    /// transaction; retried when another writer got in first.
+    pub async fn mutate(
+        &self,
+        id: RcId,
+        m: &Mutation,
+        actor: &str,
+        dry_run: bool,
+    ) -> Result<Written, RcStoreError> {
+        for attempt in 0..self.retries {
+            Self::pause(attempt).await;
+            let (entry, _) = self
+                .consul
+                .kv_get(&id.key(), &QueryOptions::default())
+                .await?;
+            let entry = entry.ok_or(RcStoreError::NotFound(id))?;
+            let old = RawRc::from_json(entry.value_bytes()).map_err(|problem| {
+                RcStoreError::Invalid(InvalidRc {
+                    key: entry.key.clone(),
+                    modify_index: entry.modify_index,
+                    problem,
+                })
+            })?;
+            let mut new = old.clone();
+            m.apply(&mut new);
+            let rc = Rc::from_raw(id, new, entry.modify_index).map_err(RcStoreError::BadChange)?;
+            let changes = diff(&summary(&old), &summary(&rc.raw));
+            let mut ops = vec![TxnOp::cas(id.key(), rc.raw.to_json(), entry.modify_index)];
+            // The RC's own `pod_id` label follows its manifest.
+            let old_pod = super::Manifest::parse(&old.manifest)
+                .ok()
+                .map(|m| m.pod_id().to_string());
+            if old_pod.as_deref() != Some(rc.pod_id()) {
+                let store = LabelStore::new(self.consul.clone());
+                let (labels, index) = store
+                    .get(LabelType::ReplicationController, &id.to_string())
+                    .await?;
+                let set: LabelSet =
+                    [(super::POD_ID_LABEL.to_string(), rc.pod_id().to_string())].into();
+                ops.push(LabelStore::apply_op(
+                    LabelType::ReplicationController,
+                    &id.to_string(),
+                    &labels,
+                    index,
+                    &set,
+                    &[],
+                ));
+            }
+            if !changes.is_empty() {
+                let audit = AuditRecord::new(
+                    events::RC_MODIFIED,
+                    json!({
+                        "replication_controller_id": id,
+                        "pod_id": rc.pod_id(),
+                        "actor": actor,
+                        "changes": changes,
+                    }),
+                );
+                ops.push(audit.txn_op());
+            }
+            if dry_run || changes.is_empty() {
+                return Ok(Written {
+                    rc: Some(rc),
+                    ops,
+                    committed: false,
+                });
+            }
+            match self.consul.txn(&ops).await {
+                Ok(resp) => {
+                    let mut rc = rc;
+                    rc.modify_index = resp.results.first().map_or(0, |r| r.modify_index);
+                    return Ok(Written {
+                        rc: Some(rc),
+                        ops,
+                        committed: true,
+                    });
+                }
+                Err(e) if e.txn_failures().any(|(_, f)| f == TxnFailure::IndexStale) => continue,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Err(RcStoreError::Contended {
+            id,
+            attempts: self.retries,
+        })
+    }
+
+    /// Deletes an RC and its labels. Refused while it still wants replicas, unless forced:
+    /// deleting an RC never unschedules its pods, so an operator scales it to 0 first.
+    pub async fn delete(
+        &self,
+        id: RcId,
+        force: bool,
+        actor: &str,
+        dry_run: bool,
+    ) -> Result<Written, RcStoreError> {
+        for attempt in 0..self.retries {
+            Self::pause(attempt).await;
+            let (entry, _) = self
+                .consul
+                .kv_get(&id.key(), &QueryOptions::default())
+                .await?;
+            let entry = entry.ok_or(RcStoreError::NotFound(id))?;
+            let raw = RawRc::from_json(entry.value_bytes()).ok();
+            let replicas = raw.as_ref().and_then(|r| r.replicas_desired);
+            if !force && replicas != Some(0) {
+                let why = match replicas {
+                    Some(n) => format!("it has {n} desired replicas"),
+                    None => {
+                        "its record cannot be read, so its replica count is unknown".to_string()
+                    }
+                };
+                return Err(RcStoreError::Refused(format!(
+                    "not deleting replication controller {id}: {why}. Scale it to 0 first (rcctl rc scale {id} 0 --wait) so its pods are removed, or pass --force to delete it and leave its pods running"
+                )));
+            }
+            let pod_id = raw
+                .as_ref()
+                .and_then(|r| super::Manifest::parse(&r.manifest).ok())
+                .map(|m| m.pod_id().to_string());
+            let audit = AuditRecord::new(
+                events::RC_DELETED,
+                json!({
+                    "replication_controller_id": id,
+                    "pod_id": pod_id,
+                    "actor": actor,
+                    "replicas_desired": replicas,
+                    "forced": force,
+                }),
+            );
+            let ops = vec![
+                TxnOp::delete_cas(id.key(), entry.modify_index),
+                LabelStore::delete_op(LabelType::ReplicationController, &id.to_string()),
+                audit.txn_op(),
+            ];
+            if dry_run {
+                return Ok(Written {
+                    rc: None,
+                    ops,
+                    committed: false,
+                });
+            }
+            match self.consul.txn(&ops).await {
+                Ok(_) => {
+                    return Ok(Written {
+                        rc: None,
+                        ops,
+                        committed: true,
+                    });
+                }
+                Err(e) if e.failed_at(0, TxnFailure::IndexStale) => continue,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Err(RcStoreError::Contended {
+            id,
+            attempts: self.retries,
+        })
+    }
+
+    // ---- locks ------------------------------------------------------------------------------
+
+    /// Takes the ownership lock with `session`; the value names the holder. `false` if another
+    /// session holds it (or it is in a lock-delay).
+    pub async fn acquire_ownership(
+        &self,
+        id: RcId,
+        session: &str,
+        holder: &str,
+    ) -> Result<bool, RcStoreError> {
+        Ok(self
+            .consul
+            .kv_acquire(&id.ownership_lock_key(), holder.as_bytes(), session, None)
+            .await?)
+    }
+
+    /// Gives the ownership lock up by deleting its key, only if `session` holds it (as P2's
+    /// unlock does). No lock-delay applies, so another farm can take it at once.
+    pub async fn release_ownership(&self, id: RcId, session: &str) -> Result<bool, RcStoreError> {
+        self.release(&id.ownership_lock_key(), session).await
+    }
+
+    /// Takes the mutation lock (node transfers; P2's rolling updates hold it too).
+    pub async fn acquire_mutation(
+        &self,
+        id: RcId,
+        session: &str,
+        holder: &str,
+    ) -> Result<bool, RcStoreError> {
+        Ok(self
+            .consul
+            .kv_acquire(&id.mutation_lock_key(), holder.as_bytes(), session, None)
+            .await?)
+    }
+
+    pub async fn release_mutation(&self, id: RcId, session: &str) -> Result<bool, RcStoreError> {
+        self.release(&id.mutation_lock_key(), session).await
+    }
+
+    async fn release(&self, key: &str, session: &str) -> Result<bool, RcStoreError> {
+        match self
+            .consul
+            .txn(&[TxnOp::check_session(key, session), TxnOp::delete(key)])
+            .await
+        {
+            Ok(_) => Ok(true),
+            Err(e)
+                if e.txn_failures().any(|(_, f)| {
+                    matches!(f, TxnFailure::SessionMismatch | TxnFailure::KeyMissing)
+                }) =>
+            {
+                Ok(false)
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// The fencing check every RC write begins with: fails the transaction unless `session`
+    /// holds the RC's ownership lock.
+    pub fn ownership_check_op(id: RcId, session: &str) -> TxnOp {
+        TxnOp::check_session(id.ownership_lock_key(), session)
+    }
+
+    /// Who holds which lock, for every RC with a lock key.
+    pub async fn lock_holders(
+        &self,
+    ) -> Result<(BTreeMap<RcId, LockHolders>, Vec<String>), RcStoreError> {
+        let (entries, _) = self
+            .consul
+            .kv_list(RC_LOCK_PREFIX, &QueryOptions::default())
+            .await?;
+        Ok(parse_locks(&entries))
+    }
+}
+
+/// Parses the lock tree: holders per RC, and the keys that are not RC locks (reported, ignored).
+pub fn parse_locks(entries: &[KvPair]) -> (BTreeMap<RcId, LockHolders>, Vec<String>) {
+    let mut out: BTreeMap<RcId, LockHolders> = BTreeMap::new();
+    let mut garbage = Vec::new();
+    for e in entries {
+        let Some(rest) = e.key.strip_prefix(RC_LOCK_PREFIX) else {
+            garbage.push(e.key.clone());
+            continue;
+        };
+        let (id_text, suffix) = match rest.split_once('/') {
+            Some((id, s)) => (id, Some(s)),
+            None => (rest, None),
+        };
+        let Ok(id) = RcId::parse(id_text) else {
+            garbage.push(e.key.clone());
+            continue;
+        };
+        let holder = e
+            .session
+            .clone()
+            .map(|s| (s, String::from_utf8_lossy(e.value_bytes()).into_owned()));
+        let entry = out.entry(id).or_default();
+        match suffix {
+            None => entry.ownership = holder,
+            Some("update") => entry.mutation = holder,
+            // P2's other locks (update_creation, node_transfer) are not ours to interpret.
+            Some("update_creation" | "node_transfer") => {}
+            Some(_) => garbage.push(e.key.clone()),
+        }
+    }
+    (out, garbage)
+}
+
+/// The RC tree, watched: every change yields a new listing, parsed incrementally.
+pub struct RcWatch {
+    rx: watch::Receiver<Option<Arc<RcListing>>>,
+    task: JoinHandle<()>,
+    stats: Arc<crate::consul::WatchStats>,
+}
+
+impl Drop for RcWatch {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl RcWatch {
+    fn spawn(consul: &Consul, config: WatchConfig) -> RcWatch {
+        let watch = consul.watch_prefix(RC_PREFIX, config);
+        let stats = watch.stats().clone();
+        let (tx, rx) = watch::channel(None);
+        let task = tokio::spawn(async move {
+            let mut src = watch.subscribe();
+            let mut prev: Option<Arc<RcListing>> = None;
+            loop {
+                let snap = src.borrow_and_update().clone();
+                if let Some(s) = snap {
+                    let listing = Arc::new(parse_listing(s.index, &s.value, prev.as_deref()));
+                    prev = Some(listing.clone());
+                    if tx.send(Some(listing)).is_err() {
+                        return;
+                    }
+                }
+                if src.changed().await.is_err() {
+                    return;
+                }
+            }
+        });
+        RcWatch { rx, task, stats }
+    }
+
+    pub fn subscribe(&self) -> watch::Receiver<Option<Arc<RcListing>>> {
+        self.rx.clone()
+    }
+
+    pub fn latest(&self) -> Option<Arc<RcListing>> {
+        self.rx.borrow().clone()
+    }
+
+    pub fn stats(&self) -> &Arc<crate::consul::WatchStats> {
+        &self.stats
+    }
+}
+
+/// Parses a snapshot of the RC tree, reusing the previous listing's parse of unchanged keys.
+pub fn parse_listing(index: u64, entries: &[KvPair], prev: Option<&RcListing>) -> RcListing {
+    let mut listing = RcListing {
+        index,
+        ..Default::default()
+    };
+    for e in entries {
+        if let Some(prev) = prev {
+            if let Some(Ok(id)) = RcId::from_key(&e.key)
+                && let Some(rc) = prev.rcs.get(&id)
+                && rc.modify_index == e.modify_index
+            {
+                listing.rcs.insert(id, rc.clone());
+                continue;
+            }
+            if let Some(inv) = prev.invalid.get(&e.key)
+                && inv.modify_index == e.modify_index
+            {
+                listing.invalid.insert(e.key.clone(), inv.clone());
+                continue;
+            }
+        }
+        match Rc::from_kv(&e.key, e.value_bytes(), e.modify_index) {
+            Ok(rc) => {
+                listing.rcs.insert(rc.id, Arc::new(rc));
+            }
+            Err(inv) => {
+                listing.invalid.insert(e.key.clone(), inv);
+            }
+        }
+    }
+    listing
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lock_keys_parse_and_garbage_is_set_aside() {
+        let id = RcId::new();
+        let kv = |key: String, session: Option<&str>| KvPair {
+            key,
+            session: session.map(str::to_string),
+            value: Some(b"farm-a".to_vec()),
+            ..Default::default()
+        };
+        let entries = vec![
+            kv(id.ownership_lock_key(), Some("s1")),
+            kv(id.mutation_lock_key(), Some("s2")),
+            kv(format!("{RC_LOCK_PREFIX}{id}/update_creation"), Some("s3")),
+            kv(format!("{RC_LOCK_PREFIX}not-a-uuid"), Some("s4")),
+            kv(format!("{RC_LOCK_PREFIX}{id}/weird"), None),
+        ];
+        let (holders, garbage) = parse_locks(&entries);
+        let h = &holders[&id];
+        assert_eq!(h.ownership, Some(("s1".into(), "farm-a".into())));
+        assert_eq!(h.mutation, Some(("s2".into(), "farm-a".into())));
+        assert_eq!(garbage.len(), 2);
+    }
+
+    #[test]
+    fn add_replicas_floors_at_zero() {
+        let mut raw = RawRc {
+            id: String::new(),
+            manifest: String::new(),
+            node_selector: String::new(),
+            pod_labels: None,
+            replicas_desired: Some(2),
+            disabled: false,
+            allocation_strategy: String::new(),
+            extra: Default::default(),
+        };
+        Mutation::AddReplicas(-5).apply(&mut raw);
+        assert_eq!(raw.replicas_desired, Some(0));
+        Mutation::AddReplicas(3).apply(&mut raw);
+        assert_eq!(raw.replicas_desired, Some(3));
+    }
+}
