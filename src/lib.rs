@@ -8,9 +8,11 @@
 pub mod audit;
 pub mod cli;
 pub mod consul;
+pub mod farm;
 pub mod health;
 pub mod labels;
 pub mod rc;
+pub mod rctask;
 pub mod scheduler;
 pub mod server;
 pub mod util;

@@ -31,8 +31,10 @@ pub mod events {
     pub const RC_RELEASED: &str = "REPLICATION_CONTROLLER_RELEASED";
     pub const RC_DESIRES_UNMET: &str = "REPLICATION_CONTROLLER_DESIRES_UNMET";
     pub const RC_DESIRES_MET: &str = "REPLICATION_CONTROLLER_DESIRES_MET";
+    /// Intents (and labels) rewritten because they were missing or differed from the manifest.
+    pub const RC_REPAIRED: &str = "REPLICATION_CONTROLLER_REPAIRED";
 
-    pub const ALL: [&str; 13] = [
+    pub const ALL: [&str; 14] = [
         RC_RETARGET,
         NODE_TRANSFER_START,
         NODE_TRANSFER_COMPLETION,
@@ -46,6 +48,7 @@ pub mod events {
         RC_RELEASED,
         RC_DESIRES_UNMET,
         RC_DESIRES_MET,
+        RC_REPAIRED,
     ];
 }
 

@@ -5,6 +5,7 @@ mod bench_consul;
 mod bench_selectors;
 mod consul_dev;
 mod logging;
+mod serve;
 
 use std::process::ExitCode;
 use std::time::Duration;
@@ -57,6 +58,10 @@ struct RcfarmCli {
 
 #[derive(Debug, Subcommand)]
 enum RcfarmCommand {
+    /// Run a farm: claim RCs from Consul and keep their desires true.
+    Serve(serve::ServeArgs),
+    /// Everything on one machine: the embedded Consul-compatible server and a farm.
+    Dev(serve::DevArgs),
     /// Run the embedded Consul-compatible development server alone.
     ConsulDev(consul_dev::ConsulDevArgs),
     /// Measure; prints figures (not a test).
@@ -88,6 +93,8 @@ pub fn rcfarm_main() -> ExitCode {
     };
     let result = runtime.block_on(async {
         match cli.command {
+            RcfarmCommand::Serve(args) => serve::serve(args).await,
+            RcfarmCommand::Dev(args) => serve::dev(args).await,
             RcfarmCommand::ConsulDev(args) => consul_dev::run(args).await,
             RcfarmCommand::Bench(BenchCommand::Consul(args)) => bench_consul::run(args).await,
             RcfarmCommand::Bench(BenchCommand::Selectors(args)) => bench_selectors::run(args).await,

@@ -6,8 +6,8 @@ pub mod model;
 
 pub use manifest::{Manifest, ManifestError};
 pub use model::{
-    AllocationStrategy, DesiredState, InvalidRc, POD_ID_LABEL, RC_ID_LABEL, RC_LOCK_PREFIX,
-    RC_PREFIX, RawRc, Rc, RcId, RcProblem,
+    AllocationStrategy, CHANGE_MARKER, DesiredState, InvalidRc, POD_ID_LABEL, RC_ID_LABEL,
+    RC_LOCK_PREFIX, RC_PREFIX, RawRc, Rc, RcId, RcProblem,
 };
 pub mod store;
 

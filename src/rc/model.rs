@@ -16,6 +16,9 @@ pub const RC_LOCK_PREFIX: &str = "lock/replication_controllers/";
 pub const RC_ID_LABEL: &str = "replication_controller_id";
 /// The label naming a pod's (or an RC's) pod id.
 pub const POD_ID_LABEL: &str = "pod_id";
+/// The field rcfarm's own writers stamp on an RC record with the id of the change's audit
+/// record, so the owning farm can tell those changes (audited already) from direct KV writes.
+pub const CHANGE_MARKER: &str = "rcfarm_change_id";
 
 /// An RC's id: a UUID, written in its canonical lowercase form.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]

@@ -183,7 +183,7 @@ impl RcStore {
             allocation_strategy: new.strategy.as_str().to_string(),
             extra: Default::default(),
         };
-        let rc = Rc::from_raw(id, raw, 0).map_err(RcStoreError::BadChange)?;
+        let mut rc = Rc::from_raw(id, raw, 0).map_err(RcStoreError::BadChange)?;
         let mut rc_labels = new.rc_labels;
         rc_labels.insert(super::POD_ID_LABEL.to_string(), rc.pod_id().to_string());
         let audit = AuditRecord::new(
@@ -195,6 +195,10 @@ impl RcStore {
                 "rc": summary(&rc.raw),
                 "rc_labels": rc_labels,
             }),
+        );
+        rc.raw.extra.insert(
+            super::CHANGE_MARKER.to_string(),
+            json!(audit.id.to_string()),
         );
         let ops = vec![
             TxnOp::cas(id.key(), rc.raw.to_json(), 0),
@@ -287,8 +291,23 @@ impl RcStore {
             })?;
             let mut new = old.clone();
             m.apply(&mut new);
-            let rc = Rc::from_raw(id, new, entry.modify_index).map_err(RcStoreError::BadChange)?;
+            let mut rc =
+                Rc::from_raw(id, new, entry.modify_index).map_err(RcStoreError::BadChange)?;
             let changes = diff(&summary(&old), &summary(&rc.raw));
+            let audit = AuditRecord::new(
+                events::RC_MODIFIED,
+                json!({
+                    "replication_controller_id": id,
+                    "pod_id": rc.pod_id(),
+                    "actor": actor,
+                    "changes": changes,
+                }),
+            );
+            // The record names the audit record of its last change made through rcfarm.
+            rc.raw.extra.insert(
+                super::CHANGE_MARKER.to_string(),
+                json!(audit.id.to_string()),
+            );
             let mut ops = vec![TxnOp::cas(id.key(), rc.raw.to_json(), entry.modify_index)];
             // The RC's own `pod_id` label follows its manifest.
             let old_pod = super::Manifest::parse(&old.manifest)
@@ -310,18 +329,7 @@ impl RcStore {
                     &[],
                 ));
             }
-            if !changes.is_empty() {
-                let audit = AuditRecord::new(
-                    events::RC_MODIFIED,
-                    json!({
-                        "replication_controller_id": id,
-                        "pod_id": rc.pod_id(),
-                        "actor": actor,
-                        "changes": changes,
-                    }),
-                );
-                ops.push(audit.txn_op());
-            }
+            ops.push(audit.txn_op());
             if dry_run || changes.is_empty() {
                 return Ok(Written {
                     rc: Some(rc),

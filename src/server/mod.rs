@@ -21,7 +21,16 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-pub use store::{Commit, KvOp, Store};
+pub use store::{Change, Commit, Entry, KvOp, Record, Store};
+
+/// A committed write, as kept by [`ServerConfig::record_commits`].
+#[derive(Debug, Clone)]
+pub struct LoggedCommit {
+    pub index: u64,
+    pub changes: Vec<Change>,
+    /// The transaction's `check-session` ops: `(key, session)`.
+    pub checks: Vec<(String, String)>,
+}
 use waiters::Waiters;
 pub use wal::{Recovery, WalError};
 
@@ -42,6 +51,8 @@ pub struct ServerConfig {
     pub max_txn_ops: usize,
     pub kv_max_value_size: usize,
     pub txn_max_req_len: usize,
+    /// Keep every committed write in memory (for tests that replay them to check invariants).
+    pub record_commits: bool,
 }
 
 impl Default for ServerConfig {
@@ -55,6 +66,7 @@ impl Default for ServerConfig {
             max_txn_ops: 64,
             kv_max_value_size: 512 * 1024,
             txn_max_req_len: 512 * 1024,
+            record_commits: false,
         }
     }
 }
@@ -92,6 +104,7 @@ pub(crate) struct Shared {
     pub config: ServerConfig,
     pub leader: String,
     pub shutdown: CancellationToken,
+    pub commit_log: Option<Mutex<Vec<LoggedCommit>>>,
 }
 
 impl Shared {
@@ -102,6 +115,13 @@ impl Shared {
             if wal.take_snapshot_due() {
                 wal.snapshot(&st.store.snapshot());
             }
+        }
+        if let (Some(rec), Some(log)) = (&commit.record, &self.commit_log) {
+            log.lock().push(LoggedCommit {
+                index: rec.index,
+                changes: rec.changes.clone(),
+                checks: commit.checks.clone(),
+            });
         }
         for key in &commit.changed_keys {
             st.waiters.key_changed(key);
@@ -189,9 +209,10 @@ impl EmbeddedServer {
                 waiters: Waiters::default(),
             }),
             wal,
-            config,
-            leader,
             shutdown: CancellationToken::new(),
+            commit_log: config.record_commits.then(Mutex::default),
+            leader,
+            config,
         });
 
         let app = axum::Router::new().fallback({
@@ -228,6 +249,15 @@ impl EmbeddedServer {
     /// What recovery of the data directory found, if there is one.
     pub fn recovery(&self) -> Option<Recovery> {
         self.recovery
+    }
+
+    /// Every committed write so far, if the server records them.
+    pub fn commit_log(&self) -> Vec<LoggedCommit> {
+        self.shared
+            .commit_log
+            .as_ref()
+            .map(|l| l.lock().clone())
+            .unwrap_or_default()
     }
 
     pub fn stats(&self) -> ServerStats {

@@ -233,6 +233,8 @@ pub struct Commit {
     pub record: Option<Record>,
     pub changed_keys: Vec<String>,
     pub sessions_changed: bool,
+    /// The `check-session` ops of the transaction: `(key, session)`.
+    pub checks: Vec<(String, String)>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -465,7 +467,15 @@ impl Store {
             tx.abort();
             return Err(errors);
         }
-        Ok((results, tx.commit()))
+        let mut commit = tx.commit();
+        commit.checks = ops
+            .iter()
+            .filter_map(|op| match op {
+                KvOp::CheckSession { key, session } => Some((key.clone(), session.clone())),
+                _ => None,
+            })
+            .collect();
+        Ok((results, commit))
     }
 
     /// A KV endpoint write (`PUT`/`DELETE` on `/v1/kv/…`): `true`/`false`, or an error Consul
@@ -1068,6 +1078,7 @@ impl Tx<'_> {
             }),
             changed_keys: self.changed_keys,
             sessions_changed: self.sessions_changed,
+            checks: Vec::new(),
         }
     }
 }

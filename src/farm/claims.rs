@@ -1,0 +1,213 @@
+//! Which farm should serve which RC: rendezvous hashing with bounded loads.
+//!
+//! Every farm computes the same assignment from the same view (the RCs, and the live farms with
+//! their RC selectors): RCs are taken in id order and each goes to the highest-scoring farm that
+//! may serve it and is still under its cap, the cap being the fair share `ceil(RCs it may serve /
+//! farms sharing its selector)`. Scores are `hash(farm id, RC id)`, so an RC's preferred farm
+//! does not depend on which other farms exist: when a farm joins or leaves, mostly the RCs that
+//! prefer it move.
+//!
+//! Views differ for a moment when farms come and go; the farm loop tolerates that with a grace
+//! rule (an RC nobody holds for a while is claimed by whoever sees it, within a small slack over
+//! the cap, and past a longer wait by anyone at all), so no RC waits because every farm thinks
+//! it is full.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use crate::labels::{LabelSet, Selector};
+use crate::rc::RcId;
+
+/// A live farm as the others see it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FarmView {
+    pub farm_id: String,
+    pub rc_selector: Selector,
+}
+
+/// The score of `rc` for `farm`: a stable 64-bit hash (FNV-1a, then a SplitMix64 finaliser for
+/// avalanche). Stable across versions and platforms, unlike `std`'s hasher.
+pub fn score(farm_id: &str, rc: &RcId) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in farm_id.bytes().chain([0u8]).chain(rc.to_string().bytes()) {
+        h ^= b as u64;
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    h = (h ^ (h >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    h = (h ^ (h >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    h ^ (h >> 31)
+}
+
+/// The assignment: RC → farm id.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Assignment {
+    pub owner: BTreeMap<RcId, String>,
+    /// Each farm's cap (its fair share).
+    pub cap: BTreeMap<String, usize>,
+}
+
+impl Assignment {
+    /// The RCs assigned to `farm_id`.
+    pub fn of(&self, farm_id: &str) -> BTreeSet<RcId> {
+        self.owner
+            .iter()
+            .filter(|(_, f)| f.as_str() == farm_id)
+            .map(|(rc, _)| *rc)
+            .collect()
+    }
+}
+
+/// Computes the assignment of `rcs` (each with its own labels, for the farms' RC selectors).
+pub fn assign(rcs: &BTreeMap<RcId, LabelSet>, farms: &[FarmView]) -> Assignment {
+    let mut farms: Vec<&FarmView> = farms.iter().collect();
+    farms.sort_by(|a, b| a.farm_id.cmp(&b.farm_id));
+    farms.dedup_by(|a, b| a.farm_id == b.farm_id);
+    if farms.is_empty() {
+        return Assignment::default();
+    }
+    // Fair share per farm: the RCs it may serve, divided among the farms with the same selector.
+    let mut cap = BTreeMap::new();
+    for f in &farms {
+        let servable = rcs.values().filter(|l| f.rc_selector.matches(*l)).count();
+        let peers = farms
+            .iter()
+            .filter(|g| g.rc_selector == f.rc_selector)
+            .count()
+            .max(1);
+        cap.insert(f.farm_id.clone(), servable.div_ceil(peers));
+    }
+    let mut load: BTreeMap<&str, usize> = BTreeMap::new();
+    let mut owner = BTreeMap::new();
+    for (rc, labels) in rcs {
+        let mut candidates: Vec<(&FarmView, u64)> = farms
+            .iter()
+            .filter(|f| f.rc_selector.matches(labels))
+            .map(|f| (*f, score(&f.farm_id, rc)))
+            .collect();
+        candidates.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.farm_id.cmp(&b.0.farm_id)));
+        let chosen = candidates
+            .iter()
+            .find(|(f, _)| load.get(f.farm_id.as_str()).copied().unwrap_or(0) < cap[&f.farm_id])
+            // Overlapping selectors can leave everyone at cap: then the least loaded candidate.
+            .or_else(|| {
+                candidates
+                    .iter()
+                    .min_by_key(|(f, _)| load.get(f.farm_id.as_str()).copied().unwrap_or(0))
+            });
+        if let Some((f, _)) = chosen {
+            *load.entry(f.farm_id.as_str()).or_default() += 1;
+            owner.insert(*rc, f.farm_id.clone());
+        }
+    }
+    Assignment { owner, cap }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn farms(ids: &[&str]) -> Vec<FarmView> {
+        ids.iter()
+            .map(|id| FarmView {
+                farm_id: id.to_string(),
+                rc_selector: Selector::everything(),
+            })
+            .collect()
+    }
+
+    fn rcs(n: usize) -> BTreeMap<RcId, LabelSet> {
+        (0..n).map(|_| (RcId::new(), LabelSet::new())).collect()
+    }
+
+    #[test]
+    fn balanced_within_one() {
+        let rcs = rcs(50);
+        let a = assign(&rcs, &farms(&["a", "b", "c"]));
+        let counts: Vec<usize> = ["a", "b", "c"].iter().map(|f| a.of(f).len()).collect();
+        assert_eq!(counts.iter().sum::<usize>(), 50);
+        assert!(
+            counts.iter().max().unwrap() - counts.iter().min().unwrap() <= 1,
+            "{counts:?}"
+        );
+    }
+
+    #[test]
+    fn every_farm_computes_the_same_assignment() {
+        let rcs = rcs(100);
+        let mut f1 = farms(&["a", "b", "c"]);
+        let a1 = assign(&rcs, &f1);
+        f1.reverse();
+        assert_eq!(assign(&rcs, &f1), a1, "order of the view does not matter");
+    }
+
+    #[test]
+    fn a_joining_farm_moves_few_rcs() {
+        let rcs = rcs(300);
+        let before = assign(&rcs, &farms(&["a", "b", "c"]));
+        let after = assign(&rcs, &farms(&["a", "b", "c", "d"]));
+        let moved = rcs
+            .keys()
+            .filter(|rc| before.owner[rc] != after.owner[rc])
+            .count();
+        // The new farm takes its quarter; a few more move because of the caps.
+        assert!(after.of("d").len() == 75, "{}", after.of("d").len());
+        assert!(moved < 150, "moved {moved} of 300");
+        let left = assign(&rcs, &farms(&["a", "c"]));
+        let moved_away = rcs
+            .keys()
+            .filter(|rc| before.owner[rc] != left.owner[rc])
+            .count();
+        assert!(moved_away < 170, "moved {moved_away} of 300 when b left");
+    }
+
+    #[test]
+    fn rc_selectors_partition_the_work() {
+        let mut rcs = BTreeMap::new();
+        for i in 0..20 {
+            let team = if i % 2 == 0 { "red" } else { "blue" };
+            rcs.insert(RcId::new(), [("team".to_string(), team.to_string())].into());
+        }
+        let views = vec![
+            FarmView {
+                farm_id: "r1".into(),
+                rc_selector: Selector::parse("team=red").unwrap(),
+            },
+            FarmView {
+                farm_id: "r2".into(),
+                rc_selector: Selector::parse("team=red").unwrap(),
+            },
+            FarmView {
+                farm_id: "b1".into(),
+                rc_selector: Selector::parse("team=blue").unwrap(),
+            },
+        ];
+        let a = assign(&rcs, &views);
+        assert_eq!(a.of("b1").len(), 10);
+        assert_eq!(a.of("r1").len() + a.of("r2").len(), 10);
+        assert!(a.of("r1").len() == 5 && a.of("r2").len() == 5);
+        for (rc, farm) in &a.owner {
+            let team = &rcs[rc]["team"];
+            assert_eq!(farm.starts_with('r'), team == "red");
+        }
+    }
+
+    #[test]
+    fn rcs_no_farm_may_serve_are_unassigned() {
+        let mut rcs = rcs(3);
+        rcs.insert(RcId::new(), [("x".to_string(), "y".to_string())].into());
+        let views = vec![FarmView {
+            farm_id: "a".into(),
+            rc_selector: Selector::parse("!x").unwrap(),
+        }];
+        assert_eq!(assign(&rcs, &views).owner.len(), 3);
+        assert!(assign(&rcs, &[]).owner.is_empty());
+    }
+
+    #[test]
+    fn scores_are_stable() {
+        let rc = RcId::parse("6ba7b810-9dad-11d1-80b4-00c04fd430c8").unwrap();
+        assert_eq!(score("farm-a", &rc), score("farm-a", &rc));
+        assert_ne!(score("farm-a", &rc), score("farm-b", &rc));
+        // Pinned: farms of different builds must agree.
+        assert_eq!(score("farm-a", &rc), 4_932_952_535_229_323_081);
+    }
+}

@@ -1,0 +1,62 @@
+//! How farms see each other: each registers `rcfarm/farms/<session-id>`, acquired with its
+//! session (behavior delete), so the key lives exactly as long as the farm's session.
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+
+use super::claims::FarmView;
+use crate::consul::KvPair;
+use crate::labels::Selector;
+
+pub const FARMS_PREFIX: &str = "rcfarm/farms/";
+
+/// What a farm says about itself.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FarmInfo {
+    pub farm_id: String,
+    pub hostname: String,
+    pub session: String,
+    pub session_name: String,
+    pub rc_selector: String,
+    pub pid: u32,
+    pub started_at: DateTime<Utc>,
+    #[serde(default)]
+    pub http: Option<String>,
+    pub version: String,
+}
+
+impl FarmInfo {
+    pub fn key(&self) -> String {
+        format!("{FARMS_PREFIX}{}", self.session)
+    }
+}
+
+/// Live farms from the registry tree: entries still held by a session and readable.
+pub fn live_farms(entries: &[KvPair]) -> Vec<FarmInfo> {
+    let mut out: Vec<FarmInfo> = entries
+        .iter()
+        .filter(|e| e.session.is_some())
+        .filter_map(|e| serde_json::from_slice::<FarmInfo>(e.value_bytes()).ok())
+        .collect();
+    out.sort_by(|a, b| {
+        a.farm_id
+            .cmp(&b.farm_id)
+            .then_with(|| a.session.cmp(&b.session))
+    });
+    out
+}
+
+/// The views the claim assignment needs. A farm whose selector does not parse serves nothing.
+pub fn views(farms: &[FarmInfo]) -> Vec<FarmView> {
+    farms
+        .iter()
+        .filter_map(|f| {
+            Selector::parse(&f.rc_selector)
+                .ok()
+                .map(|rc_selector| FarmView {
+                    farm_id: f.farm_id.clone(),
+                    rc_selector,
+                })
+        })
+        .collect()
+}

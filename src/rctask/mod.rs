@@ -1,0 +1,13 @@
+//! The RC task: keeps one RC's desires true ("meet desires"), P2's `replication_controller.go`
+//! split as kube-runtime does it: a pure [`plan`] from what is observed, and a worker that
+//! applies plans in fenced transactions.
+
+pub mod intents;
+pub mod plan;
+pub mod status;
+mod worker;
+
+pub use intents::{IntentState, IntentView, intent_key};
+pub use plan::{Action, Observed, Plan, Transfer, plan};
+pub use status::{Condition, FarmStatus, RcStatus, StatusRegistry};
+pub use worker::{RcState, TaskConfig, TaskContext, TaskEvent, TaskHandle, spawn};

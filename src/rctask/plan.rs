@@ -1,0 +1,477 @@
+//! What an RC should do next, decided from what is observed. Pure: no I/O, no clock of its own
+//! (the time is an input), so every decision is unit-tested.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+
+use crate::health::HealthStatus;
+use crate::rc::{AllocationStrategy, Rc};
+use crate::scheduler::NodeName;
+
+/// A node transfer in flight, as kept in P2's status key
+/// (`status/replication_controllers/<id>/replication_controller`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Transfer {
+    pub old_node: NodeName,
+    pub new_node: NodeName,
+    pub id: String,
+    /// rcfarm's addition, for the timeout.
+    #[serde(default = "Utc::now")]
+    pub started_at: DateTime<Utc>,
+}
+
+/// Everything the planner looks at.
+#[derive(Debug, Clone)]
+pub struct Observed<'a> {
+    pub rc: &'a Rc,
+    /// Nodes with a pod of this RC, and the pod id each carries (an older manifest may have
+    /// had another id).
+    pub current: BTreeMap<NodeName, String>,
+    pub eligible: BTreeSet<NodeName>,
+    /// This pod id's health by node.
+    pub health: BTreeMap<NodeName, HealthStatus>,
+    /// Whether anything reports health for this pod id at all; if not, health cannot gate.
+    pub health_in_use: bool,
+    /// Current nodes whose intent is missing or differs from the manifest.
+    pub bad_intents: BTreeSet<NodeName>,
+    pub transfer: Option<Transfer>,
+    /// The scheduler was already asked for nodes in this pass and gave what it could.
+    pub allocation_exhausted: bool,
+    /// Another session holds the mutation lock (a rolling update, say): no transfer now.
+    pub mutation_locked_elsewhere: bool,
+    pub now: DateTime<Utc>,
+    pub transfer_timeout: Duration,
+}
+
+/// One step. The executor performs them in order, each as fenced transactions.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Action {
+    /// Write intent and pod labels on these nodes.
+    Schedule(Vec<NodeName>),
+    /// Remove intent and pod labels from these nodes.
+    Unschedule(Vec<NodeName>),
+    /// Rewrite intent and labels where they are missing or differ (the node set is unchanged).
+    Repair(Vec<NodeName>),
+    /// Replace pods carrying an older pod id with the current one, in place.
+    Replace(Vec<NodeName>),
+    /// Ask the scheduler for this many more nodes, then plan again.
+    Allocate(usize),
+    /// Move the pod on `old` to `new` (or to a node to allocate when `None`).
+    StartTransfer {
+        old: NodeName,
+        new: Option<NodeName>,
+    },
+    CompleteTransfer,
+    RollbackTransfer(String),
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Plan {
+    pub actions: Vec<Action>,
+    /// Why the desires cannot be met, if they cannot.
+    pub unmet: Option<String>,
+    /// What the RC is waiting for, if anything (shown in its status).
+    pub waiting: Option<String>,
+}
+
+impl Plan {
+    pub fn is_idle(&self) -> bool {
+        self.actions.is_empty()
+    }
+}
+
+/// Decides the next steps.
+pub fn plan(o: &Observed<'_>) -> Plan {
+    let mut p = Plan::default();
+    let rc = o.rc;
+    if rc.disabled {
+        p.waiting = Some("disabled: no scheduling changes".into());
+        return p;
+    }
+    let desired = rc.replicas_desired as usize;
+    let current: BTreeSet<&NodeName> = o.current.keys().collect();
+    let n = current.len();
+
+    if let Some(t) = &o.transfer {
+        let verdict = if !o.current.contains_key(&t.new_node) {
+            Some(Err(format!("the new pod on {} is gone", t.new_node)))
+        } else if !o.current.contains_key(&t.old_node) {
+            // Someone removed the old pod already: the transfer is as good as done.
+            Some(Ok(()))
+        } else if n != desired + 1 {
+            Some(Err(format!(
+                "replicas changed to {desired} during the transfer"
+            )))
+        } else if !o.eligible.contains(&t.new_node) {
+            Some(Err(format!("{} is no longer eligible", t.new_node)))
+        } else if o.eligible.contains(&t.old_node) {
+            Some(Err(format!("{} is eligible again", t.old_node)))
+        } else if !o.health_in_use || o.health.get(&t.new_node).is_some_and(|h| h.is_passing()) {
+            Some(Ok(()))
+        } else if elapsed(o.now, t.started_at) >= o.transfer_timeout {
+            Some(Err(format!(
+                "the new pod on {} was not healthy within {}s",
+                t.new_node,
+                o.transfer_timeout.as_secs()
+            )))
+        } else {
+            None
+        };
+        match verdict {
+            Some(Ok(())) => p.actions.push(Action::CompleteTransfer),
+            Some(Err(reason)) => p.actions.push(Action::RollbackTransfer(reason)),
+            None => {
+                p.waiting = Some(format!(
+                    "transferring {} → {}: waiting for the new pod to pass its health check",
+                    t.old_node, t.new_node
+                ))
+            }
+        }
+        push_repairs(o, &mut p, &BTreeSet::new());
+        return p;
+    }
+
+    let ineligible: Vec<&NodeName> = current
+        .iter()
+        .filter(|n| !o.eligible.contains(**n))
+        .copied()
+        .collect();
+    let mut removed: BTreeSet<NodeName> = BTreeSet::new();
+
+    if n > desired {
+        let unhealthy = |node: &&NodeName| o.health.get(*node).is_some_and(|h| !h.is_passing());
+        let mut order: Vec<&NodeName> = ineligible.clone();
+        let mut rest: Vec<&NodeName> = current
+            .iter()
+            .filter(|n| o.eligible.contains(**n))
+            .copied()
+            .collect();
+        // Unhealthy next, then the highest names (scale-up takes the lowest first).
+        rest.sort_by(|a, b| unhealthy(b).cmp(&unhealthy(a)).then_with(|| b.cmp(a)));
+        order.extend(rest);
+        let victims: Vec<NodeName> = order.into_iter().take(n - desired).cloned().collect();
+        removed.extend(victims.iter().cloned());
+        p.actions.push(Action::Unschedule(victims));
+    } else if n < desired {
+        let need = desired - n;
+        let candidates: Vec<NodeName> = o
+            .eligible
+            .iter()
+            .filter(|e| !o.current.contains_key(*e))
+            .cloned()
+            .collect();
+        if candidates.len() >= need {
+            p.actions
+                .push(Action::Schedule(candidates[..need].to_vec()));
+        } else {
+            if !candidates.is_empty() {
+                p.actions.push(Action::Schedule(candidates.clone()));
+            }
+            let short = need - candidates.len();
+            if rc.strategy == AllocationStrategy::Dynamic && !o.allocation_exhausted {
+                p.actions.push(Action::Allocate(short));
+            } else {
+                p.unmet = Some(format!(
+                    "not enough nodes: {desired} replicas desired, {n} current, {} eligible for selector \"{}\"{}",
+                    o.eligible.len(),
+                    rc.node_selector,
+                    if rc.strategy == AllocationStrategy::Dynamic {
+                        "; the scheduler could not allocate more"
+                    } else {
+                        ""
+                    }
+                ));
+            }
+        }
+    } else if let Some(old) = ineligible.first() {
+        // Move one pod off a node it should not be on, when the rest of the RC is healthy.
+        let old_ok = o.health.get(*old).is_none_or(|h| !h.is_passing());
+        let others_healthy = !o.health_in_use
+            || current
+                .iter()
+                .filter(|n| *n != old)
+                .all(|n| o.health.get(*n).is_some_and(|h| h.is_passing()));
+        let target = o
+            .eligible
+            .iter()
+            .find(|e| !o.current.contains_key(*e))
+            .cloned();
+        if o.mutation_locked_elsewhere {
+            p.waiting = Some(format!(
+                "{old} is not eligible, but another session holds the mutation lock"
+            ));
+        } else if !(old_ok || others_healthy) {
+            p.waiting = Some(format!(
+                "{old} is not eligible; waiting for the other pods to be healthy before moving it"
+            ));
+        } else if target.is_none()
+            && (rc.strategy != AllocationStrategy::Dynamic || o.allocation_exhausted)
+        {
+            p.waiting = Some(format!(
+                "{old} is not eligible and there is no eligible node to move its pod to"
+            ));
+        } else {
+            p.actions.push(Action::StartTransfer {
+                old: (*old).clone(),
+                new: target,
+            });
+        }
+    }
+
+    let stale: Vec<NodeName> = o
+        .current
+        .iter()
+        .filter(|(node, pod)| pod.as_str() != rc.pod_id() && !removed.contains(*node))
+        .map(|(node, _)| node.clone())
+        .collect();
+    if !stale.is_empty() {
+        removed.extend(stale.iter().cloned());
+        p.actions.push(Action::Replace(stale));
+    }
+    push_repairs(o, &mut p, &removed);
+    p
+}
+
+fn push_repairs(o: &Observed<'_>, p: &mut Plan, skip: &BTreeSet<NodeName>) {
+    let repairs: Vec<NodeName> = o
+        .bad_intents
+        .iter()
+        .filter(|n| o.current.contains_key(*n) && o.eligible.contains(*n) && !skip.contains(*n))
+        .cloned()
+        .collect();
+    if !repairs.is_empty() {
+        p.actions.push(Action::Repair(repairs));
+    }
+}
+
+fn elapsed(now: DateTime<Utc>, since: DateTime<Utc>) -> Duration {
+    (now - since).to_std().unwrap_or(Duration::ZERO)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rc::{Rc, RcId};
+
+    fn rc(replicas: u64, strategy: &str, disabled: bool) -> Rc {
+        let id = RcId::new();
+        let json = format!(
+            r#"{{"id":"{id}","manifest":"id: web\n","node_selector":"env=prod","pod_labels":{{}},"replicas_desired":{replicas},"disabled":{disabled},"allocation_strategy":"{strategy}"}}"#
+        );
+        Rc::from_kv(&id.key(), json.as_bytes(), 1).unwrap()
+    }
+
+    fn nodes(ns: &[&str]) -> BTreeSet<NodeName> {
+        ns.iter().map(|s| s.to_string()).collect()
+    }
+
+    fn current(ns: &[&str]) -> BTreeMap<NodeName, String> {
+        ns.iter()
+            .map(|s| (s.to_string(), "web".to_string()))
+            .collect()
+    }
+
+    fn t0() -> DateTime<Utc> {
+        DateTime::parse_from_rfc3339("2026-01-01T00:00:00Z")
+            .unwrap()
+            .with_timezone(&Utc)
+    }
+
+    fn observed<'a>(rc: &'a Rc, cur: &[&str], elig: &[&str]) -> Observed<'a> {
+        Observed {
+            rc,
+            current: current(cur),
+            eligible: nodes(elig),
+            health: BTreeMap::new(),
+            health_in_use: false,
+            bad_intents: BTreeSet::new(),
+            transfer: None,
+            allocation_exhausted: false,
+            mutation_locked_elsewhere: false,
+            now: t0(),
+            transfer_timeout: Duration::from_secs(300),
+        }
+    }
+
+    fn s(v: &[&str]) -> Vec<NodeName> {
+        v.iter().map(|x| x.to_string()).collect()
+    }
+
+    #[test]
+    fn scales_up_onto_eligible_nodes_by_name() {
+        let r = rc(3, "static_strategy", false);
+        let p = plan(&observed(&r, &["b"], &["d", "c", "b", "a"]));
+        assert_eq!(p.actions, [Action::Schedule(s(&["a", "c"]))]);
+        assert_eq!(p.unmet, None);
+    }
+
+    #[test]
+    fn static_rc_short_of_nodes_is_unmet_after_scheduling_what_it_can() {
+        let r = rc(5, "static_strategy", false);
+        let p = plan(&observed(&r, &["a"], &["a", "b"]));
+        assert_eq!(p.actions, [Action::Schedule(s(&["b"]))]);
+        let unmet = p.unmet.unwrap();
+        assert!(
+            unmet.contains("5 replicas desired, 1 current, 2 eligible"),
+            "{unmet}"
+        );
+    }
+
+    #[test]
+    fn dynamic_rc_asks_to_allocate_then_reports_unmet_when_exhausted() {
+        let r = rc(4, "dynamic_strategy", false);
+        let mut o = observed(&r, &["a"], &["a", "b"]);
+        assert_eq!(
+            plan(&o).actions,
+            [Action::Schedule(s(&["b"])), Action::Allocate(2)]
+        );
+        o.allocation_exhausted = true;
+        let p = plan(&o);
+        assert_eq!(p.actions, [Action::Schedule(s(&["b"]))]);
+        assert!(p.unmet.is_some());
+    }
+
+    #[test]
+    fn scales_down_ineligible_then_unhealthy_then_highest_names() {
+        let r = rc(2, "static_strategy", false);
+        let mut o = observed(
+            &r,
+            &["a", "b", "c", "d", "e", "x"],
+            &["a", "b", "c", "d", "e"],
+        );
+        o.health = [
+            ("b".to_string(), HealthStatus::Critical),
+            ("c".to_string(), HealthStatus::Passing),
+        ]
+        .into();
+        o.health_in_use = true;
+        let p = plan(&o);
+        assert_eq!(p.actions, [Action::Unschedule(s(&["x", "b", "e", "d"]))]);
+    }
+
+    #[test]
+    fn zero_replicas_unschedules_everything_and_disabled_does_nothing() {
+        let r = rc(0, "static_strategy", false);
+        assert_eq!(
+            plan(&observed(&r, &["a", "b"], &["a"])).actions,
+            [Action::Unschedule(s(&["b", "a"]))]
+        );
+        let d = rc(0, "static_strategy", true);
+        let p = plan(&observed(&d, &["a", "b"], &["a"]));
+        assert!(p.is_idle());
+        let d5 = rc(5, "static_strategy", true);
+        assert!(plan(&observed(&d5, &[], &["a", "b"])).is_idle());
+    }
+
+    #[test]
+    fn repairs_bad_intents_on_eligible_current_nodes_only() {
+        let r = rc(2, "static_strategy", false);
+        let mut o = observed(&r, &["a", "b"], &["a", "b"]);
+        o.bad_intents = nodes(&["b", "zzz"]);
+        assert_eq!(plan(&o).actions, [Action::Repair(s(&["b"]))]);
+    }
+
+    #[test]
+    fn pods_of_an_older_pod_id_are_replaced_in_place() {
+        let r = rc(2, "static_strategy", false);
+        let mut o = observed(&r, &["a", "b"], &["a", "b"]);
+        o.current.insert("b".into(), "old-web".into());
+        assert_eq!(plan(&o).actions, [Action::Replace(s(&["b"]))]);
+    }
+
+    #[test]
+    fn a_pod_on_an_ineligible_node_is_transferred_one_at_a_time() {
+        let r = rc(3, "static_strategy", false);
+        let p = plan(&observed(&r, &["a", "x", "y"], &["a", "b", "c"]));
+        assert_eq!(
+            p.actions,
+            [Action::StartTransfer {
+                old: "x".into(),
+                new: Some("b".into())
+            }]
+        );
+        // Dynamic with no eligible spare: the transfer will allocate.
+        let d = rc(1, "dynamic_strategy", false);
+        assert_eq!(
+            plan(&observed(&d, &["x"], &[])).actions,
+            [Action::StartTransfer {
+                old: "x".into(),
+                new: None
+            }]
+        );
+        // Static with no spare: nothing to move to.
+        let st = rc(1, "static_strategy", false);
+        let p = plan(&observed(&st, &["x"], &[]));
+        assert!(p.is_idle() && p.waiting.unwrap().contains("no eligible node"));
+    }
+
+    #[test]
+    fn transfer_waits_for_the_other_pods_to_be_healthy() {
+        let r = rc(2, "static_strategy", false);
+        let mut o = observed(&r, &["a", "x"], &["a", "b"]);
+        o.health_in_use = true;
+        o.health = [
+            ("a".to_string(), HealthStatus::Warning),
+            ("x".to_string(), HealthStatus::Passing),
+        ]
+        .into();
+        assert!(plan(&o).is_idle());
+        o.health.insert("a".into(), HealthStatus::Passing);
+        assert_eq!(
+            plan(&o).actions,
+            [Action::StartTransfer {
+                old: "x".into(),
+                new: Some("b".into())
+            }]
+        );
+        // An unhealthy pod on the ineligible node may move regardless.
+        o.health = [
+            ("a".to_string(), HealthStatus::Critical),
+            ("x".to_string(), HealthStatus::Critical),
+        ]
+        .into();
+        assert!(!plan(&o).is_idle());
+        o.mutation_locked_elsewhere = true;
+        assert!(plan(&o).is_idle());
+    }
+
+    #[test]
+    fn transfer_in_flight_completes_when_healthy_and_rolls_back_on_timeout_or_change() {
+        let r = rc(2, "dynamic_strategy", false);
+        let mut o = observed(&r, &["a", "x", "n"], &["a", "n"]);
+        o.health_in_use = true;
+        o.transfer = Some(Transfer {
+            old_node: "x".into(),
+            new_node: "n".into(),
+            id: "t1".into(),
+            started_at: t0(),
+        });
+        let p = plan(&o);
+        assert!(p.is_idle() && p.waiting.is_some(), "waits for health");
+        o.health.insert("n".into(), HealthStatus::Passing);
+        assert_eq!(plan(&o).actions, [Action::CompleteTransfer]);
+        o.health.clear();
+        o.now = t0() + chrono::Duration::seconds(301);
+        assert!(
+            matches!(&plan(&o).actions[..], [Action::RollbackTransfer(r)] if r.contains("not healthy"))
+        );
+        o.now = t0();
+        o.eligible = nodes(&["a", "n", "x"]);
+        assert!(
+            matches!(&plan(&o).actions[..], [Action::RollbackTransfer(r)] if r.contains("eligible again"))
+        );
+        let r3 = rc(3, "dynamic_strategy", false);
+        o.rc = &r3;
+        o.eligible = nodes(&["a", "n"]);
+        assert!(
+            matches!(&plan(&o).actions[..], [Action::RollbackTransfer(r)] if r.contains("replicas changed"))
+        );
+        // Without health reports at all, the new pod counts as healthy at once.
+        o.rc = &r;
+        o.health_in_use = false;
+        assert_eq!(plan(&o).actions, [Action::CompleteTransfer]);
+    }
+}

@@ -1,0 +1,131 @@
+//! What RC tasks and the farm report about themselves, readable in-process (HTTP API, status
+//! page, tests).
+
+use std::collections::BTreeMap;
+
+use chrono::{DateTime, Utc};
+use parking_lot::RwLock;
+use serde::Serialize;
+
+use super::plan::Transfer;
+use crate::rc::RcId;
+use crate::scheduler::NodeName;
+
+/// A condition an RC is in.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Condition {
+    /// `Unmet`, `Invalid`, `Transferring`, `Disabled`, `Waiting`, `Error`.
+    pub kind: String,
+    pub message: String,
+    pub since: DateTime<Utc>,
+}
+
+/// One RC as its owning farm sees it.
+#[derive(Debug, Clone, Serialize)]
+pub struct RcStatus {
+    pub id: RcId,
+    pub pod_id: Option<String>,
+    pub owner_farm: String,
+    pub desired: Option<u64>,
+    pub current: usize,
+    pub healthy: usize,
+    pub nodes: Vec<NodeName>,
+    pub disabled: bool,
+    pub conditions: Vec<Condition>,
+    pub transfer: Option<Transfer>,
+    pub last_error: Option<String>,
+    pub last_pass: Option<DateTime<Utc>>,
+    pub passes: u64,
+}
+
+impl RcStatus {
+    pub fn new(id: RcId, owner_farm: &str) -> Self {
+        RcStatus {
+            id,
+            pod_id: None,
+            owner_farm: owner_farm.to_string(),
+            desired: None,
+            current: 0,
+            healthy: 0,
+            nodes: Vec::new(),
+            disabled: false,
+            conditions: Vec::new(),
+            transfer: None,
+            last_error: None,
+            last_pass: None,
+            passes: 0,
+        }
+    }
+
+    /// Sets (or with `None` clears) a condition, keeping its `since` while it stays.
+    pub fn set_condition(&mut self, kind: &str, message: Option<String>) {
+        match message {
+            None => self.conditions.retain(|c| c.kind != kind),
+            Some(message) => match self.conditions.iter_mut().find(|c| c.kind == kind) {
+                Some(c) => c.message = message,
+                None => self.conditions.push(Condition {
+                    kind: kind.to_string(),
+                    message,
+                    since: Utc::now(),
+                }),
+            },
+        }
+    }
+
+    pub fn has_condition(&self, kind: &str) -> bool {
+        self.conditions.iter().any(|c| c.kind == kind)
+    }
+}
+
+/// The farm as it sees itself.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct FarmStatus {
+    pub farm_id: String,
+    pub session: Option<String>,
+    pub session_name: String,
+    pub owned: usize,
+    pub fair_share: usize,
+    pub live_farms: Vec<String>,
+    pub matching_rcs: usize,
+    pub invalid_rcs: usize,
+    pub synced: bool,
+    pub session_losses: u64,
+}
+
+/// Shared status of a farm and its RCs.
+#[derive(Debug, Default)]
+pub struct StatusRegistry {
+    rcs: RwLock<BTreeMap<RcId, RcStatus>>,
+    farm: RwLock<FarmStatus>,
+}
+
+impl StatusRegistry {
+    pub fn update_rc(&self, id: RcId, owner: &str, f: impl FnOnce(&mut RcStatus)) {
+        let mut rcs = self.rcs.write();
+        f(rcs.entry(id).or_insert_with(|| RcStatus::new(id, owner)));
+    }
+
+    pub fn remove_rc(&self, id: RcId) {
+        self.rcs.write().remove(&id);
+    }
+
+    pub fn clear_rcs(&self) {
+        self.rcs.write().clear();
+    }
+
+    pub fn rc(&self, id: RcId) -> Option<RcStatus> {
+        self.rcs.read().get(&id).cloned()
+    }
+
+    pub fn rcs(&self) -> Vec<RcStatus> {
+        self.rcs.read().values().cloned().collect()
+    }
+
+    pub fn farm(&self) -> FarmStatus {
+        self.farm.read().clone()
+    }
+
+    pub fn update_farm(&self, f: impl FnOnce(&mut FarmStatus)) {
+        f(&mut self.farm.write());
+    }
+}

@@ -1,0 +1,385 @@
+//! Convergence: many RCs over several farms, and every kind of desired-state change.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use rcfarm::audit::{AuditRecord, events};
+use rcfarm::consul::QueryOptions;
+use rcfarm::rc::RcId;
+use serde_json::json;
+
+use crate::harness::{Cluster, nodes};
+
+#[tokio::test]
+async fn three_farms_converge_fifty_p2_rcs_balanced() {
+    let mut c = Cluster::start().await;
+    nodes(&c, 30, 3).await;
+    for f in ["f1", "f2", "f3"] {
+        c.spawn_farm(f, &[]).await;
+    }
+    // 50 RCs written as P2 tools write them, 1-4 replicas over one zone or everywhere.
+    let mut want: BTreeMap<RcId, usize> = BTreeMap::new();
+    let started = std::time::Instant::now();
+    for i in 0..50 {
+        let id = RcId::new();
+        let replicas = 1 + i % 4;
+        let selector = if i % 2 == 0 {
+            format!("zone=z{}", i % 3)
+        } else {
+            "env=prod".to_string()
+        };
+        c.put_rc(
+            id,
+            &format!("app-{i}"),
+            &selector,
+            replicas as i64,
+            "static_strategy",
+        )
+        .await;
+        want.insert(id, replicas);
+    }
+    let want2 = want.clone();
+    let took = c
+        .wait_for(Duration::from_secs(60), "50 RCs converged", || {
+            let want = want2.clone();
+            let c = &c;
+            async move {
+                let p = c.placements().await;
+                want.iter()
+                    .all(|(id, n)| p.get(id).map_or(0, |s| s.len()) == *n)
+            }
+        })
+        .await;
+    println!(
+        "FIGURE convergence of 50 RCs (125 pods) over 3 farms: {:.2} s from the first PUT ({:.2} s after the last)",
+        started.elapsed().as_secs_f64(),
+        took.as_secs_f64()
+    );
+
+    // Every RC owned by exactly one farm, balanced.
+    let owners = c.owner_farms().await;
+    assert_eq!(owners.len(), 50, "every RC has an owner");
+    let mut per_farm: BTreeMap<String, usize> = BTreeMap::new();
+    for f in owners.values() {
+        *per_farm.entry(f.clone()).or_default() += 1;
+    }
+    c.wait_for(Duration::from_secs(20), "balanced ownership", || {
+        let c = &c;
+        async move {
+            let owners = c.owner_farms().await;
+            let mut per: BTreeMap<String, usize> = BTreeMap::new();
+            for f in owners.values() {
+                *per.entry(f.clone()).or_default() += 1;
+            }
+            let (max, min) = (
+                per.values().max().copied().unwrap_or(0),
+                per.values().min().copied().unwrap_or(0),
+            );
+            owners.len() == 50 && per.len() == 3 && min > 0 && max as f64 / min as f64 <= 1.5
+        }
+    })
+    .await;
+    // Each pod on a node matching its RC's selector, never two pods of one RC on a node.
+    let placements = c.placements().await;
+    for (id, ns) in &placements {
+        assert_eq!(ns.len(), want[id]);
+    }
+    let checked = c.check_invariants(|_| false);
+    assert!(checked >= 50, "scheduling commits checked: {checked}");
+}
+
+#[tokio::test]
+async fn every_kind_of_desired_state_change() {
+    let mut c = Cluster::start().await;
+    nodes(&c, 6, 2).await; // node-00,02,04 in z0; 01,03,05 in z1
+    c.spawn_farm("solo", &[]).await;
+    let id = RcId::new();
+    c.put_rc(id, "web", "zone=z0", 2, "static_strategy").await;
+    let cr = &c;
+    let on = move |want: &'static [&'static str]| async move { placed(cr, id).await == want };
+    let t = Duration::from_secs(20);
+    c.wait_for(t, "2 pods in z0", || on(&["node-00", "node-02"]))
+        .await;
+
+    // Scale up: the next eligible node by name.
+    c.patch_rc(id, "replicas_desired", json!(3)).await;
+    c.wait_for(t, "scaled to 3", || on(&["node-00", "node-02", "node-04"]))
+        .await;
+
+    // A node loses its label: with the count right, its pod moves to an eligible node.
+    c.label_node("node-02", &[("env", "prod"), ("zone", "z9")])
+        .await;
+    c.label_node("node-06", &[("env", "prod"), ("zone", "z0")])
+        .await;
+    c.wait_for(t, "pod moved off the relabelled node", || {
+        on(&["node-00", "node-04", "node-06"])
+    })
+    .await;
+
+    // Scale down removes ineligible pods first: make node-06 ineligible, then scale to 2.
+    c.patch_rc(id, "disabled", json!(true)).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    c.label_node("node-06", &[("env", "prod"), ("zone", "z8")])
+        .await;
+    c.patch_rc(id, "replicas_desired", json!(2)).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(
+        on(&["node-00", "node-04", "node-06"]).await,
+        "disabled: no scheduling changes"
+    );
+    c.patch_rc(id, "disabled", json!(false)).await;
+    c.wait_for(t, "scale-down removed the ineligible pod first", || {
+        on(&["node-00", "node-04"])
+    })
+    .await;
+
+    // Node selector change: pods move to the new zone, one at a time.
+    c.patch_rc(id, "node_selector", json!("zone=z1")).await;
+    c.wait_for(t, "moved to z1", || on(&["node-01", "node-03"]))
+        .await;
+
+    // Replicas 0 unschedules everything; deleting the key then stops the task.
+    c.patch_rc(id, "replicas_desired", json!(0)).await;
+    c.wait_for(t, "no pods", || on(&[])).await;
+    c.patch_rc(id, "replicas_desired", json!(1)).await;
+    c.wait_for(t, "one pod", || on(&["node-01"])).await;
+    c.consul.kv_delete(&id.key()).await.unwrap();
+    c.wait_for(t, "lock released after deletion", || {
+        let c = &c;
+        async move { !c.owners().await.contains_key(&id) }
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(
+        on(&["node-01"]).await,
+        "deleting the RC key leaves its pods"
+    );
+
+    // Direct KV changes were noticed and recorded as observed changes.
+    let (entries, _) = c
+        .consul
+        .kv_list("audit_logs/", &QueryOptions::default())
+        .await
+        .unwrap();
+    let records: Vec<AuditRecord> = entries
+        .iter()
+        .map(|e| AuditRecord::from_kv(&e.key, e.value_bytes()).unwrap())
+        .collect();
+    let observed: Vec<&AuditRecord> = records
+        .iter()
+        .filter(|r| r.event_type == events::RC_OBSERVED_CHANGE)
+        .collect();
+    assert!(observed.len() >= 6, "observed changes: {}", observed.len());
+    assert!(
+        observed
+            .iter()
+            .any(|r| r.event_details["changes"]["node_selector"]
+                == json!({"old": "zone=z0", "new": "zone=z1"}))
+    );
+    let transfers = records
+        .iter()
+        .filter(|r| r.event_type == events::NODE_TRANSFER_COMPLETION)
+        .count();
+    assert!(transfers >= 3, "moves are node transfers: {transfers}");
+    c.check_invariants(|_| false);
+}
+
+#[tokio::test]
+async fn an_invalid_rc_is_reported_and_the_others_are_served() {
+    let mut c = Cluster::start().await;
+    nodes(&c, 3, 1).await;
+    c.spawn_farm("f1", &[]).await;
+    let good = RcId::new();
+    c.put_rc(good, "good", "env=prod", 2, "static_strategy")
+        .await;
+    let bad = RcId::new();
+    c.consul.kv_put(&bad.key(), br#"{"id": "oops", "manifest": "id: x", "node_selector": "a in", "replicas_desired": 1}"#, None).await.unwrap();
+    let missing = RcId::new();
+    c.consul
+        .kv_put(
+            &missing.key(),
+            format!(r#"{{"id":"{missing}","manifest":"id: m\n","node_selector":""}}"#).as_bytes(),
+            None,
+        )
+        .await
+        .unwrap();
+    c.consul
+        .kv_put("replication_controllers/not-a-uuid", b"{}", None)
+        .await
+        .unwrap();
+    c.wait_for(Duration::from_secs(20), "good RC served", || {
+        let c = &c;
+        async move {
+            c.placements()
+                .await
+                .get(&good)
+                .is_some_and(|s| s.len() == 2)
+        }
+    })
+    .await;
+    c.wait_for(Duration::from_secs(20), "invalid RCs reported", || {
+        let c = &c;
+        async move {
+            let (entries, _) = c
+                .consul
+                .kv_list("audit_logs/", &QueryOptions::default())
+                .await
+                .unwrap();
+            let invalid: Vec<String> = entries
+                .iter()
+                .filter_map(|e| AuditRecord::from_kv(&e.key, e.value_bytes()).ok())
+                .filter(|r| r.event_type == events::RC_INVALID)
+                .map(|r| {
+                    r.event_details["problem"]
+                        .as_str()
+                        .unwrap_or("")
+                        .to_string()
+                })
+                .collect();
+            invalid.len() == 2 && invalid.iter().any(|p| p.contains("replicas_desired"))
+        }
+    })
+    .await;
+    assert!(
+        !c.placements().await.contains_key(&bad) && !c.placements().await.contains_key(&missing)
+    );
+    // Reported once, not every pass.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let (entries, _) = c
+        .consul
+        .kv_list("audit_logs/", &QueryOptions::default())
+        .await
+        .unwrap();
+    let n = entries
+        .iter()
+        .filter_map(|e| AuditRecord::from_kv(&e.key, e.value_bytes()).ok())
+        .filter(|r| r.event_type == events::RC_INVALID)
+        .count();
+    assert_eq!(n, 2);
+    // Fixing it brings it into service.
+    c.put_rc(missing, "m", "env=prod", 1, "").await;
+    c.wait_for(Duration::from_secs(20), "fixed RC served", || {
+        let c = &c;
+        async move {
+            c.placements()
+                .await
+                .get(&missing)
+                .is_some_and(|s| s.len() == 1)
+        }
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_cluster_without_any_pod_labels_schedules() {
+    // P2 deadlocks here: listing an empty labels/pod/ tree is an error for it.
+    let mut c = Cluster::start().await;
+    nodes(&c, 2, 1).await;
+    c.spawn_farm("f1", &[]).await;
+    let id = RcId::new();
+    c.put_rc(id, "first", "env=prod", 2, "static_strategy")
+        .await;
+    c.wait_for(Duration::from_secs(20), "first pods", || {
+        let c = &c;
+        async move { c.placements().await.get(&id).is_some_and(|s| s.len() == 2) }
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn unmet_desires_alert_once_when_they_start_and_once_when_they_clear() {
+    let mut c = Cluster::start().await;
+    nodes(&c, 2, 1).await;
+    c.spawn_farm("f1", &[]).await;
+    let id = RcId::new();
+    c.put_rc(id, "big", "env=prod", 3, "static_strategy").await;
+    let cr = &c;
+    c.wait_for(
+        Duration::from_secs(20),
+        "unmet reported",
+        move || async move { count_events(cr, events::RC_DESIRES_UNMET).await == 1 },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert_eq!(
+        count_events(&c, events::RC_DESIRES_UNMET).await,
+        1,
+        "one alert, not one per pass"
+    );
+    assert_eq!(
+        c.placements().await[&id].len(),
+        2,
+        "scheduled what it could"
+    );
+    c.label_node("node-99", &[("env", "prod")]).await;
+    let cr = &c;
+    c.wait_for(Duration::from_secs(20), "met again", move || async move {
+        count_events(cr, events::RC_DESIRES_MET).await == 1
+    })
+    .await;
+    assert_eq!(c.placements().await[&id].len(), 3);
+}
+
+#[tokio::test]
+async fn an_intent_deleted_by_hand_is_rewritten() {
+    let mut c = Cluster::start().await;
+    nodes(&c, 2, 1).await;
+    c.spawn_farm("f1", &[]).await;
+    let id = RcId::new();
+    c.put_rc(id, "web", "env=prod", 2, "static_strategy").await;
+    c.wait_for(Duration::from_secs(20), "scheduled", || {
+        let c = &c;
+        async move { c.placements().await.get(&id).is_some_and(|s| s.len() == 2) }
+    })
+    .await;
+    c.consul.kv_delete("intent/node-00/web").await.unwrap();
+    c.consul
+        .kv_put(
+            "intent/node-01/web",
+            b"id: web\nlaunchables: {}\ntampered: true\n",
+            None,
+        )
+        .await
+        .unwrap();
+    c.wait_for(Duration::from_secs(20), "intents repaired", || {
+        let c = &c;
+        async move {
+            let a = c
+                .consul
+                .kv_get("intent/node-00/web", &QueryOptions::default())
+                .await
+                .unwrap()
+                .0;
+            let b = c
+                .consul
+                .kv_get("intent/node-01/web", &QueryOptions::default())
+                .await
+                .unwrap()
+                .0;
+            a.is_some() && b.is_some_and(|e| !e.value_str().unwrap_or("").contains("tampered"))
+        }
+    })
+    .await;
+    c.check_invariants(|commit| commit.changes.len() == 1);
+}
+
+async fn placed(c: &Cluster, id: RcId) -> Vec<String> {
+    c.placements()
+        .await
+        .get(&id)
+        .map(|s| s.iter().cloned().collect())
+        .unwrap_or_default()
+}
+
+async fn count_events(c: &Cluster, event: &str) -> usize {
+    let (entries, _) = c
+        .consul
+        .kv_list("audit_logs/", &QueryOptions::default())
+        .await
+        .unwrap();
+    entries
+        .iter()
+        .filter_map(|e| AuditRecord::from_kv(&e.key, e.value_bytes()).ok())
+        .filter(|r| r.event_type == event)
+        .count()
+}

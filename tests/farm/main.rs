@@ -1,0 +1,9 @@
+//! Farms as real `rcfarm serve` processes against one embedded Consul server: convergence,
+//! every kind of change, failover, fencing, fair share, node transfer.
+
+#[path = "../common/mod.rs"]
+mod common;
+
+mod converge;
+mod failover;
+mod harness;
