@@ -64,6 +64,14 @@ pub struct FarmArgs {
     /// The `wait` of the farm's blocking queries.
     #[arg(long, env = "RCFARM_WATCH_WAIT", default_value = "5m", value_parser = parse_duration_flag)]
     pub watch_wait: Duration,
+    /// Where farms ship the audit log: `sqlite://PATH` (one machine; farms on it share the
+    /// file) or `postgres://USER@HOST/DB` (farms on several machines). Default: audit.db in
+    /// --state-dir.
+    #[arg(long, env = "RCFARM_AUDIT_DB")]
+    pub audit_db: Option<String>,
+    /// Directory for the farm's local state (the default SQLite audit database).
+    #[arg(long, env = "RCFARM_STATE_DIR", default_value = "rcfarm-data")]
+    pub state_dir: std::path::PathBuf,
 }
 
 impl FarmArgs {
@@ -113,6 +121,13 @@ impl FarmArgs {
             wait: self.watch_wait,
             ..WatchConfig::default()
         };
+        let audit_db = match &self.audit_db {
+            Some(u) => u.clone(),
+            None => format!("sqlite://{}", self.state_dir.join("audit.db").display()),
+        };
+        crate::audit::store::parse_url(&audit_db)
+            .map_err(|e| CliError::Usage(format!("--audit-db: {e}")))?;
+        c.audit_db = Some(audit_db);
         Ok(c)
     }
 }

@@ -19,7 +19,7 @@ use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::audit::{AuditRecord, events};
+use crate::audit::{AuditRecord, AuditStore, Shipper, ShipperConfig, ShipperStats, events};
 use crate::consul::{
     Consul, ConsulConfig, ConsulError, KvPair, MAX_TXN_OPS, Session, SessionBehavior,
     SessionConfig, TxnOp, Watch, WatchConfig,
@@ -63,6 +63,10 @@ pub struct FarmConfig {
     pub watch: WatchConfig,
     /// Announced in the farm registry (for `rcctl farms` and the status page).
     pub http: Option<String>,
+    /// Where the audit log is shipped (`sqlite://…` or `postgres://…`); `None`: this farm
+    /// does not ship (records wait in Consul for a farm that does).
+    pub audit_db: Option<String>,
+    pub shipper: ShipperConfig,
 }
 
 impl FarmConfig {
@@ -80,6 +84,8 @@ impl FarmConfig {
             share_slack: 1,
             watch: WatchConfig::default(),
             http: None,
+            audit_db: None,
+            shipper: ShipperConfig::default(),
         }
     }
 
@@ -124,6 +130,8 @@ pub struct Farm {
     consul: Consul,
     status: Arc<StatusRegistry>,
     ready: watch::Sender<bool>,
+    audit: watch::Sender<Option<Arc<AuditStore>>>,
+    shipper_stats: Arc<ShipperStats>,
 }
 
 /// What the farm owns under its current session.
@@ -147,12 +155,89 @@ impl Farm {
             f.session_name = config.session_name();
         });
         let (ready, _) = watch::channel(false);
+        let (audit, _) = watch::channel(None);
         Ok(Farm {
             config,
             consul,
             status,
             ready,
+            audit,
+            shipper_stats: Arc::default(),
         })
+    }
+
+    /// The audit database, once connected.
+    pub fn audit_store(&self) -> watch::Receiver<Option<Arc<AuditStore>>> {
+        self.audit.subscribe()
+    }
+
+    pub fn shipper_stats(&self) -> Arc<ShipperStats> {
+        self.shipper_stats.clone()
+    }
+
+    /// Connects to the audit database in the background, retrying: a farm serves RCs whether
+    /// or not SQL is reachable (records wait in the Consul outbox).
+    fn connect_audit(&self, shutdown: &CancellationToken) {
+        let Some(url) = self.config.audit_db.clone() else {
+            return;
+        };
+        let tx = self.audit.clone();
+        let shutdown = shutdown.clone();
+        tokio::spawn(async move {
+            let mut backoff = Backoff::new(Duration::from_secs(1), Duration::from_secs(60));
+            loop {
+                match AuditStore::connect(&url).await {
+                    Ok(store) => {
+                        tracing::info!(db = %store.url(), "audit database ready");
+                        let _ = tx.send(Some(Arc::new(store)));
+                        return;
+                    }
+                    Err(e) => {
+                        let wait = backoff.next_delay();
+                        tracing::warn!(error = %e, retry_in = ?wait, "audit database unavailable; records wait in Consul");
+                        tokio::select! {
+                            _ = shutdown.cancelled() => return,
+                            _ = tokio::time::sleep(wait) => {}
+                        }
+                    }
+                }
+            }
+        });
+    }
+
+    /// Runs the shipper under `session` until `stop`.
+    fn spawn_shipper(
+        &self,
+        session: &Session,
+        stop: CancellationToken,
+    ) -> Option<tokio::task::JoinHandle<()>> {
+        self.config.audit_db.as_ref()?;
+        let mut store_rx = self.audit.subscribe();
+        let consul = self.consul.clone();
+        let session_id = session.id().to_string();
+        let farm_id = self.config.farm_id.clone();
+        let config = self.config.shipper.clone();
+        let stats = self.shipper_stats.clone();
+        Some(tokio::spawn(async move {
+            let store = tokio::select! {
+                _ = stop.cancelled() => return,
+                s = store_rx.wait_for(Option::is_some) => match s {
+                    Ok(s) => s.clone(),
+                    Err(_) => return,
+                },
+            };
+            let Some(store) = store else { return };
+            Shipper {
+                consul,
+                store,
+                session: session_id,
+                farm_id,
+                config,
+                stats,
+            }
+            .run(stop)
+            .await;
+        }))
     }
 
     pub fn status(&self) -> Arc<StatusRegistry> {
@@ -198,6 +283,7 @@ impl Farm {
             )),
         };
         tracing::info!(farm_id = %cfg.farm_id, scheduler = scheduler.name(), rc_selector = %cfg.rc_selector, "farm starting");
+        self.connect_audit(&shutdown);
         let mut backoff = Backoff::new(Duration::from_millis(500), Duration::from_secs(30));
         loop {
             if shutdown.is_cancelled() {
@@ -231,10 +317,17 @@ impl Farm {
                 mutation_locks: mutation_rx,
                 config: cfg.task.clone(),
             });
+            let shipper_stop = session.lost().child_token();
+            let shipper = self.spawn_shipper(&session, shipper_stop.clone());
             let ended = self
                 .serve(&views, &session, &info, ctx, mutation_tx, &shutdown)
                 .await;
             let _ = self.ready.send(false);
+            // The shipper gives its lock back before the session goes.
+            shipper_stop.cancel();
+            if let Some(h) = shipper {
+                let _ = tokio::time::timeout(Duration::from_secs(10), h).await;
+            }
             match ended {
                 Ended::Shutdown => {
                     let _ = session.destroy().await;

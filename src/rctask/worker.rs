@@ -85,6 +85,9 @@ pub enum TaskEvent {
 enum TaskError {
     #[error("fenced: this farm no longer holds the ownership lock")]
     Fenced,
+    /// The RC changed since the plan was made (the write was refused; plan again).
+    #[error("the RC changed while planning; planning again")]
+    Stale,
     #[error(transparent)]
     Consul(#[from] ConsulError),
     #[error("scheduler: {0}")]
@@ -238,6 +241,12 @@ impl Worker {
                         self.backoff.reset();
                     }
                     resync
+                }
+                Err(TaskError::Stale) => {
+                    tracing::debug!(
+                        "the RC changed during the pass; planning again with the new version"
+                    );
+                    Duration::from_millis(200)
                 }
                 Err(TaskError::Fenced) => {
                     tracing::warn!("lost the RC's ownership lock; stopping without further writes");
@@ -509,6 +518,31 @@ impl Worker {
 
     // ---- writes -----------------------------------------------------------------------------
 
+    /// Commits a write planned against `rc`: fenced by the ownership lock, and refused if the
+    /// RC record changed since it was read (so nothing is ever scheduled for a stale replica
+    /// count or selector).
+    async fn commit_for(
+        &self,
+        rc: &Rc,
+        ops: Vec<TxnOp>,
+        audits: Vec<AuditRecord>,
+    ) -> Result<u64, TaskError> {
+        let mut guarded = Vec::with_capacity(ops.len() + 1);
+        guarded.push(TxnOp::check_index(rc.id.key(), rc.modify_index));
+        guarded.extend(ops);
+        match self.commit(guarded, audits).await {
+            Err(TaskError::Consul(e))
+                if e.txn_failures().any(|(i, f)| {
+                    i == 1 && matches!(f, TxnFailure::IndexStale | TxnFailure::KeyMissing)
+                }) =>
+            {
+                metrics::counter!("rcfarm_stale_plans_total").increment(1);
+                Err(TaskError::Stale)
+            }
+            other => other,
+        }
+    }
+
     /// Commits `ops` fenced by the ownership lock, with `audits`. Returns the commit index.
     async fn commit(&self, ops: Vec<TxnOp>, audits: Vec<AuditRecord>) -> Result<u64, TaskError> {
         if self.cancel.is_cancelled() {
@@ -655,7 +689,9 @@ impl Worker {
                         ops.extend(self.unschedule_ops(rc, node, pod));
                         nodes.remove(node);
                     }
-                    let idx = self.commit(ops, vec![self.retarget(rc, &nodes)]).await?;
+                    let idx = self
+                        .commit_for(rc, ops, vec![self.retarget(rc, &nodes)])
+                        .await?;
                     for node in chunk {
                         self.ctx.intents.remove(node, rc.pod_id());
                     }
@@ -727,7 +763,7 @@ impl Worker {
             } else {
                 self.retarget(rc, &nodes)
             };
-            let idx = self.commit(ops, vec![audit]).await?;
+            let idx = self.commit_for(rc, ops, vec![audit]).await?;
             for node in chunk {
                 self.ctx.intents.set(
                     node,
@@ -801,7 +837,7 @@ impl Worker {
             Value::Object(self.transfer_details(rc, &t, rc.replicas_desired)),
         );
         match self
-            .commit(ops, vec![start, self.retarget(rc, &nodes)])
+            .commit_for(rc, ops, vec![start, self.retarget(rc, &nodes)])
             .await
         {
             Ok(idx) => {
@@ -870,7 +906,8 @@ impl Worker {
             None => events::NODE_TRANSFER_COMPLETION,
         };
         let idx = self
-            .commit(
+            .commit_for(
+                rc,
                 ops,
                 vec![
                     AuditRecord::new(event, Value::Object(details)),

@@ -3,7 +3,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use rcfarm::audit::{AuditRecord, events};
+use rcfarm::audit::events;
 use rcfarm::consul::QueryOptions;
 use rcfarm::rc::RcId;
 use serde_json::json;
@@ -156,30 +156,14 @@ async fn every_kind_of_desired_state_change() {
     );
 
     // Direct KV changes were noticed and recorded as observed changes.
-    let (entries, _) = c
-        .consul
-        .kv_list("audit_logs/", &QueryOptions::default())
-        .await
-        .unwrap();
-    let records: Vec<AuditRecord> = entries
-        .iter()
-        .map(|e| AuditRecord::from_kv(&e.key, e.value_bytes()).unwrap())
-        .collect();
-    let observed: Vec<&AuditRecord> = records
-        .iter()
-        .filter(|r| r.event_type == events::RC_OBSERVED_CHANGE)
-        .collect();
+    let observed = c.audit_events(events::RC_OBSERVED_CHANGE).await;
     assert!(observed.len() >= 6, "observed changes: {}", observed.len());
     assert!(
         observed
             .iter()
-            .any(|r| r.event_details["changes"]["node_selector"]
-                == json!({"old": "zone=z0", "new": "zone=z1"}))
+            .any(|d| d["changes"]["node_selector"] == json!({"old": "zone=z0", "new": "zone=z1"}))
     );
-    let transfers = records
-        .iter()
-        .filter(|r| r.event_type == events::NODE_TRANSFER_COMPLETION)
-        .count();
+    let transfers = c.audit_events(events::NODE_TRANSFER_COMPLETION).await.len();
     assert!(transfers >= 3, "moves are node transfers: {transfers}");
     c.check_invariants(|_| false);
 }
@@ -220,21 +204,11 @@ async fn an_invalid_rc_is_reported_and_the_others_are_served() {
     c.wait_for(Duration::from_secs(20), "invalid RCs reported", || {
         let c = &c;
         async move {
-            let (entries, _) = c
-                .consul
-                .kv_list("audit_logs/", &QueryOptions::default())
+            let invalid: Vec<String> = c
+                .audit_events(events::RC_INVALID)
                 .await
-                .unwrap();
-            let invalid: Vec<String> = entries
                 .iter()
-                .filter_map(|e| AuditRecord::from_kv(&e.key, e.value_bytes()).ok())
-                .filter(|r| r.event_type == events::RC_INVALID)
-                .map(|r| {
-                    r.event_details["problem"]
-                        .as_str()
-                        .unwrap_or("")
-                        .to_string()
-                })
+                .map(|d| d["problem"].as_str().unwrap_or("").to_string())
                 .collect();
             invalid.len() == 2 && invalid.iter().any(|p| p.contains("replicas_desired"))
         }
@@ -245,16 +219,7 @@ async fn an_invalid_rc_is_reported_and_the_others_are_served() {
     );
     // Reported once, not every pass.
     tokio::time::sleep(Duration::from_secs(3)).await;
-    let (entries, _) = c
-        .consul
-        .kv_list("audit_logs/", &QueryOptions::default())
-        .await
-        .unwrap();
-    let n = entries
-        .iter()
-        .filter_map(|e| AuditRecord::from_kv(&e.key, e.value_bytes()).ok())
-        .filter(|r| r.event_type == events::RC_INVALID)
-        .count();
+    let n = c.audit_events(events::RC_INVALID).await.len();
     assert_eq!(n, 2);
     // Fixing it brings it into service.
     c.put_rc(missing, "m", "env=prod", 1, "").await;
@@ -372,14 +337,5 @@ async fn placed(c: &Cluster, id: RcId) -> Vec<String> {
 }
 
 async fn count_events(c: &Cluster, event: &str) -> usize {
-    let (entries, _) = c
-        .consul
-        .kv_list("audit_logs/", &QueryOptions::default())
-        .await
-        .unwrap();
-    entries
-        .iter()
-        .filter_map(|e| AuditRecord::from_kv(&e.key, e.value_bytes()).ok())
-        .filter(|r| r.event_type == event)
-        .count()
+    c.audit_events(event).await.len()
 }

@@ -33,6 +33,9 @@ pub struct Cluster {
     pub server: EmbeddedServer,
     pub consul: Consul,
     pub farms: Vec<FarmProc>,
+    /// The SQLite audit database every farm of the cluster ships to.
+    pub audit_db: String,
+    _dir: tempfile::TempDir,
 }
 
 pub fn signal(pid: u32, sig: &str) {
@@ -55,10 +58,14 @@ impl Cluster {
         .await
         .unwrap();
         let consul = client(&server);
+        let dir = tempfile::tempdir().unwrap();
+        let audit_db = format!("sqlite://{}", dir.path().join("audit.db").display());
         Cluster {
             server,
             consul,
             farms: Vec::new(),
+            audit_db,
+            _dir: dir,
         }
     }
 
@@ -82,6 +89,7 @@ impl Cluster {
                 "--watch-wait",
                 "30s",
             ])
+            .args(["--audit-db", &self.audit_db])
             .args(extra)
             .env("RUST_LOG", "info,rcfarm=debug")
             .stdout(Stdio::null())
@@ -160,6 +168,36 @@ impl Cluster {
             .kv_put(&id.key(), v.to_string().as_bytes(), None)
             .await
             .unwrap();
+    }
+
+    /// Audit records of one type, wherever they are now: shipped to SQL or still in the Consul
+    /// outbox (by id, so a record in both counts once). Details only.
+    pub async fn audit_events(&self, event_type: &str) -> Vec<Value> {
+        let mut by_id: BTreeMap<String, Value> = BTreeMap::new();
+        if let Ok(store) = rcfarm::audit::AuditStore::connect(&self.audit_db).await {
+            let q = rcfarm::audit::AuditQuery {
+                event_type: Some(event_type.to_string()),
+                limit: Some(1000),
+                ..Default::default()
+            };
+            for r in store.query(&q).await.unwrap().records {
+                by_id.insert(r.id.clone(), r.details);
+            }
+            store.close().await;
+        }
+        let (entries, _) = self
+            .consul
+            .kv_list("audit_logs/", &QueryOptions::default())
+            .await
+            .unwrap();
+        for e in entries {
+            if let Ok(r) = rcfarm::audit::AuditRecord::from_kv(&e.key, e.value_bytes())
+                && r.event_type == event_type
+            {
+                by_id.insert(r.id.to_string(), r.event_details);
+            }
+        }
+        by_id.into_values().collect()
     }
 
     /// RC → session holding its ownership lock.

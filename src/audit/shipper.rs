@@ -1,0 +1,291 @@
+//! The shipper: moves audit records from the Consul outbox (`audit_logs/`) into SQL.
+//!
+//! One farm at a time ships: it holds `rcfarm/audit-shipper` under its session, and another
+//! takes over when that session dies. For each batch: read the records, insert them into SQL
+//! (a record already there, by uuid, is skipped), then delete them from Consul with
+//! `delete-cas` in transactions fenced by the shipper lock. A crash between the two steps
+//! re-ships the batch, and the insert stores nothing twice; nothing is deleted before it is
+//! stored. Records that do not parse go to a dead-letter table, verbatim.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use chrono::Utc;
+use tokio_util::sync::CancellationToken;
+
+use super::record::{AUDIT_PREFIX, AuditRecord};
+use super::store::AuditStore;
+use crate::consul::{Consul, ConsulError, KvPair, MAX_TXN_OPS, QueryOptions, TxnFailure, TxnOp};
+use crate::util::Backoff;
+
+pub const SHIPPER_LOCK: &str = "rcfarm/audit-shipper";
+
+/// Set to make the process abort right after a batch is stored in SQL and before it is deleted
+/// from Consul (crash tests).
+pub const FAILPOINT_ENV: &str = "RCFARM_FAILPOINT_AFTER_AUDIT_INSERT";
+
+#[derive(Debug, Clone)]
+pub struct ShipperConfig {
+    /// Records per SQL transaction.
+    pub batch: usize,
+    /// The `wait` of the blocking query on the outbox.
+    pub wait: Duration,
+}
+
+impl Default for ShipperConfig {
+    fn default() -> Self {
+        Self {
+            batch: 500,
+            wait: Duration::from_secs(60),
+        }
+    }
+}
+
+/// What the shipper has done (for metrics and status).
+#[derive(Debug, Default)]
+pub struct ShipperStats {
+    pub shipped: AtomicU64,
+    pub dead_letters: AtomicU64,
+    pub backlog: AtomicU64,
+    /// Age in seconds of the oldest record waiting (0 when none).
+    pub oldest_age_secs: AtomicU64,
+    pub is_shipper: AtomicU64,
+}
+
+enum Acquire {
+    Acquired,
+    HeldElsewhere,
+    /// Nobody holds it, but Consul refused (a lock-delay after its holder's session died).
+    Refused,
+}
+
+#[derive(Debug, thiserror::Error)]
+enum ShipError {
+    #[error("lost the shipper lock")]
+    Fenced,
+    #[error(transparent)]
+    Consul(#[from] ConsulError),
+    #[error(transparent)]
+    Store(#[from] super::store::AuditError),
+}
+
+pub struct Shipper {
+    pub consul: Consul,
+    pub store: Arc<AuditStore>,
+    pub session: String,
+    pub farm_id: String,
+    pub config: ShipperConfig,
+    pub stats: Arc<ShipperStats>,
+}
+
+impl Shipper {
+    /// Runs until `cancel` (the farm stops or loses its session).
+    pub async fn run(self, cancel: CancellationToken) {
+        let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(30));
+        let mut lock_index = 0u64;
+        loop {
+            if cancel.is_cancelled() {
+                break;
+            }
+            // Become the shipper, or wait for the lock to be free.
+            let attempt = tokio::select! {
+                _ = cancel.cancelled() => break,
+                r = self.acquire(&mut lock_index) => r,
+            };
+            match attempt {
+                Ok(Acquire::Acquired) => {}
+                Ok(Acquire::HeldElsewhere) => continue,
+                Ok(Acquire::Refused) => {
+                    // Free but refused: the lock-delay after its holder died. Try again soon
+                    // rather than block on a key that will not change.
+                    lock_index = 0;
+                    tokio::select! {
+                        _ = cancel.cancelled() => break,
+                        _ = tokio::time::sleep(crate::util::jitter_half(Duration::from_secs(1))) => continue,
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "audit shipper: cannot take the shipper lock");
+                    tokio::select! {
+                        _ = cancel.cancelled() => break,
+                        _ = tokio::time::sleep(backoff.next_delay()) => continue,
+                    }
+                }
+            }
+            tracing::info!("this farm now ships the audit log to {}", self.store.url());
+            self.stats.is_shipper.store(1, Ordering::Relaxed);
+            metrics::gauge!("rcfarm_audit_shipper").set(1.0);
+            let outcome = tokio::select! {
+                _ = cancel.cancelled() => None,
+                r = self.ship_forever(&mut backoff) => Some(r),
+            };
+            self.stats.is_shipper.store(0, Ordering::Relaxed);
+            metrics::gauge!("rcfarm_audit_shipper").set(0.0);
+            match outcome {
+                None => break,
+                Some(e) => tracing::warn!(error = %e, "audit shipper stopped; will try again"),
+            }
+        }
+        // Give the lock back so another farm takes over at once.
+        let _ = self
+            .consul
+            .txn(&[
+                TxnOp::check_session(SHIPPER_LOCK, &self.session),
+                TxnOp::delete(SHIPPER_LOCK),
+            ])
+            .await;
+    }
+
+    /// Takes the shipper lock if it is free; while another session holds it, blocks until the
+    /// lock key changes.
+    async fn acquire(&self, index: &mut u64) -> Result<Acquire, ConsulError> {
+        let (entry, meta) = self
+            .consul
+            .kv_get(
+                SHIPPER_LOCK,
+                &QueryOptions::blocking(*index, self.config.wait),
+            )
+            .await?;
+        *index = meta.index;
+        match entry.and_then(|e| e.session) {
+            Some(s) if s == self.session => Ok(Acquire::Acquired),
+            Some(_) => Ok(Acquire::HeldElsewhere),
+            None => Ok(
+                if self
+                    .consul
+                    .kv_acquire(SHIPPER_LOCK, self.farm_id.as_bytes(), &self.session, None)
+                    .await?
+                {
+                    Acquire::Acquired
+                } else {
+                    Acquire::Refused
+                },
+            ),
+        }
+    }
+
+    /// Ships whatever appears in the outbox until an error or the loss of the lock.
+    async fn ship_forever(&self, backoff: &mut Backoff) -> ShipError {
+        let mut index = 0u64;
+        loop {
+            let keys = self
+                .consul
+                .kv_keys(
+                    AUDIT_PREFIX,
+                    None,
+                    &QueryOptions::blocking(index, self.config.wait),
+                )
+                .await;
+            let (keys, meta) = match keys {
+                Ok(k) => k,
+                Err(e) => return e.into(),
+            };
+            if meta.index < index {
+                index = 0;
+            } else {
+                index = meta.index;
+            }
+            self.stats
+                .backlog
+                .store(keys.len() as u64, Ordering::Relaxed);
+            metrics::gauge!("rcfarm_audit_backlog").set(keys.len() as f64);
+            let mut failed = None;
+            for chunk in keys.chunks(self.config.batch.max(1)) {
+                if let Err(e) = self.ship_batch(chunk).await {
+                    failed = Some(e);
+                    break;
+                }
+            }
+            match failed {
+                Some(ShipError::Fenced) => return ShipError::Fenced,
+                Some(e) => {
+                    let wait = backoff.next_delay();
+                    tracing::warn!(error = %e, retry_in = ?wait, "audit shipping failed; records stay in Consul");
+                    tokio::time::sleep(wait).await;
+                    // Look again at once rather than block on the same index.
+                    index = 0;
+                }
+                None => {
+                    backoff.reset();
+                    self.stats.oldest_age_secs.store(0, Ordering::Relaxed);
+                    metrics::gauge!("rcfarm_audit_backlog_oldest_seconds").set(0.0);
+                }
+            }
+        }
+    }
+
+    /// Reads, stores and deletes one batch of outbox keys.
+    async fn ship_batch(&self, keys: &[String]) -> Result<(), ShipError> {
+        let mut entries: Vec<KvPair> = Vec::with_capacity(keys.len());
+        for chunk in keys.chunks(MAX_TXN_OPS) {
+            // `get-tree` on the exact key never fails for a key deleted meanwhile.
+            let ops: Vec<TxnOp> = chunk.iter().map(|k| TxnOp::get_tree(k.clone())).collect();
+            let resp = self.consul.txn(&ops).await?;
+            entries.extend(resp.results.into_iter().filter(|e| chunk.contains(&e.key)));
+        }
+        let mut records = Vec::new();
+        let mut dead = Vec::new();
+        for e in &entries {
+            match AuditRecord::from_kv(&e.key, e.value_bytes()) {
+                Ok(r) => records.push(r),
+                Err(reason) => dead.push((e.key.clone(), e.value_bytes().to_vec(), reason)),
+            }
+        }
+        if let Some(oldest) = records.iter().map(|r| r.timestamp).min() {
+            let age = (Utc::now() - oldest).num_seconds().max(0) as u64;
+            self.stats.oldest_age_secs.store(age, Ordering::Relaxed);
+            metrics::gauge!("rcfarm_audit_backlog_oldest_seconds").set(age as f64);
+        }
+        let stored = self.store.insert(&records, &self.farm_id).await?;
+        if !dead.is_empty() {
+            tracing::warn!(
+                count = dead.len(),
+                "audit records that do not parse kept as dead letters"
+            );
+            self.store.insert_dead_letters(&dead).await?;
+        }
+        if std::env::var_os(FAILPOINT_ENV).is_some() {
+            tracing::error!(
+                "{FAILPOINT_ENV} is set: aborting between the SQL insert and the Consul delete"
+            );
+            std::process::abort();
+        }
+        // Only what is stored is deleted, and only by the holder of the shipper lock.
+        for chunk in entries.chunks(MAX_TXN_OPS - 1) {
+            let mut ops = vec![TxnOp::check_session(SHIPPER_LOCK, &self.session)];
+            ops.extend(
+                chunk
+                    .iter()
+                    .map(|e| TxnOp::delete_cas(e.key.clone(), e.modify_index)),
+            );
+            match self.consul.txn(&ops).await {
+                Ok(_) => {}
+                Err(e)
+                    if e.txn_failures().any(|(i, f)| {
+                        i == 0 && matches!(f, TxnFailure::SessionMismatch | TxnFailure::KeyMissing)
+                    }) =>
+                {
+                    return Err(ShipError::Fenced);
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        self.stats
+            .shipped
+            .fetch_add(records.len() as u64, Ordering::Relaxed);
+        self.stats
+            .dead_letters
+            .fetch_add(dead.len() as u64, Ordering::Relaxed);
+        metrics::counter!("rcfarm_audit_shipped_total").increment(records.len() as u64);
+        if !entries.is_empty() {
+            tracing::debug!(
+                read = entries.len(),
+                new = stored,
+                dead = dead.len(),
+                "shipped audit records"
+            );
+        }
+        Ok(())
+    }
+}

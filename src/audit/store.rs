@@ -1,0 +1,697 @@
+//! The SQL side of the audit log: SQLite (the embedded default, WAL) or PostgreSQL, through
+//! sqlx's `Any` driver so one code path serves both. Queries are written once with numbered
+//! placeholders (`?N` for SQLite, `$N` for PostgreSQL; both engines support numbered ones).
+
+use std::collections::BTreeSet;
+use std::path::Path;
+
+use chrono::{DateTime, TimeZone, Utc};
+use serde::Serialize;
+use serde_json::Value;
+use sqlx::any::{AnyPoolOptions, AnyRow};
+use sqlx::{AnyPool, Row};
+
+use super::record::AuditRecord;
+
+static SQLITE_MIGRATIONS: sqlx::migrate::Migrator = sqlx::migrate!("./migrations/sqlite");
+static POSTGRES_MIGRATIONS: sqlx::migrate::Migrator = sqlx::migrate!("./migrations/postgres");
+
+#[derive(Debug, thiserror::Error)]
+pub enum AuditError {
+    #[error("audit database {url}: {source}")]
+    Db {
+        url: String,
+        #[source]
+        source: sqlx::Error,
+    },
+    #[error("audit database {url}: {message}")]
+    Config { url: String, message: String },
+    #[error(
+        "audit database {url} has schema version {found}, newer than this rcfarm knows ({known}); upgrade rcfarm, or point --audit-db at another database"
+    )]
+    SchemaTooNew { url: String, found: i64, known: i64 },
+    #[error("bad query: {0}")]
+    BadQuery(String),
+}
+
+/// Which engine an `--audit-db` URL names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Engine {
+    Sqlite,
+    Postgres,
+}
+
+/// One stored audit record, as queries return it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct StoredAudit {
+    pub id: String,
+    pub event_type: String,
+    pub timestamp: DateTime<Utc>,
+    pub rc_id: Option<String>,
+    pub pod_id: Option<String>,
+    pub farm_id: Option<String>,
+    pub details: Value,
+    pub schema_version: i64,
+    pub shipped_at: DateTime<Utc>,
+    pub shipped_by: Option<String>,
+    /// The keyset position, for cursors.
+    #[serde(skip)]
+    pub seq: i64,
+}
+
+/// Filters of an audit query; all given ones must hold. Newest first.
+#[derive(Debug, Clone, Default)]
+pub struct AuditQuery {
+    pub rc_id: Option<String>,
+    pub event_type: Option<String>,
+    pub node: Option<String>,
+    pub pod_id: Option<String>,
+    pub farm_id: Option<String>,
+    pub since: Option<DateTime<Utc>>,
+    pub until: Option<DateTime<Utc>>,
+    /// Page size (1..=1000, default 50).
+    pub limit: Option<usize>,
+    /// The `next_cursor` of the previous page.
+    pub cursor: Option<String>,
+}
+
+/// A page of results and the cursor of the next one (`None` at the end).
+#[derive(Debug, Clone, Serialize)]
+pub struct AuditPage {
+    pub records: Vec<StoredAudit>,
+    pub next_cursor: Option<String>,
+}
+
+fn nanos(t: DateTime<Utc>) -> i64 {
+    t.timestamp_nanos_opt().unwrap_or(if t.timestamp() < 0 {
+        i64::MIN
+    } else {
+        i64::MAX
+    })
+}
+
+fn from_nanos(n: i64) -> DateTime<Utc> {
+    Utc.timestamp_nanos(n)
+}
+
+/// A cursor is the (ts, seq) of the last record of a page.
+fn encode_cursor(ts: i64, seq: i64) -> String {
+    format!("{ts}_{seq}")
+}
+
+fn decode_cursor(c: &str) -> Result<(i64, i64), AuditError> {
+    let bad = || {
+        AuditError::BadQuery(format!(
+            "invalid cursor {c:?}: pass the next_cursor of a previous page"
+        ))
+    };
+    let (a, b) = c.split_once('_').ok_or_else(bad)?;
+    Ok((a.parse().map_err(|_| bad())?, b.parse().map_err(|_| bad())?))
+}
+
+/// A value bound to a query.
+enum Arg {
+    I64(i64),
+    Str(String),
+    OptStr(Option<String>),
+    Bytes(Vec<u8>),
+}
+
+/// SQL text with numbered placeholders for the engine, and its arguments.
+struct Sql {
+    engine: Engine,
+    text: String,
+    args: Vec<Arg>,
+}
+
+impl Sql {
+    fn new(engine: Engine, text: &str) -> Sql {
+        Sql {
+            engine,
+            text: text.to_string(),
+            args: Vec::new(),
+        }
+    }
+
+    fn push(&mut self, s: &str) -> &mut Self {
+        self.text.push_str(s);
+        self
+    }
+
+    /// Appends a placeholder bound to `a`.
+    fn bind(&mut self, a: Arg) -> &mut Self {
+        self.args.push(a);
+        let n = self.args.len();
+        match self.engine {
+            Engine::Sqlite => self.text.push_str(&format!("?{n}")),
+            Engine::Postgres => self.text.push_str(&format!("${n}")),
+        }
+        self
+    }
+
+    fn query(&self) -> sqlx::query::Query<'_, sqlx::Any, sqlx::any::AnyArguments> {
+        // The text is built only from literal fragments and numbered placeholders; every value
+        // is bound, never spliced in.
+        let mut q = sqlx::query(sqlx::AssertSqlSafe(self.text.as_str()));
+        for a in &self.args {
+            q = match a {
+                Arg::I64(v) => q.bind(*v),
+                Arg::Str(v) => q.bind(v.as_str()),
+                Arg::OptStr(v) => q.bind(v.as_deref()),
+                Arg::Bytes(v) => q.bind(v.as_slice()),
+            };
+        }
+        q
+    }
+}
+
+/// Fields worth indexing, read from a record's details.
+struct Extracted {
+    rc_id: Option<String>,
+    pod_id: Option<String>,
+    farm_id: Option<String>,
+    nodes: BTreeSet<String>,
+}
+
+fn extract(r: &AuditRecord) -> Extracted {
+    let d = &r.event_details;
+    let s = |k: &str| {
+        d.get(k)
+            .and_then(Value::as_str)
+            .filter(|v| !v.is_empty())
+            .map(str::to_string)
+    };
+    let mut nodes = BTreeSet::new();
+    if let Some(Value::Array(a)) = d.get("nodes") {
+        nodes.extend(a.iter().filter_map(Value::as_str).map(str::to_string));
+    }
+    for k in ["old_node", "new_node", "node"] {
+        if let Some(n) = s(k) {
+            nodes.insert(n);
+        }
+    }
+    Extracted {
+        rc_id: s("replication_controller_id"),
+        pod_id: s("pod_id"),
+        farm_id: s("farm_id"),
+        nodes,
+    }
+}
+
+/// The audit database.
+#[derive(Debug, Clone)]
+pub struct AuditStore {
+    pool: AnyPool,
+    engine: Engine,
+    url: String,
+}
+
+/// Normalises an `--audit-db` value: `sqlite://path`, `sqlite:path`, or a bare path for SQLite
+/// (created if missing); `postgres://…` or `postgresql://…` for PostgreSQL.
+pub fn parse_url(url: &str) -> Result<(Engine, String), AuditError> {
+    let config = |m: &str| AuditError::Config {
+        url: url.to_string(),
+        message: m.to_string(),
+    };
+    if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+        return Ok((Engine::Postgres, url.to_string()));
+    }
+    let path = if let Some(p) = url.strip_prefix("sqlite://") {
+        p
+    } else if let Some(p) = url.strip_prefix("sqlite:") {
+        p
+    } else if url.contains("://") {
+        return Err(config(
+            "unsupported scheme: use sqlite://PATH or postgres://USER@HOST/DB",
+        ));
+    } else {
+        url
+    };
+    let (path, query) = match path.split_once('?') {
+        Some((p, q)) => (p, Some(q)),
+        None => (path, None),
+    };
+    if path.is_empty() {
+        return Err(config("no SQLite file given: use sqlite://PATH"));
+    }
+    if path != ":memory:"
+        && let Some(parent) = Path::new(path).parent()
+        && !parent.as_os_str().is_empty()
+    {
+        std::fs::create_dir_all(parent)
+            .map_err(|e| config(&format!("cannot create {}: {e}", parent.display())))?;
+    }
+    let query = query
+        .map(str::to_string)
+        .unwrap_or_else(|| "mode=rwc".to_string());
+    Ok((Engine::Sqlite, format!("sqlite://{path}?{query}")))
+}
+
+impl AuditStore {
+    /// Connects, refuses a schema newer than this binary's, and applies pending migrations.
+    pub async fn connect(url: &str) -> Result<AuditStore, AuditError> {
+        sqlx::any::install_default_drivers();
+        let (engine, normalized) = parse_url(url)?;
+        let shown = redact(url);
+        let db = |source| AuditError::Db {
+            url: shown.clone(),
+            source,
+        };
+        let pool = AnyPoolOptions::new()
+            .max_connections(if engine == Engine::Sqlite { 4 } else { 8 })
+            .acquire_timeout(std::time::Duration::from_secs(10))
+            .connect(&normalized)
+            .await
+            .map_err(db)?;
+        let store = AuditStore {
+            pool,
+            engine,
+            url: shown.clone(),
+        };
+        // Farms starting together would race to migrate one SQLite file (PostgreSQL migrations
+        // take an advisory lock of their own): serialise them with a lock file beside it.
+        let _guard = match (engine, sqlite_path(&normalized)) {
+            (Engine::Sqlite, Some(path)) => Some(lock_file(&path, &shown).await?),
+            _ => None,
+        };
+        if engine == Engine::Sqlite {
+            // WAL lets readers (rcctl, the HTTP API) work while the shipper writes.
+            sqlx::query("PRAGMA journal_mode=WAL")
+                .execute(&store.pool)
+                .await
+                .map_err(db)?;
+        }
+        store.migrate().await?;
+        Ok(store)
+    }
+
+    fn migrator(&self) -> &'static sqlx::migrate::Migrator {
+        match self.engine {
+            Engine::Sqlite => &SQLITE_MIGRATIONS,
+            Engine::Postgres => &POSTGRES_MIGRATIONS,
+        }
+    }
+
+    async fn migrate(&self) -> Result<(), AuditError> {
+        let db = |source| AuditError::Db {
+            url: self.url.clone(),
+            source,
+        };
+        let known = self.migrator().iter().map(|m| m.version).max().unwrap_or(0);
+        let table_exists = match self.engine {
+            Engine::Sqlite => {
+                "SELECT COUNT(*) FROM sqlite_master WHERE type = 'table' AND name = '_sqlx_migrations'"
+            }
+            Engine::Postgres => {
+                "SELECT COUNT(*) FROM information_schema.tables WHERE table_name = '_sqlx_migrations'"
+            }
+        };
+        let exists: i64 = sqlx::query(table_exists)
+            .fetch_one(&self.pool)
+            .await
+            .map_err(db)?
+            .try_get(0)
+            .map_err(db)?;
+        if exists > 0 {
+            let found: Option<i64> = sqlx::query("SELECT MAX(version) FROM _sqlx_migrations")
+                .fetch_one(&self.pool)
+                .await
+                .map_err(db)?
+                .try_get(0)
+                .map_err(db)?;
+            if let Some(found) = found
+                && found > known
+            {
+                return Err(AuditError::SchemaTooNew {
+                    url: self.url.clone(),
+                    found,
+                    known,
+                });
+            }
+        }
+        self.migrator()
+            .run(&self.pool)
+            .await
+            .map_err(|e| db(e.into()))?;
+        Ok(())
+    }
+
+    pub fn engine(&self) -> Engine {
+        self.engine
+    }
+
+    /// The URL with any password hidden.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// The highest schema version applied.
+    pub async fn schema_version(&self) -> Result<i64, AuditError> {
+        let v: Option<i64> = sqlx::query("SELECT MAX(version) FROM _sqlx_migrations")
+            .fetch_one(&self.pool)
+            .await
+            .and_then(|r| r.try_get(0))
+            .map_err(|source| AuditError::Db {
+                url: self.url.clone(),
+                source,
+            })?;
+        Ok(v.unwrap_or(0))
+    }
+
+    /// Inserts records; a record already stored (same uuid) is skipped, so shipping the same
+    /// record twice stores it once. Returns how many were new.
+    pub async fn insert(
+        &self,
+        records: &[AuditRecord],
+        shipped_by: &str,
+    ) -> Result<usize, AuditError> {
+        let db = |source| AuditError::Db {
+            url: self.url.clone(),
+            source,
+        };
+        let now = nanos(Utc::now());
+        let mut tx = self.pool.begin().await.map_err(db)?;
+        let mut inserted = 0;
+        for chunk in records.chunks(400) {
+            let mut sql = Sql::new(
+                self.engine,
+                "INSERT INTO audit_events (id, event_type, ts, rc_id, pod_id, farm_id, details, schema_version, shipped_at, shipped_by) VALUES ",
+            );
+            let extracted: Vec<Extracted> = chunk.iter().map(extract).collect();
+            let position: std::collections::HashMap<String, usize> = chunk
+                .iter()
+                .enumerate()
+                .map(|(i, r)| (r.id.to_string(), i))
+                .collect();
+            for (i, (r, x)) in chunk.iter().zip(&extracted).enumerate() {
+                sql.push(if i == 0 { "(" } else { ", (" });
+                sql.bind(Arg::Str(r.id.to_string())).push(", ");
+                sql.bind(Arg::Str(r.event_type.clone())).push(", ");
+                sql.bind(Arg::I64(nanos(r.timestamp))).push(", ");
+                sql.bind(Arg::OptStr(x.rc_id.clone())).push(", ");
+                sql.bind(Arg::OptStr(x.pod_id.clone())).push(", ");
+                sql.bind(Arg::OptStr(x.farm_id.clone())).push(", ");
+                sql.bind(Arg::Str(r.event_details.to_string())).push(", ");
+                sql.bind(Arg::I64(r.schema_version)).push(", ");
+                sql.bind(Arg::I64(now)).push(", ");
+                sql.bind(Arg::Str(shipped_by.to_string())).push(")");
+            }
+            sql.push(" ON CONFLICT (id) DO NOTHING RETURNING seq, id");
+            let rows = sql.query().fetch_all(&mut *tx).await.map_err(db)?;
+            inserted += rows.len();
+            let mut nodes = Sql::new(
+                self.engine,
+                "INSERT INTO audit_event_nodes (node, ts, event_seq) VALUES ",
+            );
+            let mut any = false;
+            for row in rows {
+                let seq: i64 = row.try_get(0).map_err(db)?;
+                let id: String = row.try_get(1).map_err(db)?;
+                let Some(&pos) = position.get(&id) else {
+                    continue;
+                };
+                for n in &extracted[pos].nodes {
+                    nodes.push(if any { ", (" } else { "(" });
+                    nodes.bind(Arg::Str(n.clone())).push(", ");
+                    nodes.bind(Arg::I64(nanos(chunk[pos].timestamp))).push(", ");
+                    nodes.bind(Arg::I64(seq)).push(")");
+                    any = true;
+                    // Stay well under SQLite's variable limit.
+                    if nodes.args.len() > 3000 {
+                        nodes.push(" ON CONFLICT DO NOTHING");
+                        nodes.query().execute(&mut *tx).await.map_err(db)?;
+                        nodes = Sql::new(
+                            self.engine,
+                            "INSERT INTO audit_event_nodes (node, ts, event_seq) VALUES ",
+                        );
+                        any = false;
+                    }
+                }
+            }
+            if any {
+                nodes.push(" ON CONFLICT DO NOTHING");
+                nodes.query().execute(&mut *tx).await.map_err(db)?;
+            }
+        }
+        tx.commit().await.map_err(db)?;
+        Ok(inserted)
+    }
+
+    /// Keeps records that could not be parsed, verbatim.
+    pub async fn insert_dead_letters(
+        &self,
+        items: &[(String, Vec<u8>, String)],
+    ) -> Result<(), AuditError> {
+        let db = |source| AuditError::Db {
+            url: self.url.clone(),
+            source,
+        };
+        let now = nanos(Utc::now());
+        for (key, value, reason) in items {
+            let mut sql = Sql::new(
+                self.engine,
+                "INSERT INTO audit_dead_letters (key, value, reason, shipped_at) VALUES (",
+            );
+            sql.bind(Arg::Str(key.clone())).push(", ");
+            sql.bind(Arg::Bytes(value.clone())).push(", ");
+            sql.bind(Arg::Str(reason.clone())).push(", ");
+            sql.bind(Arg::I64(now))
+                .push(") ON CONFLICT (key) DO NOTHING");
+            sql.query().execute(&self.pool).await.map_err(db)?;
+        }
+        Ok(())
+    }
+
+    /// Dead letters: `(key, reason)`.
+    pub async fn dead_letters(&self) -> Result<Vec<(String, String)>, AuditError> {
+        let rows = sqlx::query("SELECT key, reason FROM audit_dead_letters ORDER BY key")
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|source| AuditError::Db {
+                url: self.url.clone(),
+                source,
+            })?;
+        rows.iter()
+            .map(|r| Ok((r.try_get(0)?, r.try_get(1)?)))
+            .collect::<Result<_, sqlx::Error>>()
+            .map_err(|source| AuditError::Db {
+                url: self.url.clone(),
+                source,
+            })
+    }
+
+    fn filtered(&self, q: &AuditQuery, select: &str) -> Result<Sql, AuditError> {
+        let mut sql = Sql::new(self.engine, select);
+        if let Some(node) = &q.node {
+            sql.push(" JOIN audit_event_nodes n ON n.event_seq = e.seq AND n.node = ");
+            sql.bind(Arg::Str(node.clone()));
+        }
+        sql.push(" WHERE 1 = 1");
+        let mut eq = |col: &str, v: &Option<String>| {
+            if let Some(v) = v {
+                sql.push(&format!(" AND e.{col} = "));
+                sql.bind(Arg::Str(v.clone()));
+            }
+        };
+        eq("rc_id", &q.rc_id);
+        eq("event_type", &q.event_type);
+        eq("pod_id", &q.pod_id);
+        eq("farm_id", &q.farm_id);
+        if let Some(t) = q.since {
+            sql.push(" AND e.ts >= ");
+            sql.bind(Arg::I64(nanos(t)));
+        }
+        if let Some(t) = q.until {
+            sql.push(" AND e.ts < ");
+            sql.bind(Arg::I64(nanos(t)));
+        }
+        Ok(sql)
+    }
+
+    /// One page of records, newest first. Paging by keyset (event time, then insertion order)
+    /// is stable: records shipped while paging never shift or repeat what a page showed.
+    pub async fn query(&self, q: &AuditQuery) -> Result<AuditPage, AuditError> {
+        let limit = q.limit.unwrap_or(50);
+        if !(1..=1000).contains(&limit) {
+            return Err(AuditError::BadQuery(format!(
+                "limit {limit}: use 1 to 1000"
+            )));
+        }
+        let mut sql = self.filtered(
+            q,
+            "SELECT e.seq, e.id, e.event_type, e.ts, e.rc_id, e.pod_id, e.farm_id, e.details, e.schema_version, e.shipped_at, e.shipped_by FROM audit_events e",
+        )?;
+        if let Some(c) = &q.cursor {
+            let (ts, seq) = decode_cursor(c)?;
+            sql.push(" AND (e.ts < ");
+            sql.bind(Arg::I64(ts));
+            sql.push(" OR (e.ts = ");
+            sql.bind(Arg::I64(ts));
+            sql.push(" AND e.seq < ");
+            sql.bind(Arg::I64(seq));
+            sql.push("))");
+        }
+        sql.push(" ORDER BY e.ts DESC, e.seq DESC LIMIT ");
+        sql.bind(Arg::I64(limit as i64 + 1));
+        let rows = sql
+            .query()
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|source| AuditError::Db {
+                url: self.url.clone(),
+                source,
+            })?;
+        let mut records: Vec<StoredAudit> = rows
+            .iter()
+            .map(row_to_audit)
+            .collect::<Result<_, _>>()
+            .map_err(|source| AuditError::Db {
+                url: self.url.clone(),
+                source,
+            })?;
+        let next_cursor = if records.len() > limit {
+            records.truncate(limit);
+            records
+                .last()
+                .map(|r| encode_cursor(nanos(r.timestamp), r.seq))
+        } else {
+            None
+        };
+        Ok(AuditPage {
+            records,
+            next_cursor,
+        })
+    }
+
+    /// How many records match (ignoring paging).
+    pub async fn count(&self, q: &AuditQuery) -> Result<u64, AuditError> {
+        let sql = self.filtered(q, "SELECT COUNT(*) FROM audit_events e")?;
+        let n: i64 = sql
+            .query()
+            .fetch_one(&self.pool)
+            .await
+            .and_then(|r| r.try_get(0))
+            .map_err(|source| AuditError::Db {
+                url: self.url.clone(),
+                source,
+            })?;
+        Ok(n as u64)
+    }
+
+    /// Deletes records older than `cutoff`; returns how many.
+    pub async fn prune(&self, cutoff: DateTime<Utc>) -> Result<u64, AuditError> {
+        let db = |source| AuditError::Db {
+            url: self.url.clone(),
+            source,
+        };
+        let mut tx = self.pool.begin().await.map_err(db)?;
+        let mut nodes = Sql::new(self.engine, "DELETE FROM audit_event_nodes WHERE ts < ");
+        nodes.bind(Arg::I64(nanos(cutoff)));
+        nodes.query().execute(&mut *tx).await.map_err(db)?;
+        let mut events = Sql::new(self.engine, "DELETE FROM audit_events WHERE ts < ");
+        events.bind(Arg::I64(nanos(cutoff)));
+        let n = events
+            .query()
+            .execute(&mut *tx)
+            .await
+            .map_err(db)?
+            .rows_affected();
+        tx.commit().await.map_err(db)?;
+        Ok(n)
+    }
+
+    pub async fn close(&self) {
+        self.pool.close().await;
+    }
+}
+
+fn row_to_audit(r: &AnyRow) -> Result<StoredAudit, sqlx::Error> {
+    let details: String = r.try_get(7)?;
+    Ok(StoredAudit {
+        seq: r.try_get(0)?,
+        id: r.try_get(1)?,
+        event_type: r.try_get(2)?,
+        timestamp: from_nanos(r.try_get(3)?),
+        rc_id: r.try_get(4)?,
+        pod_id: r.try_get(5)?,
+        farm_id: r.try_get(6)?,
+        details: serde_json::from_str(&details).unwrap_or(Value::String(details)),
+        schema_version: r
+            .try_get::<i64, _>(8)
+            .or_else(|_| r.try_get::<i32, _>(8).map(i64::from))?,
+        shipped_at: from_nanos(r.try_get(9)?),
+        shipped_by: r.try_get(10)?,
+    })
+}
+
+/// The file of a normalised `sqlite://PATH?…` URL (none for `:memory:`).
+fn sqlite_path(normalized: &str) -> Option<std::path::PathBuf> {
+    let path = normalized.strip_prefix("sqlite://")?.split('?').next()?;
+    (path != ":memory:").then(|| std::path::PathBuf::from(path))
+}
+
+/// Holds an exclusive lock on `<db>.lock` until dropped.
+async fn lock_file(db: &Path, url: &str) -> Result<std::fs::File, AuditError> {
+    let lock_path = db.with_extension("lock");
+    let url = url.to_string();
+    tokio::task::spawn_blocking(move || {
+        let f = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&lock_path)?;
+        f.lock()?;
+        Ok::<_, std::io::Error>(f)
+    })
+    .await
+    .map_err(|e| AuditError::Config {
+        url: url.clone(),
+        message: e.to_string(),
+    })?
+    .map_err(|e| AuditError::Config {
+        url,
+        message: format!("cannot lock the migration lock file: {e}"),
+    })
+}
+
+/// Hides a password in a database URL.
+pub fn redact(url: &str) -> String {
+    match (url.find("://"), url.find('@')) {
+        (Some(s), Some(at)) if at > s => {
+            let creds = &url[s + 3..at];
+            match creds.split_once(':') {
+                Some((user, _)) => format!("{}{}:***{}", &url[..s + 3], user, &url[at..]),
+                None => url.to_string(),
+            }
+        }
+        _ => url.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls() {
+        assert_eq!(parse_url("postgres://u@h/db").unwrap().0, Engine::Postgres);
+        let (e, u) = parse_url("sqlite::memory:").unwrap();
+        assert_eq!(
+            (e, u.as_str()),
+            (Engine::Sqlite, "sqlite://:memory:?mode=rwc")
+        );
+        assert!(parse_url("mysql://x").is_err());
+        assert!(parse_url("sqlite://").is_err());
+        assert_eq!(
+            redact("postgres://me:secret@h/db"),
+            "postgres://me:***@h/db"
+        );
+        assert_eq!(redact("postgres://me@h/db"), "postgres://me@h/db");
+    }
+
+    #[test]
+    fn cursors_round_trip() {
+        assert_eq!(decode_cursor(&encode_cursor(-5, 7)).unwrap(), (-5, 7));
+        assert!(decode_cursor("nope").is_err());
+    }
+}

@@ -1,0 +1,375 @@
+use std::collections::BTreeSet;
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rcfarm::audit::{
+    AuditQuery, AuditRecord, AuditStore, SHIPPER_LOCK, Shipper, ShipperConfig, events,
+};
+use rcfarm::consul::{Consul, QueryOptions, SessionRequest, TxnOp};
+use rcfarm::server::{EmbeddedServer, ServerConfig};
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+
+use crate::common::{client, eventually, server_with};
+use crate::db::TestDb;
+
+const BIN: &str = env!("CARGO_BIN_EXE_rcfarm");
+
+async fn test_server() -> EmbeddedServer {
+    server_with(ServerConfig {
+        session_ttl_min: Duration::from_secs(1),
+        ..ServerConfig::ephemeral()
+    })
+    .await
+}
+
+/// Writes `n` records into the outbox, as farms do (64 per transaction).
+async fn write_outbox(c: &Consul, n: usize, rcs: usize) -> Vec<AuditRecord> {
+    let records: Vec<AuditRecord> = (0..n)
+        .map(|i| {
+            AuditRecord::new(
+                events::RC_RETARGET,
+                json!({"replication_controller_id": format!("rc-{}", i % rcs), "pod_id": "web", "farm_id": "f", "nodes": [format!("n{}", i % 7)]}),
+            )
+        })
+        .collect();
+    for chunk in records.chunks(64) {
+        let ops: Vec<TxnOp> = chunk.iter().map(AuditRecord::txn_op).collect();
+        c.txn(&ops).await.unwrap();
+    }
+    records
+}
+
+async fn outbox_len(c: &Consul) -> usize {
+    c.kv_keys("audit_logs/", None, &QueryOptions::default())
+        .await
+        .unwrap()
+        .0
+        .len()
+}
+
+fn shipper(c: &Consul, store: &Arc<AuditStore>, session: &str, farm: &str) -> Shipper {
+    Shipper {
+        consul: c.clone(),
+        store: store.clone(),
+        session: session.to_string(),
+        farm_id: farm.to_string(),
+        config: ShipperConfig {
+            batch: 500,
+            wait: Duration::from_secs(5),
+        },
+        stats: Arc::default(),
+    }
+}
+
+async fn ship_many(url: &str, n: usize) {
+    let s = test_server().await;
+    let c = client(&s);
+    let started = Instant::now();
+    write_outbox(&c, n, 100).await;
+    let wrote = started.elapsed();
+    let store = Arc::new(AuditStore::connect(url).await.unwrap());
+    let session = c.session_create(&SessionRequest::default()).await.unwrap();
+    let stop = CancellationToken::new();
+    let task = tokio::spawn(shipper(&c, &store, &session, "f1").run(stop.clone()));
+    let started = Instant::now();
+    // Watch the SQL side: listing 100,000 outbox keys over and over would slow the shipper.
+    let sr = &store;
+    eventually(
+        Duration::from_secs(300),
+        "every record in SQL",
+        || async move {
+            let n_sql = sr.count(&AuditQuery::default()).await.unwrap();
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            (n_sql == n as u64).then_some(())
+        },
+    )
+    .await;
+    let shipped = started.elapsed();
+    let cr = &c;
+    eventually(
+        Duration::from_secs(60),
+        "the outbox drained",
+        || async move {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            (outbox_len(cr).await == 0).then_some(())
+        },
+    )
+    .await;
+    println!(
+        "FIGURE shipped {n} records to SQL in {:.2} s, outbox empty after {:.2} s (outbox written in {:.2} s)",
+        shipped.as_secs_f64(),
+        started.elapsed().as_secs_f64(),
+        wrote.as_secs_f64()
+    );
+    assert_eq!(store.count(&AuditQuery::default()).await.unwrap(), n as u64);
+    let by_rc = store
+        .count(&AuditQuery {
+            rc_id: Some("rc-7".into()),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(by_rc, (n / 100) as u64);
+    let page = store
+        .query(&AuditQuery {
+            rc_id: Some("rc-7".into()),
+            limit: Some(10),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(page.records.len(), 10);
+    assert!(
+        page.records
+            .iter()
+            .all(|r| r.rc_id.as_deref() == Some("rc-7"))
+    );
+    let by_node = store
+        .count(&AuditQuery {
+            node: Some("n3".into()),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(by_node, (0..n).filter(|i| i % 7 == 3).count() as u64);
+    stop.cancel();
+    task.await.unwrap();
+}
+
+#[tokio::test]
+async fn sqlite_ships_and_queries_100k_records() {
+    let db = TestDb::sqlite();
+    ship_many(&db.url, 100_000).await;
+}
+
+#[tokio::test]
+async fn postgres_ships_and_queries_100k_records() {
+    let Some(db) = TestDb::postgres("postgres_ships_and_queries_100k_records").await else {
+        return;
+    };
+    ship_many(&db.url, 100_000).await;
+}
+
+#[tokio::test]
+async fn two_shippers_racing_only_one_ships_and_the_other_takes_over() {
+    let db = TestDb::sqlite();
+    let s = test_server().await;
+    let c = client(&s);
+    let store = Arc::new(AuditStore::connect(&db.url).await.unwrap());
+    let a = c
+        .session_create(&SessionRequest {
+            lock_delay: Some(Duration::ZERO),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let b = c
+        .session_create(&SessionRequest {
+            lock_delay: Some(Duration::ZERO),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let (stop_a, stop_b) = (CancellationToken::new(), CancellationToken::new());
+    let ta = tokio::spawn(shipper(&c, &store, &a, "farm-a").run(stop_a.clone()));
+    let tb = tokio::spawn(shipper(&c, &store, &b, "farm-b").run(stop_b.clone()));
+    let mut written = 0;
+    for _ in 0..10 {
+        written += write_outbox(&c, 50, 5).await.len();
+        tokio::time::sleep(Duration::from_millis(30)).await;
+    }
+    let cr = &c;
+    eventually(Duration::from_secs(30), "drained", || async move {
+        (outbox_len(cr).await == 0).then_some(())
+    })
+    .await;
+    let holder = c
+        .kv_get(SHIPPER_LOCK, &QueryOptions::default())
+        .await
+        .unwrap()
+        .0
+        .unwrap();
+    let holder_farm = holder.value_str().unwrap().to_string();
+    let page = store
+        .query(&AuditQuery {
+            limit: Some(1000),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let shippers: BTreeSet<String> = page
+        .records
+        .iter()
+        .filter_map(|r| r.shipped_by.clone())
+        .collect();
+    assert_eq!(
+        shippers,
+        BTreeSet::from([holder_farm.clone()]),
+        "only the lock holder shipped"
+    );
+    assert_eq!(
+        store.count(&AuditQuery::default()).await.unwrap(),
+        written as u64
+    );
+
+    // The holder's session dies: the other takes over and ships what comes next.
+    let (dead, dead_stop, other) = if holder_farm == "farm-a" {
+        (&a, &stop_a, "farm-b")
+    } else {
+        (&b, &stop_b, "farm-a")
+    };
+    dead_stop.cancel();
+    c.session_destroy(dead).await.unwrap();
+    written += write_outbox(&c, 100, 5).await.len();
+    eventually(
+        Duration::from_secs(30),
+        "the other shipper took over",
+        || async move { (outbox_len(cr).await == 0).then_some(()) },
+    )
+    .await;
+    let page = store
+        .query(&AuditQuery {
+            limit: Some(100),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert!(
+        page.records
+            .iter()
+            .all(|r| r.shipped_by.as_deref() == Some(other))
+    );
+    assert_eq!(
+        store.count(&AuditQuery::default()).await.unwrap(),
+        written as u64,
+        "nothing lost, nothing twice"
+    );
+    stop_a.cancel();
+    stop_b.cancel();
+    let _ = (ta.await, tb.await);
+}
+
+#[tokio::test]
+async fn garbage_in_the_outbox_is_kept_as_dead_letters_and_drained() {
+    let db = TestDb::sqlite();
+    let s = test_server().await;
+    let c = client(&s);
+    let good = write_outbox(&c, 10, 2).await;
+    c.kv_put("audit_logs/not-a-uuid", b"{}", None)
+        .await
+        .unwrap();
+    c.kv_put(
+        &format!("audit_logs/{}", uuid::Uuid::new_v4()),
+        b"\x00\x01garbage",
+        None,
+    )
+    .await
+    .unwrap();
+    let store = Arc::new(AuditStore::connect(&db.url).await.unwrap());
+    let session = c.session_create(&SessionRequest::default()).await.unwrap();
+    let stop = CancellationToken::new();
+    let t = tokio::spawn(shipper(&c, &store, &session, "f").run(stop.clone()));
+    let cr = &c;
+    eventually(Duration::from_secs(30), "drained", || async move {
+        (outbox_len(cr).await == 0).then_some(())
+    })
+    .await;
+    assert_eq!(
+        store.count(&AuditQuery::default()).await.unwrap(),
+        good.len() as u64
+    );
+    let dead = store.dead_letters().await.unwrap();
+    assert_eq!(dead.len(), 2, "{dead:?}");
+    assert!(dead.iter().any(|(k, _)| k == "audit_logs/not-a-uuid"));
+    stop.cancel();
+    t.await.unwrap();
+}
+
+/// A farm process that crashes between storing a batch in SQL and deleting it from Consul
+/// leaves the batch in both; the next shipper stores nothing twice and drains the outbox.
+#[tokio::test]
+async fn a_shipper_crash_between_insert_and_delete_duplicates_nothing() {
+    let db = TestDb::sqlite();
+    let s = test_server().await;
+    let c = client(&s);
+    let records = write_outbox(&c, 300, 10).await;
+    let farm = |crash: bool| {
+        let mut cmd = tokio::process::Command::new(BIN);
+        cmd.args([
+            "serve",
+            "--consul",
+            &s.url(),
+            "--farm-id",
+            if crash { "crasher" } else { "survivor" },
+        ])
+        .args([
+            "--session-ttl",
+            "2s",
+            "--lock-delay",
+            "0s",
+            "--audit-db",
+            &db.url,
+        ])
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+        if crash {
+            cmd.env(rcfarm::audit::shipper::FAILPOINT_ENV, "1");
+        }
+        cmd.spawn().unwrap()
+    };
+    let crasher = farm(true);
+    let out = tokio::time::timeout(Duration::from_secs(60), crasher.wait_with_output())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(!out.status.success(), "the failpoint aborts the process");
+    assert!(
+        String::from_utf8_lossy(&out.stderr)
+            .contains("aborting between the SQL insert and the Consul delete")
+    );
+    let store = AuditStore::connect(&db.url).await.unwrap();
+    assert_eq!(
+        store.count(&AuditQuery::default()).await.unwrap(),
+        300,
+        "the batch reached SQL"
+    );
+    assert_eq!(
+        outbox_len(&c).await,
+        300,
+        "and nothing was deleted from Consul"
+    );
+
+    let mut survivor = farm(false);
+    let cr = &c;
+    eventually(
+        Duration::from_secs(60),
+        "the survivor drained the outbox",
+        || async move { (outbox_len(cr).await == 0).then_some(()) },
+    )
+    .await;
+    assert_eq!(
+        store.count(&AuditQuery::default()).await.unwrap(),
+        records.len() as u64,
+        "no duplicates"
+    );
+    let page = store
+        .query(&AuditQuery {
+            limit: Some(1000),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let ids: BTreeSet<&String> = page.records.iter().map(|r| &r.id).collect();
+    assert_eq!(ids.len(), 300);
+    assert!(
+        page.records
+            .iter()
+            .all(|r| r.shipped_by.as_deref() == Some("crasher")),
+        "stored once, by the first shipper"
+    );
+    let _ = survivor.start_kill();
+}
