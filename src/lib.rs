@@ -5,12 +5,14 @@
 //! - [`consul`]: the Consul HTTP client (KV, sessions, transactions, blocking-query watches).
 //! - [`server`]: the embedded Consul-compatible development server.
 
+pub mod api;
 pub mod audit;
 pub mod cli;
 pub mod consul;
 pub mod farm;
 pub mod health;
 pub mod labels;
+pub mod overview;
 pub mod rc;
 pub mod rctask;
 pub mod scheduler;

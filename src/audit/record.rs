@@ -33,8 +33,10 @@ pub mod events {
     pub const RC_DESIRES_MET: &str = "REPLICATION_CONTROLLER_DESIRES_MET";
     /// Intents (and labels) rewritten because they were missing or differed from the manifest.
     pub const RC_REPAIRED: &str = "REPLICATION_CONTROLLER_REPAIRED";
+    /// A node's labels changed through rcctl.
+    pub const NODE_LABELS_CHANGED: &str = "NODE_LABELS_CHANGED";
 
-    pub const ALL: [&str; 14] = [
+    pub const ALL: [&str; 15] = [
         RC_RETARGET,
         NODE_TRANSFER_START,
         NODE_TRANSFER_COMPLETION,
@@ -49,6 +51,7 @@ pub mod events {
         RC_DESIRES_UNMET,
         RC_DESIRES_MET,
         RC_REPAIRED,
+        NODE_LABELS_CHANGED,
     ];
 }
 

@@ -333,6 +333,13 @@ impl AuditStore {
             .run(&self.pool)
             .await
             .map_err(|e| db(e.into()))?;
+        if self.engine == Engine::Sqlite {
+            // Gather planner statistics where they are missing or stale (cheap when they are not).
+            sqlx::query("PRAGMA optimize")
+                .execute(&self.pool)
+                .await
+                .map_err(db)?;
+        }
         Ok(())
     }
 
@@ -487,9 +494,20 @@ impl AuditStore {
             sql.bind(Arg::Str(node.clone()));
         }
         sql.push(" WHERE 1 = 1");
+        // SQLite plans without statistics and may scan a whole index that merely matches the
+        // ORDER BY (900,000 rows for "this RC's retargets"). Only the most selective filter's
+        // index stays usable there; a unary `+` hides the others from the planner.
+        let lead = ["rc_id", "pod_id", "farm_id", "event_type"]
+            .into_iter()
+            .zip([&q.rc_id, &q.pod_id, &q.farm_id, &q.event_type])
+            .find(|(_, v)| v.is_some())
+            .map(|(c, _)| c)
+            .filter(|_| q.node.is_none());
+        let engine = self.engine;
         let mut eq = |col: &str, v: &Option<String>| {
             if let Some(v) = v {
-                sql.push(&format!(" AND e.{col} = "));
+                let hide = engine == Engine::Sqlite && lead != Some(col);
+                sql.push(&format!(" AND {}e.{col} = ", if hide { "+" } else { "" }));
                 sql.bind(Arg::Str(v.clone()));
             }
         };
@@ -521,17 +539,24 @@ impl AuditStore {
             q,
             "SELECT e.seq, e.id, e.event_type, e.ts, e.rc_id, e.pod_id, e.farm_id, e.details, e.schema_version, e.shipped_at, e.shipped_by FROM audit_events e",
         )?;
+        // With a node filter, order by the node table's own copy of (ts, seq): its index then
+        // yields the newest rows first and the LIMIT stops the scan.
+        let (ts_col, seq_col) = if q.node.is_some() {
+            ("n.ts", "n.event_seq")
+        } else {
+            ("e.ts", "e.seq")
+        };
         if let Some(c) = &q.cursor {
             let (ts, seq) = decode_cursor(c)?;
-            sql.push(" AND (e.ts < ");
+            sql.push(&format!(" AND ({ts_col} < "));
             sql.bind(Arg::I64(ts));
-            sql.push(" OR (e.ts = ");
+            sql.push(&format!(" OR ({ts_col} = "));
             sql.bind(Arg::I64(ts));
-            sql.push(" AND e.seq < ");
+            sql.push(&format!(" AND {seq_col} < "));
             sql.bind(Arg::I64(seq));
             sql.push("))");
         }
-        sql.push(" ORDER BY e.ts DESC, e.seq DESC LIMIT ");
+        sql.push(&format!(" ORDER BY {ts_col} DESC, {seq_col} DESC LIMIT "));
         sql.bind(Arg::I64(limit as i64 + 1));
         let rows = sql
             .query()
@@ -598,6 +623,18 @@ impl AuditStore {
             .rows_affected();
         tx.commit().await.map_err(db)?;
         Ok(n)
+    }
+
+    /// Refreshes the planner's statistics.
+    pub async fn analyze(&self) -> Result<(), AuditError> {
+        sqlx::query("ANALYZE")
+            .execute(&self.pool)
+            .await
+            .map_err(|source| AuditError::Db {
+                url: self.url.clone(),
+                source,
+            })?;
+        Ok(())
     }
 
     pub async fn close(&self) {

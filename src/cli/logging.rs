@@ -10,7 +10,13 @@ pub enum LogFormat {
 
 /// Logs to stderr: `RUST_LOG` filters (default `info`), text or one JSON object per line.
 pub fn init_logging(format: LogFormat) {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    init_logging_with_default(format, "info");
+}
+
+/// Like [`init_logging`], with another default filter (`rcctl` keeps quiet unless asked).
+pub fn init_logging_with_default(format: LogFormat, default: &str) {
+    let filter = EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| EnvFilter::new(format!("{default},sqlx=warn")));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);

@@ -1,10 +1,13 @@
 //! Command-line front ends of `rcfarm` and `rcctl`. The binaries in `bin/` only call
 //! [`rcfarm_main`] and [`rcctl_main`].
 
+mod bench_audit;
 mod bench_consul;
 mod bench_selectors;
+mod config;
 mod consul_dev;
 mod logging;
+mod rcctl;
 mod serve;
 
 use std::process::ExitCode;
@@ -48,7 +51,7 @@ pub fn parse_duration_flag(s: &str) -> Result<Duration, String> {
     version,
     about = "A replication-controller farm backed by Consul"
 )]
-struct RcfarmCli {
+pub(crate) struct RcfarmCli {
     /// Log format: `text` for people, `json` for log collectors. Filter with RUST_LOG.
     #[arg(long, global = true, env = "RCFARM_LOG_FORMAT", default_value = "text")]
     log_format: LogFormat,
@@ -75,11 +78,20 @@ enum BenchCommand {
     Consul(bench_consul::BenchConsulArgs),
     /// Label selector queries over a watched cache of many nodes.
     Selectors(bench_selectors::BenchSelectorsArgs),
+    /// Audit log query latency over many records (SQLite or PostgreSQL).
+    Audit(bench_audit::BenchAuditArgs),
 }
 
 /// `rcfarm`'s main.
 pub fn rcfarm_main() -> ExitCode {
-    let cli = RcfarmCli::parse();
+    let args = match config::expand(std::env::args_os().collect()) {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("rcfarm: {e}");
+            return e.exit_code();
+        }
+    };
+    let cli = RcfarmCli::parse_from(args);
     init_logging(cli.log_format);
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -98,6 +110,7 @@ pub fn rcfarm_main() -> ExitCode {
             RcfarmCommand::ConsulDev(args) => consul_dev::run(args).await,
             RcfarmCommand::Bench(BenchCommand::Consul(args)) => bench_consul::run(args).await,
             RcfarmCommand::Bench(BenchCommand::Selectors(args)) => bench_selectors::run(args).await,
+            RcfarmCommand::Bench(BenchCommand::Audit(args)) => bench_audit::run(args).await,
         }
     });
     match result {
@@ -107,34 +120,6 @@ pub fn rcfarm_main() -> ExitCode {
             e.exit_code()
         }
     }
-}
-
-#[derive(Debug, Parser)]
-#[command(
-    name = "rcctl",
-    version,
-    about = "Operate rcfarm: replication controllers, nodes, audit log"
-)]
-struct RcctlCli {
-    /// Consul's HTTP address.
-    #[arg(
-        long,
-        global = true,
-        env = "CONSUL_HTTP_ADDR",
-        default_value = "http://127.0.0.1:8500"
-    )]
-    consul: String,
-    /// ACL token for Consul.
-    #[arg(long, global = true, env = "CONSUL_HTTP_TOKEN", hide_env_values = true)]
-    consul_token: Option<String>,
-    #[command(subcommand)]
-    command: RcctlCommand,
-}
-
-#[derive(Debug, Subcommand)]
-enum RcctlCommand {
-    /// Check that Consul answers and has a leader.
-    Ping,
 }
 
 /// Signals that end a long-running command gracefully.
@@ -161,8 +146,8 @@ pub async fn shutdown_signal() {
 
 /// `rcctl`'s main.
 pub fn rcctl_main() -> ExitCode {
-    let cli = RcctlCli::parse();
-    init_logging(LogFormat::Text);
+    let cli = rcctl::RcctlCli::parse();
+    logging::init_logging_with_default(LogFormat::Text, "warn");
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -173,28 +158,7 @@ pub fn rcctl_main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    let result: Result<(), CliError> = runtime.block_on(async {
-        let cfg = crate::consul::ConsulConfig::new(cli.consul.clone())
-            .with_token(cli.consul_token.clone());
-        let consul = crate::consul::Consul::new(cfg).map_err(|e| CliError::Usage(e.to_string()))?;
-        match cli.command {
-            RcctlCommand::Ping => {
-                let leader = consul
-                    .leader()
-                    .await
-                    .map_err(|e| CliError::Failed(e.to_string()))?;
-                if leader.is_empty() {
-                    return Err(CliError::Failed(format!(
-                        "Consul at {} answers but has no leader; wait for the cluster to elect one",
-                        consul.address()
-                    )));
-                }
-                println!("Consul at {} is up; leader {leader}", consul.address());
-                Ok(())
-            }
-        }
-    });
-    match result {
+    match runtime.block_on(rcctl::run(cli)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("rcctl: {e}");

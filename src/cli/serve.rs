@@ -72,6 +72,28 @@ pub struct FarmArgs {
     /// Directory for the farm's local state (the default SQLite audit database).
     #[arg(long, env = "RCFARM_STATE_DIR", default_value = "rcfarm-data")]
     pub state_dir: std::path::PathBuf,
+    /// Serve health probes, /metrics, the JSON API and the status page here ("off" for none).
+    #[arg(long, env = "RCFARM_HTTP", default_value = "127.0.0.1:9090")]
+    pub http: String,
+    /// A TOML file with any of these options (keys are the long names: session-ttl = "15s").
+    /// Flags and environment variables override it.
+    #[arg(long, env = "RCFARM_CONFIG")]
+    pub config: Option<std::path::PathBuf>,
+}
+
+impl FarmArgs {
+    /// The HTTP address, or `None` for "off".
+    fn http_addr(&self) -> Result<Option<std::net::SocketAddr>, CliError> {
+        if self.http == "off" || self.http.is_empty() {
+            return Ok(None);
+        }
+        self.http.parse().map(Some).map_err(|_| {
+            CliError::Usage(format!(
+                "--http {:?}: give an address like 127.0.0.1:9090, or off",
+                self.http
+            ))
+        })
+    }
 }
 
 impl FarmArgs {
@@ -133,6 +155,7 @@ impl FarmArgs {
 }
 
 #[derive(Debug, clap::Args)]
+#[command(args_override_self = true)]
 pub struct ServeArgs {
     /// Consul's HTTP address.
     #[arg(
@@ -155,16 +178,83 @@ fn default_farm_id() -> String {
         .unwrap_or_else(|| "farm".into())
 }
 
-async fn run_farm(config: FarmConfig, shutdown: CancellationToken) -> Result<(), CliError> {
+/// Runs a farm (and its HTTP server) until `shutdown`.
+async fn run_farm(
+    mut config: FarmConfig,
+    http: Option<std::net::SocketAddr>,
+    shutdown: CancellationToken,
+) -> Result<(), CliError> {
+    let metrics = install_metrics();
+    // Bind before the farm registers, so it announces the address actually served (port 0).
+    let listener = match http {
+        Some(addr) => Some(
+            tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(|e| CliError::Failed(format!("--http {addr}: cannot listen: {e}")))?,
+        ),
+        None => None,
+    };
+    if let Some(l) = &listener {
+        let local = l
+            .local_addr()
+            .map_err(|e| CliError::Failed(e.to_string()))?;
+        config.http = Some(format!("http://{local}"));
+        tracing::info!("HTTP API, /metrics and the status page on http://{local}/");
+    }
     let farm = Farm::new(config).map_err(|e| CliError::Usage(e.to_string()))?;
+    if let Some(listener) = listener {
+        let state = crate::api::ApiState {
+            consul: farm.consul().clone(),
+            status: farm.status(),
+            ready: farm.ready(),
+            audit: farm.audit_store(),
+            shipper: farm.shipper_stats(),
+            metrics,
+        };
+        let app = crate::api::router(state);
+        let stop = shutdown.clone();
+        tokio::spawn(async move {
+            let r = axum::serve(listener, app)
+                .with_graceful_shutdown(async move { stop.cancelled().await })
+                .await;
+            if let Err(e) = r {
+                tracing::error!(error = %e, "HTTP server stopped");
+            }
+        });
+    }
     farm.run(shutdown)
         .await
         .map_err(|e| CliError::Failed(e.to_string()))
 }
 
+/// The process-wide Prometheus recorder (every `metrics::` call in the library lands in it).
+fn install_metrics() -> Option<metrics_exporter_prometheus::PrometheusHandle> {
+    use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
+    let buckets = [
+        0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+    ];
+    let builder = PrometheusBuilder::new()
+        .set_buckets_for_metric(
+            Matcher::Full("rcfarm_converge_pass_seconds".into()),
+            &buckets,
+        )
+        .ok()?;
+    match builder.install_recorder() {
+        Ok(h) => {
+            crate::api::describe_metrics();
+            Some(h)
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "metrics recorder not installed");
+            None
+        }
+    }
+}
+
 pub async fn serve(args: ServeArgs) -> Result<(), CliError> {
     let consul = ConsulConfig::new(args.consul.clone()).with_token(args.consul_token.clone());
     let config = args.farm.to_config(consul, &default_farm_id())?;
+    let http = args.farm.http_addr()?;
     let shutdown = CancellationToken::new();
     let s = shutdown.clone();
     tokio::spawn(async move {
@@ -172,10 +262,11 @@ pub async fn serve(args: ServeArgs) -> Result<(), CliError> {
         tracing::info!("signal received: handing RCs over and stopping");
         s.cancel();
     });
-    run_farm(config, shutdown).await
+    run_farm(config, http, shutdown).await
 }
 
 #[derive(Debug, clap::Args)]
+#[command(args_override_self = true)]
 pub struct DevArgs {
     #[command(flatten)]
     pub server: ConsulDevArgs,
@@ -188,6 +279,7 @@ pub async fn dev(args: DevArgs) -> Result<(), CliError> {
     let server = consul_dev::start(&args.server).await?;
     let consul = ConsulConfig::new(server.url()).with_token(args.server.acl_token.clone());
     let config = args.farm.to_config(consul, "dev")?;
+    let http = args.farm.http_addr()?;
     tracing::info!(
         "rcfarm dev: farm {:?} serving RCs from {}. Try: CONSUL_HTTP_ADDR={} rcctl rc list",
         config.farm_id,
@@ -200,7 +292,7 @@ pub async fn dev(args: DevArgs) -> Result<(), CliError> {
         shutdown_signal().await;
         s.cancel();
     });
-    let result = run_farm(config, shutdown).await;
+    let result = run_farm(config, http, shutdown).await;
     server.shutdown().await;
     result
 }

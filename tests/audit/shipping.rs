@@ -311,6 +311,8 @@ async fn a_shipper_crash_between_insert_and_delete_duplicates_nothing() {
             "0s",
             "--audit-db",
             &db.url,
+            "--http",
+            "off",
         ])
         .env("RUST_LOG", "warn")
         .stdout(Stdio::null())

@@ -90,6 +90,7 @@ impl Cluster {
                 "30s",
             ])
             .args(["--audit-db", &self.audit_db])
+            .args(["--http", "127.0.0.1:0"])
             .args(extra)
             .env("RUST_LOG", "info,rcfarm=debug")
             .stdout(Stdio::null())

@@ -1,0 +1,350 @@
+//! The farm's HTTP server: health and readiness probes, Prometheus metrics, a JSON API over
+//! RCs, farms and the audit log, and a self-contained status page.
+
+use std::sync::Arc;
+
+use axum::extract::{Path, Query, State};
+use axum::http::{StatusCode, header};
+use axum::response::{Html, IntoResponse, Response};
+use axum::routing::get;
+use axum::{Json, Router};
+use metrics_exporter_prometheus::PrometheusHandle;
+use serde::Deserialize;
+use serde_json::json;
+use tokio::sync::watch;
+
+use crate::audit::{AuditQuery, AuditStore, ShipperStats};
+use crate::consul::Consul;
+use crate::labels::Selector;
+use crate::overview::{Overview, RcOverview};
+use crate::rctask::StatusRegistry;
+
+const STATUS_PAGE: &str = include_str!("status.html");
+
+/// What the API serves from.
+#[derive(Clone)]
+pub struct ApiState {
+    pub consul: Consul,
+    pub status: Arc<StatusRegistry>,
+    pub ready: watch::Receiver<bool>,
+    pub audit: watch::Receiver<Option<Arc<AuditStore>>>,
+    pub shipper: Arc<ShipperStats>,
+    pub metrics: Option<PrometheusHandle>,
+}
+
+/// A JSON error: `{"error": "…"}` with a status.
+pub struct ApiError(StatusCode, String);
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.0, Json(json!({"error": self.1}))).into_response()
+    }
+}
+
+type ApiResult<T> = Result<T, ApiError>;
+
+fn unavailable(e: impl std::fmt::Display) -> ApiError {
+    ApiError(StatusCode::SERVICE_UNAVAILABLE, e.to_string())
+}
+
+pub fn router(state: ApiState) -> Router {
+    Router::new()
+        .route("/", get(|| async { Html(STATUS_PAGE) }))
+        .route(
+            "/health/live",
+            get(|| async { Json(json!({"status": "alive"})) }),
+        )
+        .route("/health/ready", get(ready))
+        .route("/metrics", get(metrics))
+        .route("/v1/rcs", get(rcs))
+        .route("/v1/rcs/{id}", get(rc))
+        .route("/v1/farms", get(farms))
+        .route("/v1/audit", get(audit))
+        .fallback(|| async {
+            ApiError(
+                StatusCode::NOT_FOUND,
+                "no such endpoint; see /v1/rcs, /v1/farms, /v1/audit, /metrics".into(),
+            )
+        })
+        .with_state(state)
+}
+
+async fn ready(State(s): State<ApiState>) -> Response {
+    let farm = s.status.farm();
+    if *s.ready.borrow() {
+        (
+            StatusCode::OK,
+            Json(json!({"status": "ready", "session": farm.session})),
+        )
+            .into_response()
+    } else {
+        let reason = if farm.session.is_none() {
+            "no Consul session yet"
+        } else {
+            "initial sync not done"
+        };
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({"status": "not ready", "reason": reason})),
+        )
+            .into_response()
+    }
+}
+
+async fn metrics(State(s): State<ApiState>) -> Response {
+    // Gauges that are sums over this farm's RCs are computed at scrape time.
+    let rcs = s.status.rcs();
+    metrics::gauge!("rcfarm_pods_desired")
+        .set(rcs.iter().filter_map(|r| r.desired).sum::<u64>() as f64);
+    metrics::gauge!("rcfarm_pods_current")
+        .set(rcs.iter().map(|r| r.current as u64).sum::<u64>() as f64);
+    metrics::gauge!("rcfarm_rcs_unmet")
+        .set(rcs.iter().filter(|r| r.has_condition("Unmet")).count() as f64);
+    metrics::gauge!("rcfarm_ready").set(if *s.ready.borrow() { 1.0 } else { 0.0 });
+    let sh = &s.shipper;
+    use std::sync::atomic::Ordering::Relaxed;
+    metrics::gauge!("rcfarm_audit_backlog").set(sh.backlog.load(Relaxed) as f64);
+    metrics::gauge!("rcfarm_audit_backlog_oldest_seconds")
+        .set(sh.oldest_age_secs.load(Relaxed) as f64);
+    let c = s.consul.stats();
+    metrics::gauge!("rcfarm_consul_blocking_queries").set(c.blocking_open as f64);
+    match &s.metrics {
+        Some(h) => (
+            [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+            h.render(),
+        )
+            .into_response(),
+        None => ApiError(
+            StatusCode::NOT_FOUND,
+            "metrics are not enabled in this process".into(),
+        )
+        .into_response(),
+    }
+}
+
+/// The overview, with this farm's own view (conditions such as `Unmet`) of the RCs it owns.
+async fn load(s: &ApiState) -> ApiResult<Overview> {
+    let mut ov = Overview::load(&s.consul).await.map_err(unavailable)?;
+    for r in &mut ov.rcs {
+        if let Ok(id) = crate::rc::RcId::parse(&r.id)
+            && let Some(local) = s.status.rc(id)
+        {
+            merge(r, &local);
+        }
+    }
+    Ok(ov)
+}
+
+fn merge(r: &mut RcOverview, local: &crate::rctask::RcStatus) {
+    for c in &local.conditions {
+        let line = format!("{}: {}", c.kind, c.message);
+        if !r.conditions.iter().any(|x| x.starts_with(&c.kind)) {
+            r.conditions.push(line);
+        }
+    }
+    if let Some(e) = &local.last_error {
+        r.conditions.push(format!("Error: {e}"));
+    }
+}
+
+#[derive(Deserialize)]
+struct RcsQuery {
+    selector: Option<String>,
+}
+
+async fn rcs(
+    State(s): State<ApiState>,
+    Query(q): Query<RcsQuery>,
+) -> ApiResult<Json<serde_json::Value>> {
+    let sel = Selector::parse(q.selector.as_deref().unwrap_or(""))
+        .map_err(|e| ApiError(StatusCode::BAD_REQUEST, format!("selector: {e}")))?;
+    let ov = load(&s).await?;
+    let rcs: Vec<&RcOverview> = ov.select(&sel);
+    Ok(Json(json!({"rcs": rcs, "index": ov.index})))
+}
+
+async fn rc(
+    State(s): State<ApiState>,
+    Path(id): Path<String>,
+) -> ApiResult<Json<serde_json::Value>> {
+    crate::rc::RcId::parse(&id)
+        .map_err(|e| ApiError(StatusCode::BAD_REQUEST, format!("RC id {e}")))?;
+    let ov = load(&s).await?;
+    let r = ov.rc(&id).ok_or_else(|| {
+        ApiError(
+            StatusCode::NOT_FOUND,
+            format!("replication controller {id} does not exist"),
+        )
+    })?;
+    let local = crate::rc::RcId::parse(&id)
+        .ok()
+        .and_then(|i| s.status.rc(i));
+    Ok(Json(json!({"rc": r, "local_status": local})))
+}
+
+async fn farms(State(s): State<ApiState>) -> ApiResult<Json<serde_json::Value>> {
+    let ov = Overview::load(&s.consul).await.map_err(unavailable)?;
+    Ok(Json(
+        json!({"farms": ov.farms, "this_farm": s.status.farm()}),
+    ))
+}
+
+#[derive(Deserialize, Default)]
+struct AuditParams {
+    rc: Option<String>,
+    #[serde(rename = "type")]
+    event_type: Option<String>,
+    node: Option<String>,
+    pod: Option<String>,
+    farm: Option<String>,
+    since: Option<String>,
+    until: Option<String>,
+    limit: Option<usize>,
+    cursor: Option<String>,
+}
+
+fn parse_time(name: &str, v: &Option<String>) -> ApiResult<Option<chrono::DateTime<chrono::Utc>>> {
+    v.as_deref()
+        .map(|t| {
+            chrono::DateTime::parse_from_rfc3339(t)
+                .map(|t| t.with_timezone(&chrono::Utc))
+                .map_err(|e| {
+                    ApiError(
+                        StatusCode::BAD_REQUEST,
+                        format!("{name}: {e} (use RFC 3339, e.g. 2026-11-23T10:00:00Z)"),
+                    )
+                })
+        })
+        .transpose()
+}
+
+async fn audit(
+    State(s): State<ApiState>,
+    Query(p): Query<AuditParams>,
+) -> ApiResult<Json<crate::audit::AuditPage>> {
+    let store = s
+        .audit
+        .borrow()
+        .clone()
+        .ok_or_else(|| unavailable("the audit database is not connected yet"))?;
+    let q = AuditQuery {
+        rc_id: p.rc,
+        event_type: p.event_type,
+        node: p.node,
+        pod_id: p.pod,
+        farm_id: p.farm,
+        since: parse_time("since", &p.since)?,
+        until: parse_time("until", &p.until)?,
+        limit: p.limit,
+        cursor: p.cursor,
+    };
+    store.query(&q).await.map(Json).map_err(|e| match e {
+        crate::audit::AuditError::BadQuery(m) => ApiError(StatusCode::BAD_REQUEST, m),
+        other => unavailable(other),
+    })
+}
+
+/// Describes every metric rcfarm exports (the HELP lines) and registers the unlabelled ones at
+/// zero, so a scrape shows them before their first event.
+pub fn describe_metrics() {
+    use metrics::{describe_counter, describe_gauge, describe_histogram};
+    let counters = [
+        ("rcfarm_converge_passes_total", "RC convergence passes"),
+        (
+            "rcfarm_rc_pass_errors_total",
+            "RC passes that failed (retried with backoff)",
+        ),
+        (
+            "rcfarm_pods_scheduled_total",
+            "pods scheduled (intent and labels written)",
+        ),
+        ("rcfarm_pods_unscheduled_total", "pods unscheduled"),
+        (
+            "rcfarm_fenced_writes_total",
+            "writes refused by fencing: the farm no longer held the RC's lock",
+        ),
+        (
+            "rcfarm_stale_plans_total",
+            "writes refused because the RC changed after the plan was made",
+        ),
+        (
+            "rcfarm_desires_unmet_total",
+            "times an RC's desires became unmet",
+        ),
+        ("rcfarm_session_renewals_total", "Consul session renewals"),
+        (
+            "rcfarm_session_renew_failures_total",
+            "failed session renewals (retried)",
+        ),
+        ("rcfarm_session_losses_total", "Consul sessions lost"),
+        ("rcfarm_audit_shipped_total", "audit records shipped to SQL"),
+    ];
+    for (name, help) in counters {
+        describe_counter!(name, help);
+        metrics::counter!(name).absolute(0);
+    }
+    describe_counter!(
+        "rcfarm_consul_requests_total",
+        "Consul HTTP requests, by endpoint"
+    );
+    describe_counter!(
+        "rcfarm_consul_request_errors_total",
+        "failed Consul requests, by endpoint and reason"
+    );
+    describe_counter!(
+        "rcfarm_consul_txn_total",
+        "Consul transactions, by outcome (committed, fenced, index_stale, …)"
+    );
+    describe_counter!(
+        "rcfarm_consul_watch_reconnects_total",
+        "blocking-query errors that made a watch reconnect, by watch"
+    );
+    describe_counter!(
+        "rcfarm_rc_invalid_total",
+        "invalid RC records reported, by kind of problem"
+    );
+    let gauges = [
+        ("rcfarm_owned_rcs", "RCs this farm owns"),
+        ("rcfarm_fair_share", "this farm's fair share of the RCs"),
+        ("rcfarm_live_farms", "live farms seen"),
+        ("rcfarm_pods_desired", "pods desired by this farm's RCs"),
+        ("rcfarm_pods_current", "pods current for this farm's RCs"),
+        (
+            "rcfarm_rcs_unmet",
+            "this farm's RCs whose desires are unmet",
+        ),
+        (
+            "rcfarm_ready",
+            "1 when the farm holds a session and has synced",
+        ),
+        (
+            "rcfarm_audit_shipper",
+            "1 while this farm ships the audit log",
+        ),
+        (
+            "rcfarm_audit_backlog",
+            "audit records waiting in the Consul outbox",
+        ),
+        (
+            "rcfarm_audit_backlog_oldest_seconds",
+            "age of the oldest audit record waiting",
+        ),
+        (
+            "rcfarm_consul_blocking_queries",
+            "blocking queries this farm has open",
+        ),
+    ];
+    for (name, help) in gauges {
+        describe_gauge!(name, help);
+        metrics::gauge!(name).set(0.0);
+    }
+    describe_gauge!(
+        "rcfarm_consul_blocking_queries_open",
+        "blocking queries open (client-side)"
+    );
+    describe_histogram!(
+        "rcfarm_converge_pass_seconds",
+        metrics::Unit::Seconds,
+        "duration of RC convergence passes"
+    );
+}

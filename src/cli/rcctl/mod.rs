@@ -1,0 +1,236 @@
+//! `rcctl`: the operator CLI over the same KV API the farms use.
+//!
+//! Exit codes: 0 ok, 1 the operation failed, 2 a usage mistake.
+
+mod audit;
+mod node;
+mod output;
+mod rc;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+
+use super::{CliError, parse_duration_flag};
+use crate::consul::{Consul, ConsulConfig, ConsulError};
+use crate::overview::Overview;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "rcctl",
+    version,
+    about = "Operate rcfarm: replication controllers, nodes, farms and the audit log"
+)]
+pub struct RcctlCli {
+    /// Consul's HTTP address.
+    #[arg(
+        long,
+        global = true,
+        env = "CONSUL_HTTP_ADDR",
+        default_value = "http://127.0.0.1:8500"
+    )]
+    consul: String,
+    /// ACL token for Consul.
+    #[arg(long, global = true, env = "CONSUL_HTTP_TOKEN", hide_env_values = true)]
+    consul_token: Option<String>,
+    /// Machine-readable JSON instead of tables.
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Replication controllers.
+    #[command(subcommand)]
+    Rc(RcCommand),
+    /// Node labels.
+    #[command(subcommand)]
+    Node(NodeCommand),
+    /// Query the audit log (SQL), or prune it.
+    Audit(audit::AuditArgs),
+    /// Live farms, their fair share and the RCs they hold.
+    Farms,
+    /// Check that Consul answers and has a leader.
+    Ping,
+}
+
+/// `--dry-run` for every write.
+#[derive(Debug, Clone, Copy, Args)]
+struct DryRun {
+    /// Print the Consul transaction that would be sent, and send nothing.
+    #[arg(long)]
+    dry_run: bool,
+}
+
+#[derive(Debug, Subcommand)]
+enum RcCommand {
+    /// Create an RC from a pod manifest (YAML or JSON; `-` reads standard input).
+    Create {
+        /// The pod manifest file (its `id` is the pod id).
+        #[arg(short = 'f', long = "manifest")]
+        manifest: PathBuf,
+        /// Which nodes may run the pods (Kubernetes label selector syntax).
+        #[arg(long, default_value = "")]
+        node_selector: String,
+        #[arg(long, default_value_t = 0)]
+        replicas: u64,
+        /// Labels put on every pod (repeat: --pod-label team=payments --pod-label tier=web).
+        #[arg(long = "pod-label")]
+        pod_labels: Vec<String>,
+        /// Labels of the RC itself (matched by farms' --rc-selector).
+        #[arg(long = "rc-label")]
+        rc_labels: Vec<String>,
+        #[arg(long, value_enum, default_value = "static")]
+        strategy: rc::StrategyArg,
+        /// Create it disabled (no scheduling until `rcctl rc enable`).
+        #[arg(long)]
+        disabled: bool,
+        #[command(flatten)]
+        dry: DryRun,
+    },
+    /// List RCs: desired and current pods, owner farm, conditions.
+    List {
+        /// Only RCs whose own labels match.
+        #[arg(short = 'l', long = "selector", default_value = "")]
+        selector: String,
+    },
+    /// Everything about one RC: record, pods, owner, recent audit events.
+    Show {
+        id: String,
+        /// Where to read audit events (as the farms' --audit-db).
+        #[arg(long, env = "RCFARM_AUDIT_DB")]
+        audit_db: Option<String>,
+    },
+    /// Set the desired replica count.
+    Scale {
+        id: String,
+        replicas: u64,
+        /// Wait until the farm has converged, showing progress.
+        #[arg(long)]
+        wait: bool,
+        /// Give up waiting after this long (exit 1).
+        #[arg(long, default_value = "5m", value_parser = parse_duration_flag)]
+        timeout: Duration,
+        #[command(flatten)]
+        dry: DryRun,
+    },
+    /// Resume scheduling.
+    Enable {
+        id: String,
+        #[command(flatten)]
+        dry: DryRun,
+    },
+    /// Stop all scheduling changes (pods stay as they are).
+    Disable {
+        id: String,
+        #[command(flatten)]
+        dry: DryRun,
+    },
+    /// Delete an RC (refused while it wants replicas: scale it to 0 first, or --force).
+    Delete {
+        id: String,
+        /// Delete even with replicas desired; its pods are left running, unmanaged.
+        #[arg(long)]
+        force: bool,
+        #[command(flatten)]
+        dry: DryRun,
+    },
+    /// Replace the pod manifest.
+    SetManifest {
+        id: String,
+        #[arg(short = 'f', long = "manifest")]
+        manifest: PathBuf,
+        #[command(flatten)]
+        dry: DryRun,
+    },
+    /// Replace the node selector.
+    SetSelector {
+        id: String,
+        selector: String,
+        #[command(flatten)]
+        dry: DryRun,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum NodeCommand {
+    /// Set labels (`k=v`) and remove them (`k-`) on a node.
+    Label {
+        node: String,
+        #[arg(required = true)]
+        changes: Vec<String>,
+        #[command(flatten)]
+        dry: DryRun,
+    },
+    /// List nodes and their labels.
+    List {
+        #[arg(short = 'l', long = "selector", default_value = "")]
+        selector: String,
+    },
+}
+
+/// Shared by every command.
+pub(crate) struct Ctx {
+    pub consul: Consul,
+    pub json: bool,
+}
+
+impl Ctx {
+    pub async fn overview(&self) -> Result<Overview, CliError> {
+        Overview::load(&self.consul).await.map_err(consul_failed)
+    }
+}
+
+/// Who rcctl says made a change, in audit records.
+pub(crate) fn rc_actor() -> String {
+    let user = std::env::var("USER")
+        .or_else(|_| std::env::var("LOGNAME"))
+        .unwrap_or_else(|_| "unknown".into());
+    let host = hostname::get()
+        .ok()
+        .and_then(|h| h.into_string().ok())
+        .unwrap_or_default();
+    format!("rcctl:{user}@{host}")
+}
+
+/// A Consul error, with what to do about it.
+pub(crate) fn consul_failed(e: ConsulError) -> CliError {
+    let hint = match &e {
+        ConsulError::Unavailable { .. } => " (is Consul running? set --consul or CONSUL_HTTP_ADDR)",
+        _ => "",
+    };
+    CliError::Failed(format!("{e}{hint}"))
+}
+
+pub async fn run(cli: RcctlCli) -> Result<(), CliError> {
+    let cfg = ConsulConfig::new(cli.consul.clone()).with_token(cli.consul_token.clone());
+    let consul = Consul::new(cfg).map_err(|e| CliError::Usage(format!("--consul: {e}")))?;
+    let ctx = Ctx {
+        consul,
+        json: cli.json,
+    };
+    match cli.command {
+        Command::Rc(c) => rc::run(&ctx, c).await,
+        Command::Node(c) => node::run(&ctx, c).await,
+        Command::Audit(a) => audit::run(&ctx, a).await,
+        Command::Farms => rc::farms(&ctx).await,
+        Command::Ping => {
+            let leader = ctx.consul.leader().await.map_err(consul_failed)?;
+            if leader.is_empty() {
+                return Err(CliError::Failed(format!(
+                    "Consul at {} answers but has no leader; wait for the cluster to elect one",
+                    ctx.consul.address()
+                )));
+            }
+            if ctx.json {
+                output::json(&serde_json::json!({"consul": ctx.consul.address(), "leader": leader}))
+            } else {
+                println!("Consul at {} is up; leader {leader}", ctx.consul.address());
+                Ok(())
+            }
+        }
+    }
+}

@@ -1,0 +1,268 @@
+//! A read-only overview of the whole installation, from Consul: every RC with its owner, pods
+//! and conditions, and every live farm with its share. Used by `rcctl` and the HTTP API; costs a
+//! handful of reads whatever the size.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use serde::Serialize;
+
+use crate::consul::{Consul, ConsulError, QueryOptions};
+use crate::farm::claims::assign;
+use crate::farm::registry::{self, FARMS_PREFIX, FarmInfo};
+use crate::labels::{LabelSet, LabelStore, LabelType, Selector, parse_labels, split_pod_label_id};
+use crate::rc::{RC_ID_LABEL, RC_LOCK_PREFIX, RcId, RcStore, parse_locks};
+use crate::rctask::Transfer;
+
+/// One RC.
+#[derive(Debug, Clone, Serialize)]
+pub struct RcOverview {
+    pub id: String,
+    pub pod_id: Option<String>,
+    pub desired: Option<u64>,
+    pub current: usize,
+    pub nodes: Vec<String>,
+    pub owner_farm: Option<String>,
+    pub owner_session: Option<String>,
+    pub disabled: bool,
+    pub node_selector: String,
+    pub strategy: String,
+    pub rc_labels: LabelSet,
+    pub pod_labels: LabelSet,
+    pub conditions: Vec<String>,
+    pub transfer: Option<Transfer>,
+    /// Why the record is invalid, if it is.
+    pub problem: Option<String>,
+    pub modify_index: u64,
+}
+
+/// One live farm.
+#[derive(Debug, Clone, Serialize)]
+pub struct FarmOverview {
+    pub farm_id: String,
+    pub hostname: String,
+    pub session: String,
+    pub rc_selector: String,
+    pub http: Option<String>,
+    pub started_at: chrono::DateTime<chrono::Utc>,
+    pub version: String,
+    pub owned: usize,
+    pub fair_share: usize,
+    pub rcs: Vec<String>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Overview {
+    pub rcs: Vec<RcOverview>,
+    pub farms: Vec<FarmOverview>,
+    /// The Consul index of the RC tree when read.
+    pub index: u64,
+}
+
+impl Overview {
+    /// Reads everything.
+    pub async fn load(consul: &Consul) -> Result<Overview, ConsulError> {
+        let q = QueryOptions::default();
+        let store = RcStore::new(consul.clone());
+        let listing = store.list().await.map_err(|e| match e {
+            crate::rc::RcStoreError::Consul(c) => c,
+            other => ConsulError::BadResponse(other.to_string()),
+        })?;
+        let (locks, _) = consul.kv_list(RC_LOCK_PREFIX, &q).await?;
+        let (holders, _) = parse_locks(&locks);
+        let (farm_entries, _) = consul.kv_list(FARMS_PREFIX, &q).await?;
+        let farms: Vec<FarmInfo> = registry::live_farms(&farm_entries);
+        let farm_of: BTreeMap<&str, &str> = farms
+            .iter()
+            .map(|f| (f.session.as_str(), f.farm_id.as_str()))
+            .collect();
+        let (pods, _) = consul.kv_list(&LabelType::Pod.prefix(), &q).await?;
+        let mut pods_of: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+        for e in &pods {
+            let Some(id) = e.key.strip_prefix(&LabelType::Pod.prefix()) else {
+                continue;
+            };
+            let Some((node, _)) = split_pod_label_id(id) else {
+                continue;
+            };
+            if let Some(rc) = parse_labels(e.value_bytes())
+                .ok()
+                .and_then(|l| l.get(RC_ID_LABEL).cloned())
+            {
+                pods_of.entry(rc).or_default().insert(node.to_string());
+            }
+        }
+        let (rc_label_entries, _) = consul
+            .kv_list(&LabelType::ReplicationController.prefix(), &q)
+            .await?;
+        let rc_labels: BTreeMap<String, LabelSet> =
+            crate::labels::store::parse_tree(LabelType::ReplicationController, &rc_label_entries)
+                .0
+                .into_iter()
+                .map(|l| (l.id, l.labels))
+                .collect();
+        let (status, _) = consul
+            .kv_list("status/replication_controllers/", &q)
+            .await?;
+        let transfers: BTreeMap<String, Transfer> = status
+            .iter()
+            .filter_map(|e| {
+                let id = e
+                    .key
+                    .strip_prefix("status/replication_controllers/")?
+                    .split('/')
+                    .next()?
+                    .to_string();
+                let v: serde_json::Value = serde_json::from_slice(e.value_bytes()).ok()?;
+                Some((
+                    id,
+                    serde_json::from_value(v.get("node_transfer")?.clone()).ok()?,
+                ))
+            })
+            .collect();
+
+        let mut rcs = Vec::new();
+        let owner = |id: &RcId| {
+            holders
+                .get(id)
+                .and_then(|h| h.ownership.clone())
+                .map(|(s, _)| s)
+        };
+        for (id, rc) in &listing.rcs {
+            let idt = id.to_string();
+            let nodes: Vec<String> = pods_of
+                .get(&idt)
+                .map(|s| s.iter().cloned().collect())
+                .unwrap_or_default();
+            let session = owner(id);
+            let owner_farm = session
+                .as_deref()
+                .and_then(|s| farm_of.get(s))
+                .map(|f| f.to_string());
+            let transfer = transfers.get(&idt).cloned();
+            let mut conditions = Vec::new();
+            if rc.disabled {
+                conditions.push("Disabled".to_string());
+            }
+            if let Some(t) = &transfer {
+                conditions.push(format!("Transferring {}→{}", t.old_node, t.new_node));
+            }
+            if session.is_none() {
+                conditions.push("Unowned".to_string());
+            }
+            if nodes.len() as u64 != rc.replicas_desired && !rc.disabled && transfer.is_none() {
+                conditions.push("Converging".to_string());
+            }
+            rcs.push(RcOverview {
+                id: idt.clone(),
+                pod_id: Some(rc.pod_id().to_string()),
+                desired: Some(rc.replicas_desired),
+                current: nodes.len(),
+                nodes,
+                owner_farm,
+                owner_session: session,
+                disabled: rc.disabled,
+                node_selector: rc.node_selector.to_string(),
+                strategy: rc.strategy.as_str().to_string(),
+                rc_labels: rc_labels.get(&idt).cloned().unwrap_or_default(),
+                pod_labels: rc.pod_labels.clone(),
+                conditions,
+                transfer,
+                problem: None,
+                modify_index: rc.modify_index,
+            });
+        }
+        for (key, inv) in &listing.invalid {
+            let id = key.trim_start_matches(crate::rc::RC_PREFIX).to_string();
+            let session = RcId::parse(&id).ok().and_then(|i| owner(&i));
+            let owner_farm = session
+                .as_deref()
+                .and_then(|s| farm_of.get(s))
+                .map(|f| f.to_string());
+            rcs.push(RcOverview {
+                current: pods_of.get(&id).map_or(0, |s| s.len()),
+                nodes: pods_of
+                    .get(&id)
+                    .map(|s| s.iter().cloned().collect())
+                    .unwrap_or_default(),
+                rc_labels: rc_labels.get(&id).cloned().unwrap_or_default(),
+                id,
+                pod_id: None,
+                desired: None,
+                owner_farm,
+                owner_session: session,
+                disabled: false,
+                node_selector: String::new(),
+                strategy: String::new(),
+                pod_labels: LabelSet::new(),
+                conditions: vec![format!("Invalid: {}", inv.problem)],
+                transfer: None,
+                problem: Some(inv.problem.to_string()),
+                modify_index: inv.modify_index,
+            });
+        }
+        rcs.sort_by(|a, b| a.id.cmp(&b.id));
+
+        // Each farm's share, as the farms compute it.
+        let all: BTreeMap<RcId, LabelSet> = rcs
+            .iter()
+            .filter_map(|r| RcId::parse(&r.id).ok().map(|id| (id, r.rc_labels.clone())))
+            .collect();
+        let assignment = assign(&all, &registry::views(&farms));
+        let farms = farms
+            .iter()
+            .map(|f| {
+                let owned: Vec<String> = rcs
+                    .iter()
+                    .filter(|r| r.owner_session.as_deref() == Some(f.session.as_str()))
+                    .map(|r| r.id.clone())
+                    .collect();
+                FarmOverview {
+                    farm_id: f.farm_id.clone(),
+                    hostname: f.hostname.clone(),
+                    session: f.session.clone(),
+                    rc_selector: f.rc_selector.clone(),
+                    http: f.http.clone(),
+                    started_at: f.started_at,
+                    version: f.version.clone(),
+                    owned: owned.len(),
+                    fair_share: assignment.cap.get(&f.farm_id).copied().unwrap_or(0),
+                    rcs: owned,
+                }
+            })
+            .collect();
+        Ok(Overview {
+            rcs,
+            farms,
+            index: listing.index,
+        })
+    }
+
+    pub fn rc(&self, id: &str) -> Option<&RcOverview> {
+        self.rcs.iter().find(|r| r.id == id)
+    }
+
+    /// RCs whose own labels match `selector`.
+    pub fn select(&self, selector: &Selector) -> Vec<&RcOverview> {
+        self.rcs
+            .iter()
+            .filter(|r| selector.matches(&r.rc_labels))
+            .collect()
+    }
+}
+
+/// Node names with their labels, filtered by a selector.
+pub async fn nodes(
+    consul: &Consul,
+    selector: &Selector,
+) -> Result<Vec<(String, LabelSet)>, ConsulError> {
+    let store = LabelStore::new(consul.clone());
+    let (nodes, _) = store.list(LabelType::Node).await.map_err(|e| match e {
+        crate::labels::LabelsError::Consul(c) => c,
+        other => ConsulError::BadResponse(other.to_string()),
+    })?;
+    Ok(nodes
+        .into_iter()
+        .filter(|n| selector.matches(&n.labels))
+        .map(|n| (n.id, n.labels))
+        .collect())
+}

@@ -1,0 +1,213 @@
+//! The status page, end to end in headless Chromium driven over WebDriver (chromedriver).
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use rcfarm::labels::{LabelSet, LabelStore, LabelType};
+use rcfarm::rc::{Mutation, RcId, RcStore};
+use serde_json::{Value, json};
+
+use crate::common::{client, eventually, http};
+use crate::setup;
+
+fn find(name: &str) -> Option<String> {
+    std::env::var_os("PATH")?
+        .to_str()?
+        .split(':')
+        .map(|d| format!("{d}/{name}"))
+        .find(|p| std::path::Path::new(p).exists())
+}
+
+struct Driver {
+    base: String,
+    session: String,
+    _child: tokio::process::Child,
+}
+
+impl Driver {
+    async fn start() -> Driver {
+        let chromium = find("chromium").or_else(|| find("chromium-browser")).expect(
+            "Chromium is needed for the status page test: install Debian's chromium and chromium-driver (.ci/run does)",
+        );
+        let chromedriver = find("chromedriver")
+            .expect("chromedriver is needed: install Debian's chromium-driver (.ci/run does)");
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let child = tokio::process::Command::new(chromedriver)
+            .arg(format!("--port={port}"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        let base = format!("http://127.0.0.1:{port}");
+        let b = base.clone();
+        eventually(Duration::from_secs(20), "chromedriver up", || {
+            let b = b.clone();
+            async move {
+                http()
+                    .get(format!("{b}/status"))
+                    .send()
+                    .await
+                    .ok()
+                    .filter(|r| r.status().is_success())
+                    .map(|_| ())
+            }
+        })
+        .await;
+        let profile = tempfile::tempdir().unwrap().keep();
+        let caps = json!({"capabilities": {"alwaysMatch": {"browserName": "chrome", "goog:chromeOptions": {
+            "binary": chromium,
+            "args": ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                     "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                     "--disable-dev-shm-usage", format!("--user-data-dir={}", profile.display())]
+        }}}});
+        let r: Value = http()
+            .post(format!("{base}/session"))
+            .json(&caps)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let session = r["value"]["sessionId"]
+            .as_str()
+            .unwrap_or_else(|| panic!("no WebDriver session: {r}"))
+            .to_string();
+        Driver {
+            base,
+            session,
+            _child: child,
+        }
+    }
+
+    async fn cmd(&self, path: &str, body: Value) -> Value {
+        let r: Value = http()
+            .post(format!("{}/session/{}/{path}", self.base, self.session))
+            .json(&body)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        r["value"].clone()
+    }
+
+    async fn goto(&self, url: &str) {
+        self.cmd("url", json!({"url": url})).await;
+    }
+
+    /// Runs JavaScript in the page and returns its result.
+    async fn eval(&self, script: &str) -> Value {
+        self.cmd("execute/sync", json!({"script": script, "args": []}))
+            .await
+    }
+
+    async fn screenshot(&self, path: &std::path::Path) {
+        let r: Value = http()
+            .get(format!("{}/session/{}/screenshot", self.base, self.session))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        if let Some(b64) = r["value"].as_str() {
+            use base64::Engine as _;
+            if let Ok(bytes) = base64::engine::general_purpose::STANDARD.decode(b64) {
+                let _ = std::fs::write(path, bytes);
+            }
+        }
+    }
+}
+
+/// The cell text of an RC's row: (current, desired), or `None` while it is not shown.
+async fn shown(d: &Driver, id: &str) -> Option<(String, String)> {
+    let v = d
+        .eval(&format!(
+            "const r = document.querySelector('tr[data-rc-id=\"{id}\"]'); return r ? [r.querySelector('.current').textContent, r.querySelector('.desired').textContent] : null;"
+        ))
+        .await;
+    Some((
+        v.get(0)?.as_str()?.to_string(),
+        v.get(1)?.as_str()?.to_string(),
+    ))
+}
+
+#[tokio::test]
+async fn the_status_page_shows_a_new_rc_and_follows_a_scale_change() {
+    let s = setup(&[]).await;
+    let consul = client(&s.server);
+    for n in ["n1", "n2", "n3"] {
+        let l: LabelSet = [("env".to_string(), "prod".to_string())].into();
+        LabelStore::new(consul.clone())
+            .set(LabelType::Node, n, &l)
+            .await
+            .unwrap();
+    }
+    let d = Driver::start().await;
+    d.goto(&format!("{}/", s.http)).await;
+    let title = d.eval("return document.title").await;
+    assert_eq!(title, "rcfarm");
+
+    // Created after the page loaded: the page shows it by refreshing itself.
+    let store = RcStore::new(consul.clone());
+    let new = rcfarm::rc::NewRc {
+        manifest: "id: page-test\n".into(),
+        node_selector: "env=prod".into(),
+        pod_labels: Default::default(),
+        replicas_desired: 1,
+        strategy: rcfarm::rc::AllocationStrategy::Static,
+        rc_labels: Default::default(),
+        disabled: false,
+    };
+    let id: RcId = store
+        .create(new, "test", false)
+        .await
+        .unwrap()
+        .rc
+        .unwrap()
+        .id;
+    let idt = id.to_string();
+    let dr = &d;
+    let ir = &idt;
+    eventually(
+        Duration::from_secs(30),
+        "the RC on the page at 1/1",
+        || async move { (shown(dr, ir).await == Some(("1".into(), "1".into()))).then_some(()) },
+    )
+    .await;
+    let farms = d
+        .eval("return document.getElementById('farms').textContent")
+        .await;
+    assert!(farms.as_str().unwrap().contains("ops"), "{farms}");
+
+    store
+        .mutate(id, &Mutation::SetReplicas(3), "test", false)
+        .await
+        .unwrap();
+    eventually(
+        Duration::from_secs(30),
+        "the page follows the scale change to 3/3",
+        || async move { (shown(dr, ir).await == Some(("3".into(), "3".into()))).then_some(()) },
+    )
+    .await;
+    let audit = d
+        .eval("return document.getElementById('audit').textContent")
+        .await;
+    assert!(
+        audit
+            .as_str()
+            .unwrap_or("")
+            .contains("REPLICATION_CONTROLLER"),
+        "latest audit events shown: {audit}"
+    );
+    // For a person to look at (not committed).
+    d.screenshot(&std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("status-page.png"))
+        .await;
+}

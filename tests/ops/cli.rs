@@ -1,0 +1,356 @@
+//! rcctl and rcfarm as an operator uses them: exit codes, JSON, dry runs, errors that say what
+//! to do, configuration.
+
+use std::time::Duration;
+
+use rcfarm::labels::{LabelSet, LabelStore, LabelType};
+use serde_json::Value;
+
+use crate::common::client;
+use crate::{RCFARM, rcctl, setup};
+
+async fn label(s: &crate::Setup, nodes: &[&str]) {
+    for n in nodes {
+        let l: LabelSet = [("env".to_string(), "prod".to_string())].into();
+        LabelStore::new(client(&s.server))
+            .set(LabelType::Node, n, &l)
+            .await
+            .unwrap();
+    }
+}
+
+#[tokio::test]
+async fn rcctl_commands_exit_codes_json_and_dry_runs() {
+    let s = setup(&[]).await;
+    label(&s, &["n1", "n2"]).await;
+    let m = s.dir.path().join("web.yaml");
+    std::fs::write(&m, "id: web\nlaunchables: {}\n").unwrap();
+    let mpath = m.to_str().unwrap();
+
+    // Usage mistakes: exit 2, and the message says what to do.
+    for (args, needle) in [
+        (
+            vec!["rc", "create", "-f", "/nonexistent.yaml"],
+            "cannot read the manifest",
+        ),
+        (
+            vec!["rc", "create", "-f", mpath, "--node-selector", "env in"],
+            "--node-selector",
+        ),
+        (
+            vec!["rc", "create", "-f", mpath, "--pod-label", "oops"],
+            "expected KEY=VALUE",
+        ),
+        (vec!["rc", "scale", "not-an-id", "3"], "rcctl rc list"),
+        (vec!["rc", "list", "-l", "a in ("], "-l"),
+        (vec!["rc", "frobnicate"], "unrecognized subcommand"),
+        (vec!["node", "label", "n1", "bad key=x"], "label"),
+        (vec!["audit", "--since", "last tuesday"], "give an age"),
+    ] {
+        let (code, _, err) = rcctl(&s, &args).await;
+        assert_eq!(code, 2, "{args:?}: {err}");
+        assert!(err.contains(needle), "{args:?}: {err}");
+    }
+
+    // A dry run prints the transaction and writes nothing.
+    let (code, out, err) = rcctl(
+        &s,
+        &[
+            "rc",
+            "create",
+            "-f",
+            mpath,
+            "--node-selector",
+            "env=prod",
+            "--replicas",
+            "1",
+            "--dry-run",
+        ],
+    )
+    .await;
+    assert_eq!(code, 0, "{err}");
+    let body = out
+        .lines()
+        .skip_while(|l| l.starts_with('#'))
+        .collect::<Vec<_>>()
+        .join("\n");
+    let ops: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(ops[0]["KV"]["Verb"], "cas");
+    let (_, out, _) = rcctl(&s, &["rc", "list", "--json"]).await;
+    assert_eq!(
+        serde_json::from_str::<Value>(&out)
+            .unwrap()
+            .as_array()
+            .unwrap()
+            .len(),
+        0,
+        "nothing created"
+    );
+
+    let (code, id, err) = rcctl(
+        &s,
+        &[
+            "rc",
+            "create",
+            "-f",
+            mpath,
+            "--node-selector",
+            "env=prod",
+            "--replicas",
+            "1",
+        ],
+    )
+    .await;
+    assert_eq!(code, 0, "{err}");
+    let id = id.trim().to_string();
+    let (code, _, err) = rcctl(&s, &["rc", "scale", &id, "2", "--wait", "--timeout", "30s"]).await;
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("converged"), "progress is shown: {err}");
+    let (_, out, _) = rcctl(&s, &["rc", "list", "--json"]).await;
+    let list: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        (list[0]["current"].as_u64(), list[0]["owner_farm"].as_str()),
+        (Some(2), Some("ops"))
+    );
+
+    // Every read command speaks JSON.
+    for args in [
+        vec!["rc", "show", &id],
+        vec!["node", "list"],
+        vec!["farms"],
+        vec!["audit", "--limit", "5"],
+        vec!["ping"],
+    ] {
+        let mut a = args.clone();
+        a.push("--json");
+        let (code, out, err) = rcctl(&s, &a).await;
+        assert_eq!(code, 0, "{a:?}: {err}");
+        serde_json::from_str::<Value>(&out)
+            .unwrap_or_else(|e| panic!("{a:?} is not JSON ({e}): {out}"));
+    }
+
+    // Dry runs of every write leave the state alone.
+    for args in [
+        vec!["rc", "scale", &id, "0", "--dry-run"],
+        vec!["rc", "disable", &id, "--dry-run"],
+        vec!["rc", "set-selector", &id, "env=dev", "--dry-run"],
+        vec!["rc", "delete", &id, "--force", "--dry-run"],
+        vec!["node", "label", "n1", "env-", "--dry-run"],
+    ] {
+        let (code, out, err) = rcctl(&s, &args).await;
+        assert_eq!(code, 0, "{args:?}: {err}");
+        assert!(out.contains("\"Verb\""), "{args:?}: {out}");
+    }
+    let (_, out, _) = rcctl(&s, &["rc", "show", &id, "--json"]).await;
+    let show: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(show["rc"]["desired"], 2);
+    assert_eq!(show["rc"]["disabled"], false);
+    let (_, out, _) = rcctl(&s, &["node", "list", "-l", "env=prod"]).await;
+    assert!(out.contains("n1"));
+
+    // An operation that fails: exit 1 with the way out.
+    let (code, _, err) = rcctl(&s, &["rc", "delete", &id]).await;
+    assert_eq!(code, 1);
+    assert!(
+        err.contains("Scale it to 0 first") && err.contains("--force"),
+        "{err}"
+    );
+    let (code, _, err) = rcctl(&s, &["rc", "scale", &id, "9", "--wait", "--timeout", "2s"]).await;
+    assert_eq!(code, 1, "not enough nodes: the wait times out");
+    assert!(err.contains("not converged"), "{err}");
+    let (code, _, err) = rcctl(&s, &["rc", "show", "6ba7b810-9dad-11d1-80b4-00c04fd430c8"]).await;
+    assert_eq!(code, 1);
+    assert!(err.contains("does not exist"), "{err}");
+
+    // Scale to 0 and delete; prune the audit log.
+    let (code, _, err) = rcctl(&s, &["rc", "scale", &id, "0", "--wait", "--timeout", "30s"]).await;
+    assert_eq!(code, 0, "{err}");
+    let (code, out, err) = rcctl(&s, &["rc", "delete", &id]).await;
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("deleted"));
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let (code, out, err) = rcctl(&s, &["audit", "--rc", &id, "--json"]).await;
+    assert_eq!(code, 0, "{err}");
+    let page: Value = serde_json::from_str(&out).unwrap();
+    let types: Vec<&str> = page["records"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|r| r["event_type"].as_str())
+        .collect();
+    for t in [
+        "REPLICATION_CONTROLLER_CREATED",
+        "REPLICATION_CONTROLLER_MODIFIED",
+        "REPLICATION_CONTROLLER_RETARGET",
+    ] {
+        assert!(types.contains(&t), "{t} in {types:?}");
+    }
+    let (code, out, err) = rcctl(&s, &["audit", "prune", "--older-than", "0d"]).await;
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("pruned"), "{out}");
+}
+
+#[tokio::test]
+async fn rcctl_without_consul_says_where_it_looked() {
+    let out = tokio::process::Command::new(crate::RCCTL)
+        .args(["rc", "list"])
+        .env("CONSUL_HTTP_ADDR", "http://127.0.0.1:1")
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("127.0.0.1:1") && err.contains("CONSUL_HTTP_ADDR"),
+        "{err}"
+    );
+}
+
+#[tokio::test]
+async fn farm_configuration_flags_env_and_file() {
+    // --help documents every option with its default.
+    let out = tokio::process::Command::new(RCFARM)
+        .args(["serve", "--help"])
+        .output()
+        .await
+        .unwrap();
+    let help = String::from_utf8_lossy(&out.stdout);
+    for opt in [
+        "--consul",
+        "--farm-id",
+        "--rc-selector",
+        "--scheduler",
+        "--session-ttl",
+        "--lock-delay",
+        "--audit-db",
+        "--http",
+        "--config",
+        "--resync-interval",
+        "--transfer-timeout",
+    ] {
+        assert!(help.contains(opt), "{opt} documented:\n{help}");
+    }
+    for default in [
+        "[default: 15s]",
+        "[default: 127.0.0.1:9090]",
+        "[default: label]",
+        "[env: RCFARM_SESSION_TTL=",
+    ] {
+        assert!(help.contains(default), "{default} shown:\n{help}");
+    }
+    // Invalid configuration fails at startup, naming the option.
+    let dir = tempfile::tempdir().unwrap();
+    let bad = dir.path().join("bad.toml");
+    std::fs::write(&bad, "session-ttl = \"soon\"\n").unwrap();
+    for (args, env, needle) in [
+        (vec!["serve", "--session-ttl", "10"], None, "--session-ttl"),
+        (
+            vec!["serve", "--rc-selector", "a in"],
+            None,
+            "--rc-selector",
+        ),
+        (vec!["serve", "--http", "nowhere"], None, "--http"),
+        (vec!["serve", "--audit-db", "mysql://x"], None, "--audit-db"),
+        (
+            vec!["serve", "--config", bad.to_str().unwrap()],
+            None,
+            "--session-ttl",
+        ),
+        (
+            vec!["serve"],
+            Some(("RCFARM_SCHEDULER", "magic")),
+            "--scheduler",
+        ),
+    ] {
+        let mut cmd = tokio::process::Command::new(RCFARM);
+        cmd.args(&args).env_remove("RCFARM_CONFIG");
+        if let Some((k, v)) = env {
+            cmd.env(k, v);
+        }
+        let out = cmd.output().await.unwrap();
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(needle), "{args:?}: {err}");
+    }
+    // A config file works, and flags override it.
+    let s = setup(&[]).await;
+    let good = dir.path().join("farm.toml");
+    std::fs::write(&good, format!("consul = \"{}\"\nfarm-id = \"from-file\"\nhttp = \"off\"\nsession-ttl = \"2s\"\naudit-db = \"{}\"\n", s.server.url(), s.audit_db)).unwrap();
+    let mut child = tokio::process::Command::new(RCFARM)
+        .args([
+            "serve",
+            "--config",
+            good.to_str().unwrap(),
+            "--farm-id",
+            "from-flag",
+        ])
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let c = client(&s.server);
+    let cr = &c;
+    crate::common::eventually(
+        Duration::from_secs(20),
+        "the configured farm registered",
+        || async move {
+            let (entries, _) = cr
+                .kv_list("rcfarm/farms/", &Default::default())
+                .await
+                .unwrap();
+            entries
+                .iter()
+                .any(|e| {
+                    e.value_str()
+                        .unwrap_or("")
+                        .contains("\"farm_id\":\"from-flag\"")
+                })
+                .then_some(())
+        },
+    )
+    .await;
+    let _ = child.start_kill();
+}
+
+#[tokio::test]
+async fn json_logs_carry_the_farm_and_rc_ids() {
+    let s = setup(&["--log-format", "json"]).await;
+    label(&s, &["n1"]).await;
+    let m = s.dir.path().join("j.yaml");
+    std::fs::write(&m, "id: jsonlog\n").unwrap();
+    let (code, _, err) = rcctl(
+        &s,
+        &[
+            "rc",
+            "create",
+            "-f",
+            m.to_str().unwrap(),
+            "--node-selector",
+            "env=prod",
+            "--replicas",
+            "1",
+        ],
+    )
+    .await;
+    assert_eq!(code, 0, "{err}");
+    let log = s.log.clone();
+    crate::common::eventually(
+        Duration::from_secs(20),
+        "a JSON log line of the RC task",
+        || {
+            let log = log.clone();
+            async move {
+                log.lock()
+                    .lines()
+                    .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+                    .find(|v| v["message"] == "scheduled" || v["fields"]["message"] == "scheduled")
+                    .filter(|v| {
+                        v.to_string().contains("\"rc_id\"")
+                            && v.to_string().contains("\"farm_id\":\"ops\"")
+                    })
+                    .map(|_| ())
+            }
+        },
+    )
+    .await;
+}

@@ -1,0 +1,120 @@
+//! The operator surface: the farm's HTTP API and status page (in headless Chromium), rcctl,
+//! configuration, the compose file, and the README walkthrough.
+
+#[path = "../common/mod.rs"]
+mod common;
+
+mod browser;
+mod cli;
+mod files;
+mod http;
+
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use rcfarm::server::{EmbeddedServer, ServerConfig};
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+
+pub const RCFARM: &str = env!("CARGO_BIN_EXE_rcfarm");
+pub const RCCTL: &str = env!("CARGO_BIN_EXE_rcctl");
+
+/// An embedded server in this process and one `rcfarm serve` process with its HTTP API on an
+/// ephemeral port.
+pub struct Setup {
+    pub server: EmbeddedServer,
+    pub farm: Child,
+    pub http: String,
+    pub audit_db: String,
+    pub log: Arc<Mutex<String>>,
+    pub dir: tempfile::TempDir,
+}
+
+pub async fn setup(extra: &[&str]) -> Setup {
+    common::init_tracing();
+    let server = EmbeddedServer::start(ServerConfig {
+        session_ttl_min: Duration::from_secs(1),
+        ..ServerConfig::ephemeral()
+    })
+    .await
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let audit_db = format!("sqlite://{}", dir.path().join("audit.db").display());
+    let mut farm = Command::new(RCFARM)
+        .args([
+            "serve",
+            "--consul",
+            &server.url(),
+            "--farm-id",
+            "ops",
+            "--http",
+            "127.0.0.1:0",
+        ])
+        .args([
+            "--session-ttl",
+            "2s",
+            "--resync-interval",
+            "1s",
+            "--audit-db",
+            &audit_db,
+        ])
+        .args(extra)
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let log = Arc::new(Mutex::new(String::new()));
+    let sink = log.clone();
+    let mut lines = BufReader::new(farm.stderr.take().unwrap()).lines();
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    tokio::spawn(async move {
+        let mut tx = Some(tx);
+        while let Ok(Some(l)) = lines.next_line().await {
+            if let Some(pos) = l.find("status page on ")
+                && let Some(tx) = tx.take()
+            {
+                let url = l[pos + "status page on ".len()..]
+                    .trim()
+                    .trim_end_matches('/')
+                    .to_string();
+                let _ = tx.send(url);
+            }
+            let mut s = sink.lock();
+            s.push_str(&l);
+            s.push('\n');
+        }
+    });
+    let http = tokio::time::timeout(Duration::from_secs(30), rx)
+        .await
+        .unwrap_or_else(|_| panic!("farm did not announce its HTTP address: {}", log.lock()))
+        .unwrap();
+    Setup {
+        server,
+        farm,
+        http,
+        audit_db,
+        log,
+        dir,
+    }
+}
+
+/// Runs rcctl against the setup's server; returns (exit code, stdout, stderr).
+pub async fn rcctl(s: &Setup, args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(RCCTL)
+        .args(args)
+        .env("CONSUL_HTTP_ADDR", s.server.url())
+        .env("RCFARM_AUDIT_DB", &s.audit_db)
+        .env_remove("CONSUL_HTTP_TOKEN")
+        .output()
+        .await
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
