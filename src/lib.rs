@@ -11,6 +11,7 @@ pub mod cli;
 pub mod consul;
 pub mod farm;
 pub mod health;
+pub mod invariants;
 pub mod labels;
 pub mod overview;
 pub mod rc;

@@ -3,6 +3,7 @@
 
 mod bench_audit;
 mod bench_consul;
+mod bench_farm;
 mod bench_selectors;
 mod config;
 mod consul_dev;
@@ -80,6 +81,8 @@ enum BenchCommand {
     Selectors(bench_selectors::BenchSelectorsArgs),
     /// Audit log query latency over many records (SQLite or PostgreSQL).
     Audit(bench_audit::BenchAuditArgs),
+    /// Farms converging many RCs: throughput, latency, failover, idle cost, memory.
+    Farm(bench_farm::BenchFarmArgs),
 }
 
 /// `rcfarm`'s main.
@@ -111,6 +114,10 @@ pub fn rcfarm_main() -> ExitCode {
             RcfarmCommand::Bench(BenchCommand::Consul(args)) => bench_consul::run(args).await,
             RcfarmCommand::Bench(BenchCommand::Selectors(args)) => bench_selectors::run(args).await,
             RcfarmCommand::Bench(BenchCommand::Audit(args)) => bench_audit::run(args).await,
+            RcfarmCommand::Bench(BenchCommand::Farm(args)) => {
+                println!("{}", bench_farm::header());
+                bench_farm::run(args).await
+            }
         }
     });
     match result {

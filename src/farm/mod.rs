@@ -944,7 +944,7 @@ impl Farm {
                             let nodes = pods
                                 .iter()
                                 .filter(|(_, p)| p == rc.pod_id())
-                                .map(|(n, _)| n.clone());
+                                .map(|(n, _)| crate::scheduler::NodeName::from(n.as_str()));
                             if !ctx
                                 .intents
                                 .bad(rc.pod_id(), rc.manifest.digest(), nodes)

@@ -5,16 +5,15 @@ use std::collections::BTreeSet;
 
 use crate::consul::{Consul, ConsulError, MAX_TXN_OPS, TxnOp};
 use crate::rctask::{IntentState, IntentView, intent_key};
-use crate::scheduler::NodeName;
 
 /// Reads the intents of `pods` (`(node, pod id)`) and records them. `get-tree` on the exact key
 /// never fails for a missing key and exists in every Consul version (unlike `get-or-empty`).
 pub async fn sweep(
     consul: &Consul,
     view: &IntentView,
-    pods: &BTreeSet<(NodeName, String)>,
+    pods: &BTreeSet<(String, String)>,
 ) -> Result<usize, ConsulError> {
-    let pods: Vec<&(NodeName, String)> = pods.iter().collect();
+    let pods: Vec<&(String, String)> = pods.iter().collect();
     let mut read = 0;
     for chunk in pods.chunks(MAX_TXN_OPS) {
         let ops: Vec<TxnOp> = chunk

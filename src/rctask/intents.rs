@@ -43,7 +43,7 @@ pub fn intent_key(node: &str, pod_id: &str) -> String {
 
 #[derive(Debug, Default)]
 pub struct IntentView {
-    entries: RwLock<BTreeMap<(NodeName, String), IntentState>>,
+    entries: RwLock<BTreeMap<(String, String), IntentState>>,
 }
 
 impl IntentView {
@@ -70,7 +70,7 @@ impl IntentView {
         let e = self.entries.read();
         nodes
             .into_iter()
-            .filter(|n| match e.get(&(n.clone(), pod_id.to_string())) {
+            .filter(|n| match e.get(&(n.to_string(), pod_id.to_string())) {
                 Some(IntentState::Digest(d)) => d != digest,
                 Some(_) => true,
                 None => false,
@@ -79,7 +79,7 @@ impl IntentView {
     }
 
     /// Keeps only the given `(node, pod)` pairs (the pods the farm still owns).
-    pub fn retain(&self, keep: &BTreeSet<(NodeName, String)>) {
+    pub fn retain(&self, keep: &BTreeSet<(String, String)>) {
         self.entries.write().retain(|k, _| keep.contains(k));
     }
 
@@ -111,9 +111,12 @@ mod tests {
         let bad = v.bad(
             "web",
             m.digest(),
-            ["a", "b", "c", "d", "e"].map(String::from),
+            ["a", "b", "c", "d", "e"].map(NodeName::from),
         );
-        assert_eq!(bad, ["b", "c", "d"].map(String::from).into_iter().collect());
+        assert_eq!(
+            bad,
+            ["b", "c", "d"].map(NodeName::from).into_iter().collect()
+        );
         assert_eq!(
             IntentState::from_value(Some(b"id: web\n# reformatted\n")),
             IntentState::Digest(m.digest().into())

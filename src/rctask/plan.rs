@@ -265,12 +265,12 @@ mod tests {
     }
 
     fn nodes(ns: &[&str]) -> BTreeSet<NodeName> {
-        ns.iter().map(|s| s.to_string()).collect()
+        ns.iter().map(|s| NodeName::from(*s)).collect()
     }
 
     fn current(ns: &[&str]) -> BTreeMap<NodeName, String> {
         ns.iter()
-            .map(|s| (s.to_string(), "web".to_string()))
+            .map(|s| (NodeName::from(*s), "web".to_string()))
             .collect()
     }
 
@@ -297,7 +297,7 @@ mod tests {
     }
 
     fn s(v: &[&str]) -> Vec<NodeName> {
-        v.iter().map(|x| x.to_string()).collect()
+        v.iter().map(|x| NodeName::from(*x)).collect()
     }
 
     #[test]
@@ -343,8 +343,8 @@ mod tests {
             &["a", "b", "c", "d", "e"],
         );
         o.health = [
-            ("b".to_string(), HealthStatus::Critical),
-            ("c".to_string(), HealthStatus::Passing),
+            (NodeName::from("b"), HealthStatus::Critical),
+            (NodeName::from("c"), HealthStatus::Passing),
         ]
         .into();
         o.health_in_use = true;
@@ -414,8 +414,8 @@ mod tests {
         let mut o = observed(&r, &["a", "x"], &["a", "b"]);
         o.health_in_use = true;
         o.health = [
-            ("a".to_string(), HealthStatus::Warning),
-            ("x".to_string(), HealthStatus::Passing),
+            (NodeName::from("a"), HealthStatus::Warning),
+            (NodeName::from("x"), HealthStatus::Passing),
         ]
         .into();
         assert!(plan(&o).is_idle());
@@ -429,8 +429,8 @@ mod tests {
         );
         // An unhealthy pod on the ineligible node may move regardless.
         o.health = [
-            ("a".to_string(), HealthStatus::Critical),
-            ("x".to_string(), HealthStatus::Critical),
+            (NodeName::from("a"), HealthStatus::Critical),
+            (NodeName::from("x"), HealthStatus::Critical),
         ]
         .into();
         assert!(!plan(&o).is_idle());

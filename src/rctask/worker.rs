@@ -377,10 +377,13 @@ impl Worker {
         let mut mutation_locked_elsewhere = false;
         let mut result = Ok(false);
         for _ in 0..16 {
-            let o = self
+            let mut o = self
                 .observe(rc, allocation_exhausted, mutation_locked_elsewhere)
                 .await?;
             let p = plan(&o);
+            // Applying needs only the current pods; do not hold every eligible node's name
+            // across the writes (thousands of RCs do this at once when a farm starts).
+            o.eligible = BTreeSet::new();
             self.publish_status(rc, &o, &p);
             let Some(action) = p.actions.first().cloned() else {
                 result = self
@@ -420,7 +423,9 @@ impl Worker {
             .pods
             .matches(&own)
             .iter()
-            .filter_map(|id| split_pod_label_id(id).map(|(n, p)| (n.to_string(), p.to_string())))
+            .filter_map(|id| {
+                split_pod_label_id(id).map(|(n, p)| (NodeName::from(n), p.to_string()))
+            })
             .collect();
         let eligible: BTreeSet<NodeName> = self
             .ctx
@@ -429,7 +434,13 @@ impl Worker {
             .await?
             .into_iter()
             .collect();
-        let health = self.ctx.health.for_pod(rc.pod_id());
+        let health: BTreeMap<NodeName, _> = self
+            .ctx
+            .health
+            .for_pod(rc.pod_id())
+            .into_iter()
+            .map(|(n, h)| (NodeName::from(n), h))
+            .collect();
         let health_in_use = !health.is_empty();
         let bad_intents =
             self.ctx

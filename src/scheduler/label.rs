@@ -1,6 +1,8 @@
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use async_trait::async_trait;
+use parking_lot::Mutex;
 
 use super::{NodeName, Scheduler, SchedulerError};
 use crate::labels::{LabelCache, Selector};
@@ -9,13 +11,48 @@ use crate::rc::Manifest;
 /// Eligible nodes are the nodes whose labels match; nothing to allocate.
 pub struct LabelScheduler {
     nodes: Arc<LabelCache>,
+    /// Answers per selector at one cache index: RCs often share selectors, and a farm
+    /// re-plans every RC when nodes change.
+    memo: Mutex<(u64, HashMap<String, Arc<[NodeName]>>)>,
 }
 
 impl LabelScheduler {
     /// Answers from a watched cache of `labels/node/`.
     pub fn new(nodes: Arc<LabelCache>) -> Self {
-        Self { nodes }
+        Self {
+            nodes,
+            memo: Mutex::new((0, HashMap::new())),
+        }
     }
+}
+
+/// The nodes matching `selector`, computed once per cache index.
+pub(super) fn matching(
+    nodes: &LabelCache,
+    memo: &Mutex<(u64, HashMap<String, Arc<[NodeName]>>)>,
+    selector: &Selector,
+) -> Arc<[NodeName]> {
+    let index = nodes.index();
+    let key = selector.to_string();
+    {
+        let m = memo.lock();
+        if m.0 == index
+            && let Some(v) = m.1.get(&key)
+        {
+            return v.clone();
+        }
+    }
+    let computed: Arc<[NodeName]> = nodes
+        .matches(selector)
+        .into_iter()
+        .map(NodeName::from)
+        .collect();
+    let mut m = memo.lock();
+    if m.0 != index {
+        *m = (index, HashMap::new());
+    }
+    m.1.insert(key, computed.clone());
+    computed
 }
 
 #[async_trait]
@@ -28,7 +65,7 @@ impl Scheduler for LabelScheduler {
         if !self.nodes.is_synced() {
             return Err(SchedulerError::NotReady);
         }
-        Ok(self.nodes.matches(selector))
+        Ok(matching(&self.nodes, &self.memo, selector).to_vec())
     }
 
     async fn allocate_nodes(

@@ -17,7 +17,7 @@ use crate::labels::Selector;
 use crate::rc::Manifest;
 
 /// A node's name (its `labels/node/<name>` id).
-pub type NodeName = String;
+pub type NodeName = std::sync::Arc<str>;
 
 #[derive(Debug, thiserror::Error)]
 pub enum SchedulerError {

@@ -66,6 +66,7 @@ pub struct PoolScheduler {
     pods: Arc<LabelCache>,
     reservations: TreeCache<NodeReservations>,
     config: PoolConfig,
+    memo: parking_lot::Mutex<(u64, std::collections::HashMap<String, Arc<[NodeName]>>)>,
 }
 
 impl PoolScheduler {
@@ -88,6 +89,7 @@ impl PoolScheduler {
             pods,
             reservations,
             config,
+            memo: Default::default(),
         }
     }
 
@@ -233,7 +235,7 @@ impl PoolScheduler {
                     .iter()
                     .any(|s| s.pod_id == pod_id && s.node_selector == selector)
             })
-            .map(|(node, _)| node)
+            .map(|(node, _)| NodeName::from(node))
             .collect()
     }
 
@@ -253,11 +255,10 @@ impl Scheduler for PoolScheduler {
         if !self.nodes.is_synced() || !self.reservations.is_synced() {
             return Err(SchedulerError::NotReady);
         }
-        let mut out: BTreeSet<NodeName> = self
-            .nodes
-            .matches(selector)
-            .into_iter()
+        let mut out: BTreeSet<NodeName> = super::label::matching(&self.nodes, &self.memo, selector)
+            .iter()
             .filter(|n| !self.is_pool_node(n))
+            .cloned()
             .collect();
         let sel = selector.to_string();
         out.extend(
@@ -278,7 +279,7 @@ impl Scheduler for PoolScheduler {
         if !self.nodes.is_synced() || !self.reservations.is_synced() {
             return Err(SchedulerError::NotReady);
         }
-        let pool = self.nodes.matches(&self.config.pool_selector);
+        let pool = super::label::matching(&self.nodes, &self.memo, &self.config.pool_selector);
         let matching: Vec<&NodeName> = pool
             .iter()
             .filter(|n| self.nodes.get(n).is_some_and(|l| selector.matches(&*l)))

@@ -207,6 +207,14 @@ fn request_token(req: &Request<Body>, p: &Params) -> Option<String> {
 
 /// Entry point: routes by path and method like Consul's HTTP mux.
 pub(super) async fn handle(shared: Arc<Shared>, req: Request<Body>) -> Response {
+    shared
+        .requests
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    if req.uri().path() == "/v1/txn" {
+        shared
+            .txns
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
     let mut resp = route(shared.clone(), req).await;
     let h = resp.headers_mut();
     h.insert(header::VARY, HeaderValue::from_static("Accept-Encoding"));

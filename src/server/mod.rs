@@ -30,6 +30,8 @@ pub struct LoggedCommit {
     pub changes: Vec<Change>,
     /// The transaction's `check-session` ops: `(key, session)`.
     pub checks: Vec<(String, String)>,
+    /// When it was committed.
+    pub at: std::time::Instant,
 }
 use waiters::Waiters;
 pub use wal::{Recovery, WalError};
@@ -105,6 +107,8 @@ pub(crate) struct Shared {
     pub leader: String,
     pub shutdown: CancellationToken,
     pub commit_log: Option<Mutex<Vec<LoggedCommit>>>,
+    pub requests: std::sync::atomic::AtomicU64,
+    pub txns: std::sync::atomic::AtomicU64,
 }
 
 impl Shared {
@@ -121,6 +125,7 @@ impl Shared {
                 index: rec.index,
                 changes: rec.changes.clone(),
                 checks: commit.checks.clone(),
+                at: std::time::Instant::now(),
             });
         }
         for key in &commit.changed_keys {
@@ -165,6 +170,10 @@ pub struct ServerStats {
     pub blocked_queries: usize,
     /// Bytes written to the log since start (0 without a data directory).
     pub wal_bytes: u64,
+    /// HTTP requests served since start.
+    pub requests: u64,
+    /// `/v1/txn` requests served since start.
+    pub txns: u64,
 }
 
 /// A running embedded server.
@@ -211,6 +220,8 @@ impl EmbeddedServer {
             wal,
             shutdown: CancellationToken::new(),
             commit_log: config.record_commits.then(Mutex::default),
+            requests: Default::default(),
+            txns: Default::default(),
             leader,
             config,
         });
@@ -268,7 +279,17 @@ impl EmbeddedServer {
             sessions: st.store.session_count(),
             blocked_queries: st.waiters.count(),
             wal_bytes: self.shared.wal.as_ref().map_or(0, |w| w.bytes_logged()),
+            requests: self
+                .shared
+                .requests
+                .load(std::sync::atomic::Ordering::Relaxed),
+            txns: self.shared.txns.load(std::sync::atomic::Ordering::Relaxed),
         }
+    }
+
+    /// How many keys start with `prefix`.
+    pub fn count_prefix(&self, prefix: &str) -> usize {
+        self.shared.state.lock().store.count_prefix(prefix)
     }
 
     /// Ends blocking queries, stops serving and flushes the log.

@@ -374,6 +374,11 @@ impl Store {
         (entries, self.prefix_index(prefix, max))
     }
 
+    /// How many keys start with `prefix`.
+    pub fn count_prefix(&self, prefix: &str) -> usize {
+        self.prefix_range(prefix).count()
+    }
+
     /// A `?keys` read, cut after `separator` and deduplicated.
     pub fn read_keys(&self, prefix: &str, separator: &str) -> (Vec<String>, u64) {
         let mut max = 0;

@@ -17,6 +17,10 @@ fn set(pairs: &[(&str, &str)]) -> LabelSet {
         .collect()
 }
 
+fn strs(v: Vec<rcfarm::scheduler::NodeName>) -> Vec<String> {
+    v.iter().map(|n| n.to_string()).collect()
+}
+
 fn manifest(id: &str) -> Manifest {
     Manifest::parse(&format!("id: {id}\n")).unwrap()
 }
@@ -53,7 +57,7 @@ async fn label_scheduler_matches_labels_and_cannot_allocate() {
     let sched = LabelScheduler::new(nodes);
     let sel = Selector::parse("env=prod").unwrap();
     assert_eq!(
-        sched.eligible_nodes(&manifest("web"), &sel).await.unwrap(),
+        strs(sched.eligible_nodes(&manifest("web"), &sel).await.unwrap()),
         ["a", "b"]
     );
     let err = sched
@@ -104,40 +108,44 @@ async fn pool_nodes_become_eligible_only_through_allocation_and_free_on_dealloca
     let sel = Selector::parse("env=prod").unwrap();
     let web = manifest("web");
     assert_eq!(
-        pool.eligible_nodes(&web, &sel).await.unwrap(),
+        strs(pool.eligible_nodes(&web, &sel).await.unwrap()),
         ["fixed-1"],
         "pool nodes need a reservation"
     );
-    let got = pool.allocate_nodes(&web, &sel, 2, false).await.unwrap();
+    let got = strs(pool.allocate_nodes(&web, &sel, 2, false).await.unwrap());
     assert_eq!(got, ["spare-00", "spare-01"]);
     assert_eq!(
-        pool.eligible_nodes(&web, &sel).await.unwrap(),
+        strs(pool.eligible_nodes(&web, &sel).await.unwrap()),
         ["fixed-1", "spare-00", "spare-01"]
     );
     // Another RC's pod gets what is left; capacity 1 means one pod id per node.
     let api = manifest("api");
     assert_eq!(
-        pool.allocate_nodes(&api, &sel, 5, false).await.unwrap(),
+        strs(pool.allocate_nodes(&api, &sel, 5, false).await.unwrap()),
         ["spare-02"]
     );
     assert!(
-        pool.allocate_nodes(&manifest("third"), &sel, 1, false)
-            .await
-            .unwrap()
-            .is_empty()
+        strs(
+            pool.allocate_nodes(&manifest("third"), &sel, 1, false)
+                .await
+                .unwrap()
+        )
+        .is_empty()
     );
 
-    pool.deallocate_nodes(&sel, &["spare-00".to_string()])
+    pool.deallocate_nodes(&sel, &["spare-00".into()])
         .await
         .unwrap();
     assert_eq!(
-        pool.eligible_nodes(&web, &sel).await.unwrap(),
+        strs(pool.eligible_nodes(&web, &sel).await.unwrap()),
         ["fixed-1", "spare-01"]
     );
     assert_eq!(
-        pool.allocate_nodes(&manifest("third"), &sel, 1, false)
-            .await
-            .unwrap(),
+        strs(
+            pool.allocate_nodes(&manifest("third"), &sel, 1, false)
+                .await
+                .unwrap()
+        ),
         ["spare-00"]
     );
 
@@ -146,15 +154,10 @@ async fn pool_nodes_become_eligible_only_through_allocation_and_free_on_dealloca
         .set(LabelType::Pod, "spare-01/web", &set(&[("pod_id", "web")]))
         .await
         .unwrap();
-    pool.deallocate_nodes(&sel, &["spare-01".to_string()])
+    pool.deallocate_nodes(&sel, &["spare-01".into()])
         .await
         .unwrap();
-    assert!(
-        pool.eligible_nodes(&web, &sel)
-            .await
-            .unwrap()
-            .contains(&"spare-01".to_string())
-    );
+    assert!(strs(pool.eligible_nodes(&web, &sel).await.unwrap()).contains(&"spare-01".to_string()));
 }
 
 #[tokio::test]
@@ -192,7 +195,7 @@ async fn concurrent_allocation_from_several_farms_never_gives_a_slot_twice() {
                 let m = manifest(&format!("pod-{i}-{j}"));
                 (
                     m.pod_id().to_string(),
-                    p.allocate_nodes(&m, &sel, 2, false).await.unwrap(),
+                    strs(p.allocate_nodes(&m, &sel, 2, false).await.unwrap()),
                 )
             }));
         }
@@ -255,15 +258,19 @@ async fn forced_allocation_falls_back_to_any_pool_node() {
     pool.synced().await;
     let sel = Selector::parse("env=prod").unwrap();
     assert!(
-        pool.allocate_nodes(&manifest("web"), &sel, 1, false)
-            .await
-            .unwrap()
-            .is_empty()
+        strs(
+            pool.allocate_nodes(&manifest("web"), &sel, 1, false)
+                .await
+                .unwrap()
+        )
+        .is_empty()
     );
     assert_eq!(
-        pool.allocate_nodes(&manifest("web"), &sel, 1, true)
-            .await
-            .unwrap(),
+        strs(
+            pool.allocate_nodes(&manifest("web"), &sel, 1, true)
+                .await
+                .unwrap()
+        ),
         ["spare-x"]
     );
 }

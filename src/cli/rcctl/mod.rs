@@ -179,8 +179,43 @@ pub(crate) struct Ctx {
 }
 
 impl Ctx {
+    /// The overview from Consul, with each owning farm's own view of its RCs' conditions
+    /// (`Unmet`, `Waiting`, errors) when its HTTP API answers.
     pub async fn overview(&self) -> Result<Overview, CliError> {
-        Overview::load(&self.consul).await.map_err(consul_failed)
+        let mut ov = Overview::load(&self.consul).await.map_err(consul_failed)?;
+        crate::consul::init_tls();
+        let Ok(http) = reqwest::Client::builder()
+            .timeout(Duration::from_secs(2))
+            .build()
+        else {
+            return Ok(ov);
+        };
+        for farm in ov.farms.clone() {
+            let Some(base) = farm.http.as_deref() else {
+                continue;
+            };
+            let Ok(resp) = http.get(format!("{base}/v1/rcs")).send().await else {
+                continue;
+            };
+            let Ok(body) = resp.json::<serde_json::Value>().await else {
+                continue;
+            };
+            for remote in body["rcs"].as_array().into_iter().flatten() {
+                let Some(id) = remote["id"].as_str() else {
+                    continue;
+                };
+                if let Some(r) = ov.rcs.iter_mut().find(|r| {
+                    r.id == id && r.owner_session.as_deref() == Some(farm.session.as_str())
+                }) && let Some(conds) = remote["conditions"].as_array()
+                {
+                    r.conditions = conds
+                        .iter()
+                        .filter_map(|c| c.as_str().map(str::to_string))
+                        .collect();
+                }
+            }
+        }
+        Ok(ov)
     }
 }
 
