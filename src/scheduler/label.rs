@@ -8,12 +8,15 @@ use super::{NodeName, Scheduler, SchedulerError};
 use crate::labels::{LabelCache, Selector};
 use crate::rc::Manifest;
 
+/// Matching nodes per selector, valid at one node-cache index.
+pub(super) type SelectorMemo = Mutex<(u64, HashMap<String, Arc<[NodeName]>>)>;
+
 /// Eligible nodes are the nodes whose labels match; nothing to allocate.
 pub struct LabelScheduler {
     nodes: Arc<LabelCache>,
     /// Answers per selector at one cache index: RCs often share selectors, and a farm
     /// re-plans every RC when nodes change.
-    memo: Mutex<(u64, HashMap<String, Arc<[NodeName]>>)>,
+    memo: SelectorMemo,
 }
 
 impl LabelScheduler {
@@ -29,7 +32,7 @@ impl LabelScheduler {
 /// The nodes matching `selector`, computed once per cache index.
 pub(super) fn matching(
     nodes: &LabelCache,
-    memo: &Mutex<(u64, HashMap<String, Arc<[NodeName]>>)>,
+    memo: &SelectorMemo,
     selector: &Selector,
 ) -> Arc<[NodeName]> {
     let index = nodes.index();

@@ -66,7 +66,7 @@ pub struct PoolScheduler {
     pods: Arc<LabelCache>,
     reservations: TreeCache<NodeReservations>,
     config: PoolConfig,
-    memo: parking_lot::Mutex<(u64, std::collections::HashMap<String, Arc<[NodeName]>>)>,
+    memo: super::label::SelectorMemo,
 }
 
 impl PoolScheduler {
