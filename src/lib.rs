@@ -7,6 +7,7 @@
 
 pub mod api;
 pub mod audit;
+pub mod chaos;
 pub mod cli;
 pub mod consul;
 pub mod farm;

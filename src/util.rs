@@ -72,11 +72,13 @@ pub fn parse_go_duration(s: &str) -> Result<GoDuration, String> {
         };
         let mut value = int.checked_mul(scale).ok_or_else(err)?;
         if !frac_part.is_empty() {
-            // Keep at most 30 fractional digits: more cannot change a nanosecond count.
-            let digits = &frac_part[..frac_part.len().min(30)];
+            // Keep at most 18 fractional digits: more cannot change a nanosecond count even in
+            // hours (3.6e12 ns), and 1e18 × 3.6e12 stays far inside u128 (found by fuzzing).
+            let digits = &frac_part[..frac_part.len().min(18)];
             let frac: u128 = digits.parse().map_err(|_| err())?;
             let denom = 10u128.pow(digits.len() as u32);
-            value = value.checked_add(frac * scale / denom).ok_or_else(err)?;
+            let part = frac.checked_mul(scale).ok_or_else(err)? / denom;
+            value = value.checked_add(part).ok_or_else(err)?;
         }
         total = total.checked_add(value).ok_or_else(err)?;
         // Go's Duration is an int64 of nanoseconds.
@@ -218,6 +220,12 @@ mod tests {
         assert_eq!(ok("3us").nanos, 3_000);
         assert!(ok("-1s").negative);
         assert!(ok("-1s").positive().is_none());
+        // Long fractions (found by fuzzing: they overflowed).
+        assert_eq!(
+            ok("5555.55555555555555555555555555555510s").nanos,
+            5_555_555_555_555
+        );
+        assert_eq!(ok("1.999999999999999999999999h").nanos, 7_199_999_999_999);
         for bad in [
             "",
             "10",

@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use uuid::Uuid;
 
-use crate::consul::TxnOp;
+use crate::consul::{ConsulError, TxnFailure, TxnOp};
 
 /// The audit outbox tree.
 pub const AUDIT_PREFIX: &str = "audit_logs/";
@@ -78,6 +78,26 @@ impl AuditRecord {
             timestamp: Utc::now(),
             schema_version: SCHEMA_VERSION,
         }
+    }
+
+    /// A record whose id is derived from `identity`: farms that report the same thing
+    /// independently write the same key (create-only), so it is recorded once.
+    pub fn deterministic(identity: &str, event_type: &str, event_details: Value) -> Self {
+        AuditRecord {
+            id: Uuid::new_v5(
+                &Uuid::NAMESPACE_URL,
+                format!("rcfarm:{identity}").as_bytes(),
+            ),
+            ..AuditRecord::new(event_type, event_details)
+        }
+    }
+
+    /// Whether a transaction failed only because its create-only record at `op` exists: a
+    /// [`AuditRecord::deterministic`] report that another farm (or an earlier owner) made.
+    pub fn recorded_already(e: &ConsulError, op: usize) -> bool {
+        e.txn_failures().next().is_some()
+            && e.txn_failures()
+                .all(|(i, f)| i == op && matches!(f, TxnFailure::IndexStale))
     }
 
     /// `audit_logs/<uuid>`.

@@ -5,6 +5,7 @@ mod bench_audit;
 mod bench_consul;
 mod bench_farm;
 mod bench_selectors;
+mod chaos;
 mod config;
 mod consul_dev;
 mod logging;
@@ -71,6 +72,8 @@ enum RcfarmCommand {
     /// Measure; prints figures (not a test).
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// Crash, stall and restart farms while RCs change; check every promise (exit 1 if broken).
+    Chaos(chaos::ChaosArgs),
 }
 
 #[derive(Debug, Subcommand)]
@@ -114,6 +117,7 @@ pub fn rcfarm_main() -> ExitCode {
             RcfarmCommand::Bench(BenchCommand::Consul(args)) => bench_consul::run(args).await,
             RcfarmCommand::Bench(BenchCommand::Selectors(args)) => bench_selectors::run(args).await,
             RcfarmCommand::Bench(BenchCommand::Audit(args)) => bench_audit::run(args).await,
+            RcfarmCommand::Chaos(args) => chaos::run(args).await,
             RcfarmCommand::Bench(BenchCommand::Farm(args)) => {
                 println!("{}", bench_farm::header());
                 bench_farm::run(args).await

@@ -169,6 +169,7 @@ impl Raw {
                     .and_then(|v| v.parse().ok())
                     .unwrap_or(0),
             ),
+            body_len: self.body.len(),
         }
     }
 

@@ -171,12 +171,14 @@ impl QueryOptions {
     }
 }
 
-/// What the `X-Consul-*` headers of a read said.
+/// What the `X-Consul-*` headers of a read said, and how big the answer was.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct QueryMeta {
     pub index: u64,
     pub known_leader: bool,
     pub last_contact: Duration,
+    /// Bytes in the response body: what it cost to send and decode.
+    pub body_len: usize,
 }
 
 pub(crate) mod b64_opt {

@@ -28,6 +28,12 @@ pub struct WatchConfig {
     pub wait: Duration,
     /// At least this long between two queries (a floor against spinning; 0 disables it).
     pub min_interval: Duration,
+    /// And at least this long per MiB of the last answer: a blocking query on a prefix returns
+    /// the whole tree, so re-reading a big tree after every single change would spend the
+    /// farm's (and Consul's) time re-sending it; pausing in proportion batches changes.
+    pub pace_per_mib: Duration,
+    /// The pause never exceeds this.
+    pub max_pace: Duration,
     pub error_backoff_base: Duration,
     pub error_backoff_cap: Duration,
 }
@@ -37,6 +43,8 @@ impl Default for WatchConfig {
         Self {
             wait: Duration::from_secs(300),
             min_interval: Duration::from_millis(5),
+            pace_per_mib: Duration::from_millis(100),
+            max_pace: Duration::from_millis(200),
             error_backoff_base: Duration::from_millis(100),
             error_backoff_cap: Duration::from_secs(5),
         }
@@ -177,10 +185,18 @@ async fn run_watch<T, F, Fut>(
                     let _ = tx.send(Some(Arc::new(Snapshot { index, value })));
                 }
                 let elapsed = started.elapsed();
-                if elapsed < config.min_interval {
+                let pace = config
+                    .min_interval
+                    .max(
+                        config
+                            .pace_per_mib
+                            .mul_f64(meta.body_len as f64 / (1 << 20) as f64),
+                    )
+                    .min(config.max_pace.max(config.min_interval));
+                if elapsed < pace {
                     tokio::select! {
                         _ = cancel.cancelled() => return,
-                        _ = tokio::time::sleep(config.min_interval - elapsed) => {}
+                        _ = tokio::time::sleep(pace - elapsed) => {}
                     }
                 }
             }

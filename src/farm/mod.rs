@@ -26,7 +26,7 @@ use crate::consul::{
 };
 use crate::health::HealthCache;
 use crate::labels::{LabelCache, LabelChanges, LabelSet, LabelType, Selector};
-use crate::rc::{RC_ID_LABEL, RcId, RcListing, RcStore, RcWatch, parse_locks};
+use crate::rc::{InvalidRc, RC_ID_LABEL, RcId, RcListing, RcStore, RcWatch, parse_locks};
 use crate::rctask::{
     IntentView, RcState, StatusRegistry, TaskConfig, TaskContext, TaskEvent, TaskHandle,
 };
@@ -132,6 +132,10 @@ pub struct Farm {
     ready: watch::Sender<bool>,
     audit: watch::Sender<Option<Arc<AuditStore>>>,
     shipper_stats: Arc<ShipperStats>,
+    /// Unclaimable RC keys already reported, with the version reported.
+    unclaimable_reported: parking_lot::Mutex<HashMap<String, u64>>,
+    /// Keys under the lock prefix that are not RC locks, already logged.
+    garbage_locks_reported: parking_lot::Mutex<BTreeSet<String>>,
 }
 
 /// What the farm owns under its current session.
@@ -163,6 +167,8 @@ impl Farm {
             ready,
             audit,
             shipper_stats: Arc::default(),
+            unclaimable_reported: parking_lot::Mutex::default(),
+            garbage_locks_reported: parking_lot::Mutex::default(),
         })
     }
 
@@ -343,7 +349,10 @@ impl Farm {
                     self.status.clear_rcs();
                     let wait = jitter_half(Duration::from_secs(2));
                     tracing::warn!(%reason, retry_in = ?wait, "session lost: every RC task stopped; starting over with a new session");
-                    drop(session);
+                    // We gave up on it after one TTL without renewal, but Consul may still
+                    // honour it (up to 2×TTL, or again after a restart that reset its timer):
+                    // destroying it frees our locks for whoever comes next, us included.
+                    let _ = tokio::time::timeout(Duration::from_secs(2), session.destroy()).await;
                     tokio::select! {
                         _ = shutdown.cancelled() => return Ok(()),
                         _ = tokio::time::sleep(wait) => {}
@@ -587,7 +596,16 @@ impl Farm {
             return false;
         };
         let sid = session.id();
-        let (holders, _garbage) = parse_locks(&lock_snap.value);
+        let (holders, garbage) = parse_locks(&lock_snap.value);
+        {
+            let mut seen = self.garbage_locks_reported.lock();
+            seen.retain(|k| garbage.contains(k));
+            for key in garbage {
+                if seen.insert(key.clone()) {
+                    tracing::warn!(%key, "a key under the lock prefix is not an RC lock; ignoring it");
+                }
+            }
+        }
         let mutation: BTreeMap<RcId, String> = holders
             .iter()
             .filter_map(|(id, h)| h.mutation.as_ref().map(|(s, _)| (*id, s.clone())))
@@ -606,6 +624,8 @@ impl Farm {
                 }
             }
         }
+
+        self.report_unclaimable(&listing).await;
 
         // Every RC key that names an RC, valid or not (an invalid one is still claimed, so that
         // exactly one farm reports it).
@@ -784,6 +804,32 @@ impl Farm {
                 .await;
         }
 
+        // A mutation lock our session holds on an RC we do not serve would stop its owner from
+        // ever moving a pod (it waits for "another session"). It happens when a task is stopped
+        // mid-transfer (handover, fencing, deletion), when the release request is lost, or when
+        // an acquire sent by a task just stopped lands late; the lock tree's change brings us
+        // back here. The transfer itself, if one is in flight, is resumed by the owner.
+        let stray: Vec<RcId> = holders
+            .iter()
+            .filter(|(id, h)| {
+                h.mutation.as_ref().is_some_and(|(s, _)| s == sid) && !owned.tasks.contains_key(id)
+            })
+            .map(|(id, _)| *id)
+            .collect();
+        if !stray.is_empty() {
+            let store = RcStore::new(self.consul.clone());
+            for id in stray {
+                match store.release_mutation(id, sid).await {
+                    Ok(_) => {
+                        tracing::info!(rc_id = %id, "released the mutation lock of an RC this farm no longer serves")
+                    }
+                    Err(e) => {
+                        tracing::warn!(rc_id = %id, error = %e, "cannot release a stray mutation lock; will retry")
+                    }
+                }
+            }
+        }
+
         // Hand tasks the RC versions they have not seen.
         for (id, t) in &owned.tasks {
             let version = listing
@@ -957,6 +1003,53 @@ impl Farm {
                 }
             }
             Err(e) => tracing::warn!(error = %e, "consistency sweep failed"),
+        }
+    }
+}
+
+impl Farm {
+    /// Reports records under the RC prefix whose key names no RC (`replication_controllers/x`):
+    /// no lock can be taken on them, so every farm sees them. Each farm logs each version once;
+    /// the audit record has an id derived from key and version, written create-only, so there
+    /// is one record per version however many farms notice.
+    async fn report_unclaimable(&self, listing: &RcListing) {
+        let due: Vec<(&String, &InvalidRc)> = {
+            let mut reported = self.unclaimable_reported.lock();
+            reported.retain(|k, _| listing.invalid.contains_key(k));
+            listing
+                .invalid
+                .iter()
+                .filter(|(k, inv)| {
+                    !matches!(RcId::from_key(k), Some(Ok(_)))
+                        && reported.get(*k) != Some(&inv.modify_index)
+                })
+                .collect()
+        };
+        for (key, inv) in due {
+            tracing::warn!(%key, problem = %inv.problem, "a record under the RC prefix names no RC; no farm will serve it");
+            metrics::counter!("rcfarm_rc_invalid_total", "kind" => inv.problem.kind()).increment(1);
+            let audit = AuditRecord::deterministic(
+                &format!("{key}@{}", inv.modify_index),
+                events::RC_INVALID,
+                json!({
+                    "key": key,
+                    "modify_index": inv.modify_index,
+                    "problem": inv.problem.to_string(),
+                    "farm_id": self.config.farm_id,
+                }),
+            );
+            match self.consul.txn(&[audit.txn_op()]).await {
+                Ok(_) => {}
+                // Another farm recorded it first.
+                Err(e) if AuditRecord::recorded_already(&e, 0) => {}
+                Err(e) => {
+                    tracing::warn!(%key, error = %e, "cannot record the invalid RC key; will retry");
+                    continue;
+                }
+            }
+            self.unclaimable_reported
+                .lock()
+                .insert(key.clone(), inv.modify_index);
         }
     }
 }

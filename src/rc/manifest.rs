@@ -50,7 +50,7 @@ impl Manifest {
         let body = body.as_deref().unwrap_or(raw);
         let yaml: serde_yaml_ng::Value =
             serde_yaml_ng::from_str(body).map_err(|e| ManifestError::Yaml(e.to_string()))?;
-        let canonical = yaml_to_json(&yaml);
+        let canonical = yaml_to_json(&yaml)?;
         let Value::Object(map) = &canonical else {
             return Err(ManifestError::NotAMapping(kind(&canonical)));
         };
@@ -136,9 +136,12 @@ fn kind(v: &Value) -> &'static str {
     }
 }
 
-fn yaml_to_json(v: &serde_yaml_ng::Value) -> Value {
+/// The document as JSON. Mapping keys must be scalars: YAML's complex keys (`? [a, b]`) have no
+/// JSON form, and stringifying them nests escapes exponentially (a 150-byte document needed
+/// gigabytes; found by fuzzing).
+fn yaml_to_json(v: &serde_yaml_ng::Value) -> Result<Value, ManifestError> {
     use serde_yaml_ng::Value as Y;
-    match v {
+    Ok(match v {
         Y::Null => Value::Null,
         Y::Bool(b) => Value::Bool(*b),
         Y::Number(n) => {
@@ -154,20 +157,32 @@ fn yaml_to_json(v: &serde_yaml_ng::Value) -> Value {
             }
         }
         Y::String(s) => Value::String(s.clone()),
-        Y::Sequence(s) => Value::Array(s.iter().map(yaml_to_json).collect()),
+        Y::Sequence(s) => Value::Array(s.iter().map(yaml_to_json).collect::<Result<_, _>>()?),
         Y::Mapping(m) => Value::Object(
             m.iter()
                 .map(|(k, v)| {
                     let key = match k {
                         Y::String(s) => s.clone(),
-                        other => yaml_to_json(other).to_string(),
+                        Y::Null => "null".to_string(),
+                        Y::Bool(b) => b.to_string(),
+                        Y::Number(n) => n.to_string(),
+                        Y::Tagged(t) if matches!(t.value, Y::String(_)) => {
+                            t.value.as_str().unwrap_or_default().to_string()
+                        }
+                        _ => {
+                            return Err(ManifestError::Yaml(
+                                "a mapping key is a sequence or mapping; keys must be plain \
+                                 scalars"
+                                    .into(),
+                            ));
+                        }
                     };
-                    (key, yaml_to_json(v))
+                    Ok((key, yaml_to_json(v)?))
                 })
-                .collect(),
+                .collect::<Result<_, _>>()?,
         ),
-        Y::Tagged(t) => yaml_to_json(&t.value),
-    }
+        Y::Tagged(t) => yaml_to_json(&t.value)?,
+    })
 }
 
 /// JSON with object keys sorted at every level.
@@ -194,6 +209,25 @@ fn canonical_bytes(v: &Value) -> Vec<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn complex_mapping_keys_are_refused_not_expanded() {
+        // Nested complex keys: stringifying them used to grow exponentially (fuzzing found it).
+        let bomb = format!("{}:&", "? - ".repeat(40));
+        assert!(matches!(
+            Manifest::parse(&bomb),
+            Err(ManifestError::Yaml(_))
+        ));
+        let e = Manifest::parse("id: x\n? [a, b]\n: c\n").unwrap_err();
+        assert!(e.to_string().contains("keys must be plain scalars"), "{e}");
+        // Scalar keys of other types are fine.
+        assert_eq!(
+            Manifest::parse("id: x\n1: one\ntrue: yes\n")
+                .unwrap()
+                .pod_id(),
+            "x"
+        );
+    }
 
     #[test]
     fn yaml_and_json_manifests() {

@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::health::HealthStatus;
 use crate::rc::{AllocationStrategy, Rc};
-use crate::scheduler::NodeName;
+use crate::scheduler::{NodeName, NodeSet};
 
 /// A node transfer in flight, as kept in P2's status key
 /// (`status/replication_controllers/<id>/replication_controller`).
@@ -30,7 +30,7 @@ pub struct Observed<'a> {
     /// Nodes with a pod of this RC, and the pod id each carries (an older manifest may have
     /// had another id).
     pub current: BTreeMap<NodeName, String>,
-    pub eligible: BTreeSet<NodeName>,
+    pub eligible: NodeSet,
     /// This pod id's health by node.
     pub health: BTreeMap<NodeName, HealthStatus>,
     /// Whether anything reports health for this pod id at all; if not, health cannot gate.
@@ -136,7 +136,7 @@ pub fn plan(o: &Observed<'_>) -> Plan {
 
     let ineligible: Vec<&NodeName> = current
         .iter()
-        .filter(|n| !o.eligible.contains(**n))
+        .filter(|n| !o.eligible.contains(n))
         .copied()
         .collect();
     let mut removed: BTreeSet<NodeName> = BTreeSet::new();
@@ -146,7 +146,7 @@ pub fn plan(o: &Observed<'_>) -> Plan {
         let mut order: Vec<&NodeName> = ineligible.clone();
         let mut rest: Vec<&NodeName> = current
             .iter()
-            .filter(|n| o.eligible.contains(**n))
+            .filter(|n| o.eligible.contains(n))
             .copied()
             .collect();
         // Unhealthy next, then the highest names (scale-up takes the lowest first).
@@ -161,6 +161,7 @@ pub fn plan(o: &Observed<'_>) -> Plan {
             .eligible
             .iter()
             .filter(|e| !o.current.contains_key(*e))
+            .take(need)
             .cloned()
             .collect();
         if candidates.len() >= need {
@@ -239,7 +240,7 @@ fn push_repairs(o: &Observed<'_>, p: &mut Plan, skip: &BTreeSet<NodeName>) {
     let repairs: Vec<NodeName> = o
         .bad_intents
         .iter()
-        .filter(|n| o.current.contains_key(*n) && o.eligible.contains(*n) && !skip.contains(*n))
+        .filter(|n| o.current.contains_key(*n) && o.eligible.contains(n) && !skip.contains(*n))
         .cloned()
         .collect();
     if !repairs.is_empty() {
@@ -284,7 +285,7 @@ mod tests {
         Observed {
             rc,
             current: current(cur),
-            eligible: nodes(elig),
+            eligible: nodes(elig).into_iter().collect(),
             health: BTreeMap::new(),
             health_in_use: false,
             bad_intents: BTreeSet::new(),
@@ -298,6 +299,18 @@ mod tests {
 
     fn s(v: &[&str]) -> Vec<NodeName> {
         v.iter().map(|x| NodeName::from(*x)).collect()
+    }
+
+    #[test]
+    fn node_sets_sort_dedup_and_search() {
+        let set: NodeSet = s(&["c", "a", "b", "a"]).into_iter().collect();
+        assert_eq!(
+            set.iter().map(|n| &**n).collect::<Vec<_>>(),
+            ["a", "b", "c"]
+        );
+        assert!(set.contains("b") && !set.contains("d") && !set.contains(""));
+        assert_eq!(set.len(), 3);
+        assert!(NodeSet::default().is_empty());
     }
 
     #[test]
@@ -459,13 +472,13 @@ mod tests {
             matches!(&plan(&o).actions[..], [Action::RollbackTransfer(r)] if r.contains("not healthy"))
         );
         o.now = t0();
-        o.eligible = nodes(&["a", "n", "x"]);
+        o.eligible = nodes(&["a", "n", "x"]).into_iter().collect();
         assert!(
             matches!(&plan(&o).actions[..], [Action::RollbackTransfer(r)] if r.contains("eligible again"))
         );
         let r3 = rc(3, "dynamic_strategy", false);
         o.rc = &r3;
-        o.eligible = nodes(&["a", "n"]);
+        o.eligible = nodes(&["a", "n"]).into_iter().collect();
         assert!(
             matches!(&plan(&o).actions[..], [Action::RollbackTransfer(r)] if r.contains("replicas changed"))
         );

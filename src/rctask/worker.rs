@@ -26,7 +26,7 @@ use crate::labels::{
 use crate::rc::{
     CHANGE_MARKER, DesiredState, InvalidRc, POD_ID_LABEL, RC_ID_LABEL, Rc, RcId, RcStore,
 };
-use crate::scheduler::{NodeName, Scheduler, SchedulerError};
+use crate::scheduler::{NodeName, NodeSet, Scheduler, SchedulerError};
 use crate::util::{Backoff, jitter_half};
 
 /// Room left in a transaction for the ownership check and audit records.
@@ -157,9 +157,11 @@ pub fn spawn(
         transfer_loaded: false,
         unmet: None,
         invalid_reported: None,
+        rejected_reported: None,
         last_seen: None,
         pending_dealloc: BTreeSet::new(),
         backoff: Backoff::new(Duration::from_millis(200), Duration::from_secs(30)),
+        unmet_backoff: Backoff::new(Duration::from_millis(200), Duration::from_secs(5)),
     };
     let join = tokio::spawn(worker.run().instrument(span));
     TaskHandle {
@@ -185,11 +187,18 @@ struct Worker {
     unmet: Option<String>,
     /// The `ModifyIndex` of the invalid record last reported.
     invalid_reported: Option<u64>,
+    /// The `ModifyIndex` of the RC version whose writes Consul refused as too large or
+    /// malformed (a huge manifest), last reported.
+    rejected_reported: Option<u64>,
     /// The desired state last seen, its index and change marker, to notice direct KV writes.
     last_seen: Option<(u64, DesiredState, Option<String>)>,
     /// Nodes to give back to the scheduler (a deallocation that failed is retried).
     pending_dealloc: BTreeSet<NodeName>,
+    /// Paces retries after failed passes (Consul trouble); reset by any pass that succeeds.
     backoff: Backoff,
+    /// Paces passes while desires cannot be met (too few nodes): short, and skipped when the
+    /// RC itself changes, so an operator's fix is acted on at once.
+    unmet_backoff: Backoff,
 }
 
 /// P2's status key for an RC.
@@ -212,6 +221,10 @@ impl Worker {
                 }
             }
             let state = self.state.borrow_and_update().clone();
+            let version = match &state {
+                RcState::Valid(rc) => Some(rc.modify_index),
+                _ => None,
+            };
             let cancel = self.cancel.clone();
             // A stopped task abandons its pass at once: whatever write is in flight is fenced,
             // and handovers must not wait for a pass to finish.
@@ -230,15 +243,18 @@ impl Worker {
                 self.ctx.status.remove_rc(self.id);
                 break;
             };
+            let mut paced_for_unmet = false;
             let delay = match outcome {
                 Ok(unmet) => {
+                    self.backoff.reset();
                     let resync =
                         jitter_half(self.ctx.config.resync * 2).min(self.ctx.config.resync * 2);
                     if unmet {
-                        // Unmet desires retry with backoff, not in a hot loop.
-                        not_before = Some(Instant::now() + self.backoff.next_delay());
+                        // Node changes retrigger unmet RCs; pace them rather than loop hot.
+                        not_before = Some(Instant::now() + self.unmet_backoff.next_delay());
+                        paced_for_unmet = true;
                     } else {
-                        self.backoff.reset();
+                        self.unmet_backoff.reset();
                     }
                     resync
                 }
@@ -252,6 +268,26 @@ impl Worker {
                     tracing::warn!("lost the RC's ownership lock; stopping without further writes");
                     let _ = self.events.send(TaskEvent::Fenced(self.id));
                     break;
+                }
+                Err(TaskError::Consul(ConsulError::Rejected { status, body }))
+                    if status == 413 || status == 400 =>
+                {
+                    // Retrying the same write cannot help; the RC (or Consul's limits) must
+                    // change. Report once per version and look again now and then.
+                    let wait = match self.report_rejected(version, status, &body).await {
+                        Ok(()) => {
+                            paced_for_unmet = true;
+                            self.ctx.config.error_backoff_max
+                        }
+                        Err(e) => {
+                            tracing::warn!(error = %e, "cannot report the refused write; retrying");
+                            self.backoff
+                                .next_delay()
+                                .min(self.ctx.config.error_backoff_max)
+                        }
+                    };
+                    not_before = Some(Instant::now() + wait);
+                    wait
                 }
                 Err(e) => {
                     let wait = self
@@ -269,7 +305,11 @@ impl Worker {
             };
             tokio::select! {
                 _ = self.cancel.cancelled() => break,
-                _ = self.state.changed() => {}
+                _ = self.state.changed() => {
+                    if paced_for_unmet {
+                        not_before = None;
+                    }
+                }
                 _ = self.wake.notified() => {}
                 _ = tokio::time::sleep(delay) => {}
             }
@@ -287,7 +327,8 @@ impl Worker {
         }
         tracing::warn!(problem = %inv.problem, "RC record is invalid; not acting on it until it is fixed");
         metrics::counter!("rcfarm_rc_invalid_total", "kind" => inv.problem.kind()).increment(1);
-        let audit = AuditRecord::new(
+        let audit = AuditRecord::deterministic(
+            &format!("invalid:{}@{}", inv.key, inv.modify_index),
             events::RC_INVALID,
             json!({
                 "replication_controller_id": self.id,
@@ -297,8 +338,47 @@ impl Worker {
                 "farm_id": self.ctx.farm_id,
             }),
         );
-        self.commit(vec![], vec![audit]).await?;
+        self.commit_report(audit).await?;
         self.invalid_reported = Some(inv.modify_index);
+        Ok(())
+    }
+
+    /// Reports, once per RC version, that Consul refused the farm's writes for it (HTTP 413 or
+    /// 400: a manifest too large for a transaction, say): log, metric, status, audit event.
+    async fn report_rejected(
+        &mut self,
+        version: Option<u64>,
+        status: u16,
+        body: &str,
+    ) -> Result<(), TaskError> {
+        let problem = format!(
+            "Consul refused the farm's write for this RC (HTTP {status}: {}); a manifest too large \
+             for a Consul transaction is the usual cause: shrink it, or raise Consul's \
+             txn_max_req_len and kv_max_value_size",
+            body.trim()
+        );
+        self.ctx.status.update_rc(self.id, &self.ctx.farm_id, |s| {
+            s.set_condition("Invalid", Some(problem.clone()));
+            s.last_error = Some(problem.clone());
+        });
+        if version.is_none() || self.rejected_reported == version {
+            return Ok(());
+        }
+        tracing::warn!(%problem, "RC cannot be served as it is");
+        metrics::counter!("rcfarm_rc_invalid_total", "kind" => "rejected_by_consul").increment(1);
+        let audit = AuditRecord::deterministic(
+            &format!("rejected:{}@{}", self.id.key(), version.unwrap_or_default()),
+            events::RC_INVALID,
+            json!({
+                "replication_controller_id": self.id,
+                "key": self.id.key(),
+                "modify_index": version,
+                "problem": problem,
+                "farm_id": self.ctx.farm_id,
+            }),
+        );
+        self.commit_report(audit).await?;
+        self.rejected_reported = version;
         Ok(())
     }
 
@@ -372,6 +452,15 @@ impl Worker {
         self.invalid_reported = None;
         self.notice_changes(rc).await?;
         self.load_transfer().await?;
+        if self.transfer.is_none()
+            && self.ctx.mutation_locks.borrow().get(&self.id) == Some(&self.session)
+        {
+            // Left over from a transfer whose release was lost: it would block rolling updates.
+            RcStore::new(self.ctx.consul.clone())
+                .release_mutation(self.id, &self.session)
+                .await
+                .map_err(|e| TaskError::Other(e.to_string()))?;
+        }
         self.retry_deallocations(rc).await;
         let mut allocation_exhausted = false;
         let mut mutation_locked_elsewhere = false;
@@ -383,7 +472,7 @@ impl Worker {
             let p = plan(&o);
             // Applying needs only the current pods; do not hold every eligible node's name
             // across the writes (thousands of RCs do this at once when a farm starts).
-            o.eligible = BTreeSet::new();
+            o.eligible = NodeSet::default();
             self.publish_status(rc, &o, &p);
             let Some(action) = p.actions.first().cloned() else {
                 result = self
@@ -427,13 +516,11 @@ impl Worker {
                 split_pod_label_id(id).map(|(n, p)| (NodeName::from(n), p.to_string()))
             })
             .collect();
-        let eligible: BTreeSet<NodeName> = self
+        let eligible = self
             .ctx
             .scheduler
-            .eligible_nodes(&rc.manifest, &rc.node_selector)
-            .await?
-            .into_iter()
-            .collect();
+            .eligible_set(&rc.manifest, &rc.node_selector)
+            .await?;
         let health: BTreeMap<NodeName, _> = self
             .ctx
             .health
@@ -580,6 +667,17 @@ impl Worker {
                 Err(TaskError::Fenced)
             }
             Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Commits a report whose id is derived from what it reports ([`AuditRecord::deterministic`]):
+    /// if the record exists already, an earlier owner of this RC (before a handover) made it.
+    async fn commit_report(&self, audit: AuditRecord) -> Result<(), TaskError> {
+        match self.commit(vec![], vec![audit]).await {
+            Ok(_) => Ok(()),
+            // Op 0 is the fencing check, op 1 the create-only audit record.
+            Err(TaskError::Consul(e)) if AuditRecord::recorded_already(&e, 1) => Ok(()),
+            Err(e) => Err(e),
         }
     }
 

@@ -4,7 +4,7 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use parking_lot::Mutex;
 
-use super::{NodeName, Scheduler, SchedulerError};
+use super::{NodeName, NodeSet, Scheduler, SchedulerError};
 use crate::labels::{LabelCache, Selector};
 use crate::rc::Manifest;
 
@@ -26,6 +26,16 @@ impl LabelScheduler {
             nodes,
             memo: Mutex::new((0, HashMap::new())),
         }
+    }
+}
+
+impl LabelScheduler {
+    /// The memoized answer, once the node cache has synced (before, "no nodes" would be a lie).
+    fn synced_matching(&self, selector: &Selector) -> Result<Arc<[NodeName]>, SchedulerError> {
+        if !self.nodes.is_synced() {
+            return Err(SchedulerError::NotReady);
+        }
+        Ok(matching(&self.nodes, &self.memo, selector))
     }
 }
 
@@ -65,10 +75,15 @@ impl Scheduler for LabelScheduler {
         _manifest: &Manifest,
         selector: &Selector,
     ) -> Result<Vec<NodeName>, SchedulerError> {
-        if !self.nodes.is_synced() {
-            return Err(SchedulerError::NotReady);
-        }
-        Ok(matching(&self.nodes, &self.memo, selector).to_vec())
+        Ok(self.synced_matching(selector)?.to_vec())
+    }
+
+    async fn eligible_set(
+        &self,
+        _manifest: &Manifest,
+        selector: &Selector,
+    ) -> Result<NodeSet, SchedulerError> {
+        Ok(NodeSet::from_sorted_unique(self.synced_matching(selector)?))
     }
 
     async fn allocate_nodes(

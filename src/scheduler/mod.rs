@@ -8,6 +8,8 @@
 mod label;
 mod pool;
 
+use std::sync::Arc;
+
 use async_trait::async_trait;
 
 pub use label::LabelScheduler;
@@ -18,6 +20,55 @@ use crate::rc::Manifest;
 
 /// A node's name (its `labels/node/<name>` id).
 pub type NodeName = std::sync::Arc<str>;
+
+/// A sorted set of node names, shared and searched rather than rebuilt: a farm plans thousands
+/// of RCs against the same few thousand eligible nodes, and copying them into a tree per RC and
+/// observation (4 million string-keyed inserts in the 10× benchmark) took a quarter of its
+/// convergence time (BENCHMARKS.md, `rcfarm bench farm`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NodeSet(Arc<[NodeName]>);
+
+impl NodeSet {
+    /// Wraps names known to be sorted and unique (the label cache answers so), without a copy.
+    pub(crate) fn from_sorted_unique(nodes: Arc<[NodeName]>) -> Self {
+        debug_assert!(nodes.windows(2).all(|w| w[0] < w[1]));
+        NodeSet(nodes)
+    }
+
+    pub fn contains(&self, node: &str) -> bool {
+        self.0.binary_search_by(|n| (**n).cmp(node)).is_ok()
+    }
+
+    /// In name order.
+    pub fn iter(&self) -> std::slice::Iter<'_, NodeName> {
+        self.0.iter()
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+impl From<Vec<NodeName>> for NodeSet {
+    fn from(mut nodes: Vec<NodeName>) -> Self {
+        // Schedulers answering from the label cache give sorted names already.
+        if !nodes.is_sorted() {
+            nodes.sort_unstable();
+        }
+        nodes.dedup();
+        NodeSet(nodes.into())
+    }
+}
+
+impl FromIterator<NodeName> for NodeSet {
+    fn from_iter<I: IntoIterator<Item = NodeName>>(iter: I) -> Self {
+        iter.into_iter().collect::<Vec<_>>().into()
+    }
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum SchedulerError {
@@ -39,6 +90,16 @@ pub trait Scheduler: Send + Sync {
         manifest: &Manifest,
         selector: &Selector,
     ) -> Result<Vec<NodeName>, SchedulerError>;
+
+    /// [`Scheduler::eligible_nodes`] as a [`NodeSet`]. Schedulers that keep their answers
+    /// sorted and shared override it to skip the copy (the RC task asks on every pass).
+    async fn eligible_set(
+        &self,
+        manifest: &Manifest,
+        selector: &Selector,
+    ) -> Result<NodeSet, SchedulerError> {
+        Ok(self.eligible_nodes(manifest, selector).await?.into())
+    }
 
     /// Asks for up to `count` more nodes; they appear in later `eligible_nodes` answers. May
     /// return fewer. `force` lets the scheduler relax its preferences to find nodes at all.

@@ -9,6 +9,7 @@ use axum::http::{HeaderMap, HeaderValue, Method, Request, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as B64;
+use futures::StreamExt as _;
 use percent_encoding::percent_decode_str;
 use serde::Serialize;
 use serde_json::{Map, Value, json};
@@ -216,7 +217,14 @@ pub(super) async fn handle(shared: Arc<Shared>, req: Request<Body>) -> Response 
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
     let mut resp = route(shared.clone(), req).await;
+    let too_large = resp.status() == StatusCode::PAYLOAD_TOO_LARGE;
     let h = resp.headers_mut();
+    if too_large {
+        // The rest of the body may be unread (past what `read_body` discards), so the connection
+        // cannot carry another request; say so, or a client may reuse it and see its next
+        // request fail (as Go's server does).
+        h.insert(header::CONNECTION, HeaderValue::from_static("close"));
+    }
     h.insert(header::VARY, HeaderValue::from_static("Accept-Encoding"));
     let policy = if shared.config.acl_token.is_some() {
         "deny"
@@ -524,14 +532,41 @@ async fn read_body(
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
+    let mut body = req.into_body().into_data_stream();
     if let Some(len) = declared
         && len > limit as u64
     {
+        if len <= DISCARD_MAX as u64 {
+            discard(&mut body, 0).await;
+        }
         return Err(err(StatusCode::PAYLOAD_TOO_LARGE, too_large(Some(len))));
     }
-    axum::body::to_bytes(req.into_body(), limit)
-        .await
-        .map_err(|_| err(StatusCode::PAYLOAD_TOO_LARGE, too_large(None)))
+    let mut buf = bytes::BytesMut::new();
+    while let Some(chunk) = body.next().await {
+        // A body that breaks off: the client is gone, and the answer only has to be an error.
+        let chunk = chunk.map_err(|_| err(StatusCode::PAYLOAD_TOO_LARGE, too_large(None)))?;
+        if buf.len() + chunk.len() > limit {
+            discard(&mut body, buf.len() + chunk.len()).await;
+            return Err(err(StatusCode::PAYLOAD_TOO_LARGE, too_large(None)));
+        }
+        buf.extend_from_slice(&chunk);
+    }
+    Ok(buf.freeze())
+}
+
+/// How much of a refused body the server reads before answering.
+const DISCARD_MAX: usize = 8 << 20;
+
+/// Reads and drops the rest of a refused body, up to [`DISCARD_MAX`] in all, before the 413 is
+/// sent: a client still writing a large body would otherwise see a broken pipe instead of the
+/// answer (Go's server, in front of real Consul, likewise reads some of an unread body).
+async fn discard(body: &mut axum::body::BodyDataStream, mut read: usize) {
+    while read <= DISCARD_MAX {
+        match body.next().await {
+            Some(Ok(chunk)) => read += chunk.len(),
+            _ => return,
+        }
+    }
 }
 
 async fn kv_put(

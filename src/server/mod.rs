@@ -176,6 +176,54 @@ pub struct ServerStats {
     pub txns: u64,
 }
 
+impl Shared {
+    fn new(
+        config: ServerConfig,
+        store: Store,
+        wal: Option<wal::Wal>,
+        addr: SocketAddr,
+    ) -> Arc<Shared> {
+        Arc::new(Shared {
+            state: Mutex::new(State {
+                store,
+                waiters: Waiters::default(),
+            }),
+            wal,
+            shutdown: CancellationToken::new(),
+            commit_log: config.record_commits.then(Mutex::default),
+            requests: Default::default(),
+            txns: Default::default(),
+            leader: format!("{}:8300", addr.ip()),
+            config,
+        })
+    }
+}
+
+/// The server's request handling without a socket or background tasks (no session expiry),
+/// in memory: for fuzzing the HTTP surface and for embedding.
+#[derive(Clone)]
+pub struct InProcess {
+    shared: Arc<Shared>,
+}
+
+impl InProcess {
+    /// A memory-only server (`data_dir` is ignored).
+    pub fn new(config: ServerConfig) -> InProcess {
+        let addr = config.listen;
+        InProcess {
+            shared: Shared::new(config, Store::new(), None, addr),
+        }
+    }
+
+    /// Handles one request the way the listening server does.
+    pub async fn call(
+        &self,
+        req: axum::http::Request<axum::body::Body>,
+    ) -> axum::response::Response {
+        http::handle(self.shared.clone(), req).await
+    }
+}
+
 /// A running embedded server.
 pub struct EmbeddedServer {
     addr: SocketAddr,
@@ -211,20 +259,7 @@ impl EmbeddedServer {
             }
             None => (Store::new(), None, None),
         };
-        let leader = format!("{}:8300", addr.ip());
-        let shared = Arc::new(Shared {
-            state: Mutex::new(State {
-                store,
-                waiters: Waiters::default(),
-            }),
-            wal,
-            shutdown: CancellationToken::new(),
-            commit_log: config.record_commits.then(Mutex::default),
-            requests: Default::default(),
-            txns: Default::default(),
-            leader,
-            config,
-        });
+        let shared = Shared::new(config, store, wal, addr);
 
         let app = axum::Router::new().fallback({
             let shared = shared.clone();

@@ -9,6 +9,7 @@ use rcfarm::audit::{
 use rcfarm::consul::{Consul, QueryOptions, SessionRequest, TxnOp};
 use rcfarm::server::{EmbeddedServer, ServerConfig};
 use serde_json::json;
+use tokio::io::AsyncBufReadExt;
 use tokio_util::sync::CancellationToken;
 
 use crate::common::{client, eventually, server_with};
@@ -314,7 +315,7 @@ async fn a_shipper_crash_between_insert_and_delete_duplicates_nothing() {
             "--http",
             "off",
         ])
-        .env("RUST_LOG", "warn")
+        .env("RUST_LOG", "info")
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .kill_on_drop(true);
@@ -346,13 +347,28 @@ async fn a_shipper_crash_between_insert_and_delete_duplicates_nothing() {
     );
 
     let mut survivor = farm(false);
+    // Drain its log (a full pipe would stall it) and show it if the wait fails.
+    let log = std::sync::Arc::new(parking_lot::Mutex::new(String::new()));
+    let mut lines = tokio::io::BufReader::new(survivor.stderr.take().unwrap()).lines();
+    let sink = log.clone();
+    tokio::spawn(async move {
+        while let Ok(Some(l)) = lines.next_line().await {
+            sink.lock().push_str(&(l + "\n"));
+        }
+    });
     let cr = &c;
-    eventually(
-        Duration::from_secs(60),
-        "the survivor drained the outbox",
-        || async move { (outbox_len(cr).await == 0).then_some(()) },
-    )
+    let drained = tokio::time::timeout(Duration::from_secs(60), async {
+        while outbox_len(cr).await != 0 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
     .await;
+    assert!(
+        drained.is_ok(),
+        "the survivor did not drain the outbox in 60 s ({} left); its log:\n{}",
+        outbox_len(cr).await,
+        log.lock()
+    );
     assert_eq!(
         store.count(&AuditQuery::default()).await.unwrap(),
         records.len() as u64,

@@ -56,13 +56,9 @@ async fn three_farms_converge_fifty_p2_rcs_balanced() {
         took.as_secs_f64()
     );
 
-    // Every RC owned by exactly one farm, balanced.
-    let owners = c.owner_farms().await;
-    assert_eq!(owners.len(), 50, "every RC has an owner");
-    let mut per_farm: BTreeMap<String, usize> = BTreeMap::new();
-    for f in owners.values() {
-        *per_farm.entry(f.clone()).or_default() += 1;
-    }
+    // Every RC owned by exactly one farm (one lock, one holder), balanced. Farms that started
+    // together may still be handing RCs over to reach their fair share: an RC released by one
+    // farm and not yet claimed by the next has no owner for a moment, so this waits.
     c.wait_for(Duration::from_secs(20), "balanced ownership", || {
         let c = &c;
         async move {
@@ -210,7 +206,10 @@ async fn an_invalid_rc_is_reported_and_the_others_are_served() {
                 .iter()
                 .map(|d| d["problem"].as_str().unwrap_or("").to_string())
                 .collect();
-            invalid.len() == 2 && invalid.iter().any(|p| p.contains("replicas_desired"))
+            // The two claimable ones, and the key that names no RC (recorded once).
+            invalid.len() == 3
+                && invalid.iter().any(|p| p.contains("replicas_desired"))
+                && invalid.iter().any(|p| p.contains("not a UUID"))
         }
     })
     .await;
@@ -220,7 +219,7 @@ async fn an_invalid_rc_is_reported_and_the_others_are_served() {
     // Reported once, not every pass.
     tokio::time::sleep(Duration::from_secs(3)).await;
     let n = c.audit_events(events::RC_INVALID).await.len();
-    assert_eq!(n, 2);
+    assert_eq!(n, 3);
     // Fixing it brings it into service.
     c.put_rc(missing, "m", "env=prod", 1, "").await;
     c.wait_for(Duration::from_secs(20), "fixed RC served", || {

@@ -8,18 +8,7 @@ use rcfarm::consul::QueryOptions;
 use rcfarm::rc::RcId;
 use serde_json::json;
 
-use crate::harness::{Cluster, TTL, nodes, signal};
-
-async fn rcs(c: &Cluster, n: usize) -> Vec<RcId> {
-    let mut ids = Vec::new();
-    for i in 0..n {
-        let id = RcId::new();
-        c.put_rc(id, &format!("svc-{i}"), "env=prod", 1, "static_strategy")
-            .await;
-        ids.push(id);
-    }
-    ids
-}
+use crate::harness::{Cluster, TTL, nodes, rcs, signal};
 
 async fn all_owned_by(c: &Cluster, ids: &[RcId], farms: &[&str]) -> bool {
     let owners = c.owner_farms().await;
@@ -34,12 +23,15 @@ async fn kill_9_a_farm_and_its_rcs_are_served_again_within_two_ttls() {
     for f in ["f1", "f2", "f3"] {
         c.spawn_farm(f, &[]).await;
     }
-    let ids = rcs(&c, 12).await;
+    let ids = rcs(&c, 12, 1).await;
     let cr = &c;
     let idr = &ids;
-    c.wait_for(Duration::from_secs(30), "all owned", move || async move {
-        cr.owner_farms().await.len() == 12 && cr.placements().await.len() == 12
-    })
+    // f1 must own something to be worth killing.
+    c.wait_for(
+        Duration::from_secs(30),
+        "all placed, shared by 3 farms",
+        move || async move { cr.placed_and_shared(idr, 3, 1).await },
+    )
     .await;
     let owners = c.owner_farms().await;
     let victims: Vec<RcId> = owners
@@ -89,11 +81,13 @@ async fn sigterm_hands_over_within_about_a_second() {
     nodes(&c, 3, 1).await;
     c.spawn_farm("f1", &[]).await;
     c.spawn_farm("f2", &[]).await;
-    let ids = rcs(&c, 10).await;
-    let cr = &c;
-    c.wait_for(Duration::from_secs(30), "all owned", move || async move {
-        cr.owner_farms().await.len() == 10
-    })
+    let ids = rcs(&c, 10, 1).await;
+    let (cr, idr) = (&c, &ids);
+    c.wait_for(
+        Duration::from_secs(30),
+        "all placed, shared by 2 farms",
+        move || async move { cr.placed_and_shared(idr, 2, 1).await },
+    )
     .await;
     let owners = c.owner_farms().await;
     let victims: Vec<RcId> = owners
@@ -147,11 +141,13 @@ async fn a_stalled_farm_past_its_session_expiry_writes_nothing_and_rejoins() {
     nodes(&c, 4, 1).await;
     c.spawn_farm("f1", &[]).await;
     c.spawn_farm("f2", &[]).await;
-    let ids = rcs(&c, 8).await;
-    let cr = &c;
-    c.wait_for(Duration::from_secs(30), "all owned", move || async move {
-        cr.owner_farms().await.len() == 8 && cr.placements().await.len() == 8
-    })
+    let ids = rcs(&c, 8, 1).await;
+    let (cr, idr) = (&c, &ids);
+    c.wait_for(
+        Duration::from_secs(30),
+        "all placed, shared by 2 farms",
+        move || async move { cr.placed_and_shared(idr, 2, 1).await },
+    )
     .await;
     let victims: Vec<RcId> = c
         .owner_farms()
@@ -233,7 +229,7 @@ async fn farms_joining_late_get_their_fair_share_handed_over() {
     let mut c = Cluster::start().await;
     nodes(&c, 3, 1).await;
     c.spawn_farm("f1", &[]).await;
-    let ids = rcs(&c, 24).await;
+    let ids = rcs(&c, 24, 1).await;
     let cr = &c;
     c.wait_for(Duration::from_secs(30), "f1 owns all", move || async move {
         let o = cr.owner_farms().await;
@@ -403,6 +399,93 @@ async fn node_transfer_with_the_pool_scheduler() {
             .unwrap();
         e.is_some_and(|e| !e.value_str().unwrap_or("").contains("dyn"))
     })
+    .await;
+    c.check_invariants(|_| false);
+}
+
+/// A mutation lock left behind by a farm that stopped serving an RC mid-transfer (a handover,
+/// fencing, or an acquire that landed after its task stopped) must not keep the RC's next
+/// owner from ever moving a pod (chaos found an RC stuck this way). The farm whose session
+/// holds it without serving the RC frees it, and so does a task with no transfer in flight.
+#[tokio::test]
+async fn a_stray_mutation_lock_must_not_block_the_next_owner_forever() {
+    let mut c = Cluster::start().await;
+    nodes(&c, 4, 1).await;
+    c.spawn_farm("f1", &[]).await;
+    c.spawn_farm("f2", &[]).await;
+    let ids = rcs(&c, 6, 1).await;
+    let (cr, idr) = (&c, &ids);
+    c.wait_for(
+        Duration::from_secs(30),
+        "all placed, shared by 2 farms",
+        move || async move { cr.placed_and_shared(idr, 2, 1).await },
+    )
+    .await;
+    let owners = c.owner_farms().await;
+    let of = |farm: &str| *owners.iter().find(|(_, f)| f.as_str() == farm).unwrap().0;
+    let (served_by_f2, served_by_f1) = (of("f2"), of("f1"));
+    let f1_session = c
+        .farm_sessions()
+        .await
+        .into_iter()
+        .find(|(_, f)| f == "f1")
+        .unwrap()
+        .0;
+    // f1's session takes both mutation locks, as a late request of a stopped task would.
+    for id in [served_by_f2, served_by_f1] {
+        assert!(
+            c.consul
+                .kv_acquire(
+                    &id.mutation_lock_key(),
+                    b"rc-node-transfer",
+                    &f1_session,
+                    None
+                )
+                .await
+                .unwrap()
+        );
+    }
+    let s1 = f1_session.clone();
+    c.wait_for(
+        Duration::from_secs(10),
+        "f1 frees the mutation locks",
+        move || {
+            let s1 = s1.clone();
+            async move {
+                let mut free = true;
+                for id in [served_by_f2, served_by_f1] {
+                    let (e, _) = cr
+                        .consul
+                        .kv_get(&id.mutation_lock_key(), &QueryOptions::default())
+                        .await
+                        .unwrap();
+                    free &= e.and_then(|e| e.session).as_deref() != Some(s1.as_str());
+                }
+                free
+            }
+        },
+    )
+    .await;
+    // And f2 moves the pod of its RC off a node that stops matching.
+    let node = c.placements().await[&served_by_f2]
+        .iter()
+        .next()
+        .unwrap()
+        .clone();
+    c.label_node(&node, &[("env", "drained")]).await;
+    c.wait_for(
+        Duration::from_secs(20),
+        "the pod moved to an eligible node",
+        move || {
+            let node = node.clone();
+            async move {
+                cr.placements()
+                    .await
+                    .get(&served_by_f2)
+                    .is_some_and(|p| p.len() == 1 && !p.contains(&node))
+            }
+        },
+    )
     .await;
     c.check_invariants(|_| false);
 }

@@ -2,16 +2,17 @@
 //! `rcfarm serve` processes around it, and helpers to set up nodes and RCs and to check what
 //! the farms did.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 use std::process::Stdio;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use rcfarm::consul::{Consul, QueryOptions};
+use rcfarm::invariants::Observer;
 use rcfarm::labels::{LabelSet, LabelStore, LabelType, parse_labels, split_pod_label_id};
 use rcfarm::rc::{RcId, RcStore};
-use rcfarm::server::{Change, EmbeddedServer, LoggedCommit, ServerConfig};
+use rcfarm::server::{EmbeddedServer, LoggedCommit, ServerConfig};
 use serde_json::Value;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
@@ -49,14 +50,21 @@ pub fn signal(pid: u32, sig: &str) {
 
 impl Cluster {
     pub async fn start() -> Cluster {
-        init_tracing();
-        let server = EmbeddedServer::start(ServerConfig {
+        Cluster::start_with(Cluster::server_config()).await
+    }
+
+    /// What the cluster's server runs with: 1 s TTLs allowed, every commit recorded.
+    pub fn server_config() -> ServerConfig {
+        ServerConfig {
             session_ttl_min: Duration::from_secs(1),
             record_commits: true,
             ..ServerConfig::ephemeral()
-        })
-        .await
-        .unwrap();
+        }
+    }
+
+    pub async fn start_with(config: ServerConfig) -> Cluster {
+        init_tracing();
+        let server = EmbeddedServer::start(config).await.unwrap();
         let consul = client(&server);
         let dir = tempfile::tempdir().unwrap();
         let audit_db = format!("sqlite://{}", dir.path().join("audit.db").display());
@@ -71,8 +79,14 @@ impl Cluster {
 
     /// Starts `rcfarm serve --farm-id <id>` with short timers, plus `extra` flags.
     pub async fn spawn_farm(&mut self, id: &str, extra: &[&str]) -> usize {
+        let url = self.server.url();
+        self.spawn_farm_via(id, &url, extra).await
+    }
+
+    /// Like [`Cluster::spawn_farm`], talking to Consul at `consul` (a proxy, say).
+    pub async fn spawn_farm_via(&mut self, id: &str, consul: &str, extra: &[&str]) -> usize {
         let mut cmd = Command::new(BIN);
-        cmd.args(["serve", "--consul", &self.server.url(), "--farm-id", id])
+        cmd.args(["serve", "--consul", consul, "--farm-id", id])
             .args([
                 "--session-ttl",
                 "2s",
@@ -243,6 +257,19 @@ impl Cluster {
             .collect()
     }
 
+    /// Every RC of `ids` owned and placed on `replicas` nodes, and owned by exactly `farms`
+    /// distinct farms: farms that start together hand RCs over until each has its share, so a
+    /// test that picks a farm's RCs waits for this first.
+    pub async fn placed_and_shared(&self, ids: &[RcId], farms: usize, replicas: usize) -> bool {
+        let owners = self.owner_farms().await;
+        let placed = self.placements().await;
+        let owning: BTreeSet<&String> = ids.iter().filter_map(|id| owners.get(id)).collect();
+        owning.len() == farms
+            && ids.iter().all(|id| {
+                owners.contains_key(id) && placed.get(id).is_some_and(|p| p.len() == replicas)
+            })
+    }
+
     /// RC → the nodes its pods are on (pods with an intent and labels).
     pub async fn placements(&self) -> BTreeMap<RcId, BTreeSet<String>> {
         let (labels, _) = self
@@ -307,153 +334,76 @@ impl Cluster {
         }
     }
 
-    /// Replays every committed write and checks the farms' promises:
-    /// - every write to a pod's intent or labels is fenced by a `check-session` on the lock of
-    ///   the RC the pod belongs to, held by that session at that moment;
-    /// - no write raises an RC's pod count above its desired count (+1 while its transfer
-    ///   status key exists).
-    ///
-    /// `unfenced_ok` lets a test exempt its own direct writes. Returns the number of fenced
-    /// scheduling commits checked.
+    /// Stops the server, keeps it down for `down`, and starts it again on the same address
+    /// with `config`. Returns the commits the stopped server recorded.
+    pub async fn restart_server(
+        &mut self,
+        down: Duration,
+        mut config: ServerConfig,
+    ) -> Vec<LoggedCommit> {
+        let addr = self.server.addr();
+        // A stand-in so that `self.server` stays a value while the real one is down.
+        let stand_in = EmbeddedServer::start(Cluster::server_config())
+            .await
+            .unwrap();
+        let old = std::mem::replace(&mut self.server, stand_in);
+        let log = old.commit_log();
+        old.shutdown().await;
+        tokio::time::sleep(down).await;
+        config.listen = addr;
+        let new = EmbeddedServer::start(config).await.unwrap();
+        std::mem::replace(&mut self.server, new).shutdown().await;
+        log
+    }
+
+    /// Replays every committed write through [`Observer`] and fails the test on a broken
+    /// promise (a pod write not fenced by its RC's lock held by the writer, or an RC raised
+    /// above its desired count +1 during a transfer). `unfenced_ok` exempts the test's own
+    /// direct writes. Returns the number of fenced scheduling commits checked.
     pub fn check_invariants(&self, unfenced_ok: impl Fn(&LoggedCommit) -> bool) -> usize {
-        let mut kv: HashMap<String, Vec<u8>> = HashMap::new();
-        let mut sessions: HashMap<String, String> = HashMap::new();
-        let mut checked = 0;
-        let rc_of_pod = |kv: &HashMap<String, Vec<u8>>, node: &str, pod: &str| -> Option<String> {
-            let l = kv.get(&format!("labels/pod/{node}/{pod}"))?;
-            parse_labels(l)
-                .ok()?
-                .get("replication_controller_id")
-                .cloned()
-        };
-        let count = |kv: &HashMap<String, Vec<u8>>, rc: &str| -> usize {
-            kv.iter()
-                .filter(|(k, v)| {
-                    k.starts_with("labels/pod/")
-                        && parse_labels(v)
-                            .ok()
-                            .and_then(|l| l.get("replication_controller_id").cloned())
-                            .as_deref()
-                            == Some(rc)
-                })
-                .count()
-        };
-        let desired = |kv: &HashMap<String, Vec<u8>>, rc: &str| -> i64 {
-            kv.get(&format!("replication_controllers/{rc}"))
-                .and_then(|v| serde_json::from_slice::<Value>(v).ok())
-                .and_then(|v| v["replicas_desired"].as_i64())
-                .unwrap_or(0)
-        };
+        let mut o = Observer::default();
         for c in self.server.commit_log() {
-            // Which RCs' pods this commit touches (by the labels before and after).
-            let mut touched: BTreeSet<String> = BTreeSet::new();
-            let pod_keys: Vec<(String, String)> = c
-                .changes
-                .iter()
-                .filter_map(|ch| match ch {
-                    Change::Put(k, _) | Change::Delete(k) => Some(k.clone()),
-                    _ => None,
-                })
-                .filter_map(|k| {
-                    let rest = k
-                        .strip_prefix("intent/")
-                        .or_else(|| k.strip_prefix("labels/pod/"))?;
-                    let (n, p) = rest.split_once('/')?;
-                    Some((n.to_string(), p.to_string()))
-                })
-                .collect();
-            for (n, p) in &pod_keys {
-                if let Some(rc) = rc_of_pod(&kv, n, p) {
-                    touched.insert(rc);
-                }
-            }
-            let before: BTreeMap<String, usize> = touched
-                .iter()
-                .map(|rc| (rc.clone(), count(&kv, rc)))
-                .collect();
-            // The lock holders at the moment of the commit (before its own changes).
-            let holders: HashMap<String, String> = if pod_keys.is_empty() {
-                HashMap::new()
-            } else {
-                sessions
-                    .iter()
-                    .filter(|(k, _)| k.starts_with("lock/replication_controllers/"))
-                    .map(|(k, v)| (k.clone(), v.clone()))
-                    .collect()
-            };
-            for ch in &c.changes {
-                match ch {
-                    Change::Put(k, e) => {
-                        kv.insert(k.clone(), e.value.to_vec());
-                        match &e.session {
-                            Some(s) => sessions.insert(k.clone(), s.clone()),
-                            None => sessions.remove(k),
-                        };
-                    }
-                    Change::Delete(k) => {
-                        kv.remove(k);
-                        sessions.remove(k);
-                    }
-                    Change::DeleteTree(p) => {
-                        kv.retain(|k, _| !k.starts_with(p.as_str()));
-                        sessions.retain(|k, _| !k.starts_with(p.as_str()));
-                    }
-                    _ => {}
-                }
-            }
-            for (n, p) in &pod_keys {
-                if let Some(rc) = rc_of_pod(&kv, n, p) {
-                    touched.insert(rc);
-                }
-            }
-            if touched.is_empty() {
-                continue;
-            }
-            if c.checks.is_empty() {
-                assert!(
-                    unfenced_ok(&c),
-                    "unfenced write to pods of {touched:?} at index {}: {:?}",
-                    c.index,
-                    c.changes
-                );
-                continue;
-            }
-            checked += 1;
-            for rc in &touched {
-                let lock = format!("lock/replication_controllers/{rc}");
-                let check = c.checks.iter().find(|(k, _)| k == &lock);
-                let check = check.unwrap_or_else(|| {
-                    panic!(
-                        "write to pods of {rc} at index {} not fenced by its lock: {:?}",
-                        c.index, c.checks
-                    )
-                });
-                let held = holders.get(&lock).cloned();
-                assert_eq!(
-                    held.as_deref(),
-                    Some(check.1.as_str()),
-                    "write at {} by a session not holding the lock of {rc}",
-                    c.index
-                );
-                let after = count(&kv, rc);
-                let was = before.get(rc).copied().unwrap_or(0);
-                let transfer = kv.contains_key(&format!(
-                    "status/replication_controllers/{rc}/replication_controller"
-                ));
-                let limit = desired(&kv, rc) as usize + usize::from(transfer);
-                assert!(
-                    after <= was || after <= limit,
-                    "write at {} raised {rc} to {after} pods (desired {}, transfer {transfer})",
-                    c.index,
-                    desired(&kv, rc)
-                );
+            let before = o.violations.len();
+            o.observe(&c);
+            // An unfenced commit yields exactly one violation and nothing else.
+            if c.checks.is_empty() && o.violations.len() > before && unfenced_ok(&c) {
+                o.violations.truncate(before);
             }
         }
-        checked
+        let shown: Vec<String> = o
+            .violations
+            .iter()
+            .take(10)
+            .map(|v| v.to_string())
+            .collect();
+        assert!(
+            o.violations.is_empty(),
+            "{} broken promises, first: {shown:#?}",
+            o.violations.len()
+        );
+        o.fenced_writes as usize
     }
 }
 
 /// Sets up `n` nodes `node-00…` with `zone=z<i%zones>` and `env=prod`.
+/// `n` static RCs named `svc-<i>`, `replicas` each on `env=prod` nodes, written as P2 tools do.
+pub async fn rcs(c: &Cluster, n: usize, replicas: i64) -> Vec<RcId> {
+    let mut ids = Vec::new();
+    for i in 0..n {
+        let id = RcId::new();
+        c.put_rc(
+            id,
+            &format!("svc-{i}"),
+            "env=prod",
+            replicas,
+            "static_strategy",
+        )
+        .await;
+        ids.push(id);
+    }
+    ids
+}
+
 pub async fn nodes(c: &Cluster, n: usize, zones: usize) {
     for i in 0..n {
         let zone = format!("z{}", i % zones);

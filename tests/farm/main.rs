@@ -5,6 +5,9 @@
 mod common;
 
 mod audit;
+mod bad_input;
+mod chaos;
 mod converge;
 mod failover;
 mod harness;
+mod trouble;

@@ -333,24 +333,54 @@ async fn json_logs_carry_the_farm_and_rc_ids() {
     )
     .await;
     assert_eq!(code, 0, "{err}");
-    let log = s.log.clone();
-    crate::common::eventually(
-        Duration::from_secs(20),
-        "a JSON log line of the RC task",
-        || {
-            let log = log.clone();
-            async move {
-                log.lock()
-                    .lines()
-                    .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-                    .find(|v| v["message"] == "scheduled" || v["fields"]["message"] == "scheduled")
-                    .filter(|v| {
-                        v.to_string().contains("\"rc_id\"")
-                            && v.to_string().contains("\"farm_id\":\"ops\"")
-                    })
-                    .map(|_| ())
-            }
-        },
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let found = s
+            .log
+            .lock()
+            .lines()
+            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+            .find(|v| v["message"] == "scheduled" || v["fields"]["message"] == "scheduled")
+            .filter(|v| {
+                v.to_string().contains("\"rc_id\"") && v.to_string().contains("\"farm_id\":\"ops\"")
+            })
+            .is_some();
+        if found {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no JSON \"scheduled\" line carrying rc_id and farm_id=ops; the farm logged:\n{}",
+            s.log.lock()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test]
+async fn rcctl_refuses_a_manifest_consul_cannot_store_and_says_which_limit() {
+    let s = setup(&[]).await;
+    let m = s.dir.path().join("huge.yaml");
+    let huge = format!(
+        "id: huge\nlaunchables: {{}}\nconfig:\n  blob: \"{}\"\n",
+        "x".repeat(1 << 20)
+    );
+    std::fs::write(&m, huge).unwrap();
+    let (code, _, err) = rcctl(
+        &s,
+        &["rc", "create", "-f", m.to_str().unwrap(), "--replicas", "1"],
     )
     .await;
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("413") && err.contains("too large") && err.contains("txn_max_req_len"),
+        "{err}"
+    );
+    let (_, out, _) = rcctl(&s, &["rc", "list", "--json"]).await;
+    let listed: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        listed.as_array().map(Vec::len),
+        Some(0),
+        "nothing stored: {out}"
+    );
 }

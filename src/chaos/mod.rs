@@ -1,0 +1,726 @@
+//! The chaos run: farms killed, stalled, stopped and restarted while RCs and node labels change,
+//! with an observer checking every committed write. Used by `rcfarm chaos` and the tests.
+//!
+//! The embedded server runs in this process and records every commit; farms are real
+//! `rcfarm serve` processes (one optionally behind a [`proxy::FaultyProxy`]). Checked:
+//! - no write from a session that does not hold the RC's lock, and every pod write fenced;
+//! - never more pods than desired (+1 while a transfer is in flight);
+//! - after the chaos stops, every RC converges within 2×TTL plus a margin;
+//! - every committed audit record reaches SQL, once, and the outbox drains.
+
+pub mod proxy;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use tokio::process::{Child, Command};
+use tokio_util::sync::CancellationToken;
+
+use crate::audit::{AuditQuery, AuditStore, events};
+use crate::consul::{Consul, ConsulConfig, QueryOptions};
+use crate::invariants::{Observer, Violation};
+use crate::labels::{LabelSet, LabelStore, LabelType, parse_labels, split_pod_label_id};
+use crate::rc::{AllocationStrategy, Mutation, NewRc, RC_ID_LABEL, RcId, RcStore, parse_locks};
+use crate::server::{EmbeddedServer, ServerConfig};
+use proxy::{FaultyProxy, ProxyFaults};
+
+#[derive(Debug, Clone)]
+pub struct ChaosConfig {
+    /// The `rcfarm` binary to run farms with.
+    pub farm_binary: PathBuf,
+    pub duration: Duration,
+    pub farms: usize,
+    pub nodes: usize,
+    pub rcs: usize,
+    pub session_ttl: Duration,
+    pub seed: u64,
+    /// Convergence after the chaos must happen within 2×TTL plus this.
+    pub settle_margin: Duration,
+    /// Put the first farm behind a proxy that delays and drops requests.
+    pub proxy: Option<ProxyFaults>,
+    /// Farm logs go here.
+    pub log_dir: PathBuf,
+}
+
+/// What happened and what was found.
+#[derive(Debug, Default)]
+pub struct ChaosReport {
+    pub ran_for: Duration,
+    pub faults: BTreeMap<&'static str, u64>,
+    pub mutations: BTreeMap<&'static str, u64>,
+    pub mutation_errors: u64,
+    pub commits: u64,
+    pub fenced_writes: u64,
+    pub violations: Vec<Violation>,
+    pub converged_after: Option<Duration>,
+    pub unconverged: Vec<String>,
+    pub audit_written: u64,
+    pub audit_in_sql: u64,
+    pub retargets_committed: u64,
+    pub retargets_in_sql: u64,
+    pub proxy: Option<(u64, u64, u64)>,
+    /// RCs the convergence check found unconverged before any farm ran (all of them).
+    pub unconverged_at_start: usize,
+    pub rcs_at_start: usize,
+    /// Why the outbox did not drain, if it did not: what is left and who holds the shipper lock.
+    pub drain_problem: Option<String>,
+    /// How long the outbox took to drain after the convergence check.
+    pub drained_after: Duration,
+    /// Audit records still in `audit_logs/` at the end (not lost: not shipped yet).
+    pub outbox_left: u64,
+}
+
+impl ChaosReport {
+    /// Every promise but the outbox's drain held: no violation, convergence, and no audit record
+    /// lost or stored twice (each committed record is in SQL or still in Consul's outbox).
+    pub fn ok_but_drain(&self) -> bool {
+        self.violations.is_empty()
+            && self.unconverged_at_start == self.rcs_at_start
+            && self.converged_after.is_some()
+            && self.audit_in_sql + self.outbox_left == self.audit_written
+    }
+
+    pub fn ok(&self) -> bool {
+        self.violations.is_empty()
+            && self.unconverged_at_start == self.rcs_at_start
+            && self.converged_after.is_some()
+            && self.audit_in_sql == self.audit_written
+            && self.retargets_in_sql == self.retargets_committed
+    }
+
+    pub fn summary(&self) -> String {
+        let mut s = String::new();
+        let total = |m: &BTreeMap<&str, u64>| m.values().sum::<u64>();
+        s.push_str(&format!(
+            "chaos ran for {:.0} s\n",
+            self.ran_for.as_secs_f64()
+        ));
+        s.push_str(&format!(
+            "faults injected: {} {:?}\n",
+            total(&self.faults),
+            self.faults
+        ));
+        s.push_str(&format!(
+            "mutations: {} {:?} ({} refused or contended)\n",
+            total(&self.mutations),
+            self.mutations,
+            self.mutation_errors
+        ));
+        if let Some((c, d, l)) = self.proxy {
+            s.push_str(&format!(
+                "proxy: {c} connections, {l} chunks delayed, {d} connections cut mid-request\n"
+            ));
+        }
+        s.push_str(&format!(
+            "commits observed: {}, fenced pod writes checked: {}\n",
+            self.commits, self.fenced_writes
+        ));
+        s.push_str(&format!(
+            "checker self-test: {} of {} RCs unconverged before the farms started\n",
+            self.unconverged_at_start, self.rcs_at_start
+        ));
+        s.push_str(&format!(
+            "converged after the chaos (and a final kill -9): {}\n",
+            match self.converged_after {
+                Some(d) => format!("yes, in {:.1} s", d.as_secs_f64()),
+                None => format!("NO: {:?}", self.unconverged),
+            }
+        ));
+        s.push_str(&format!(
+            "audit records committed: {}, in SQL: {}\n",
+            self.audit_written, self.audit_in_sql
+        ));
+        s.push_str(&format!(
+            "RETARGET records committed: {}, in SQL: {}\n",
+            self.retargets_committed, self.retargets_in_sql
+        ));
+        match &self.drain_problem {
+            Some(p) => s.push_str(&format!("audit outbox NOT drained: {p}\n")),
+            None => s.push_str(&format!(
+                "audit outbox drained in {:.1} s\n",
+                self.drained_after.as_secs_f64()
+            )),
+        }
+        s.push_str(&format!("violations: {}\n", self.violations.len()));
+        for v in self.violations.iter().take(10) {
+            s.push_str(&format!("  {v}\n"));
+        }
+        s
+    }
+}
+
+struct Farm {
+    id: String,
+    child: Option<Child>,
+    pid: u32,
+}
+
+struct Cluster {
+    cfg: ChaosConfig,
+    server: EmbeddedServer,
+    consul: Consul,
+    audit_db: String,
+    proxy: Option<FaultyProxy>,
+    farms: Vec<Farm>,
+}
+
+fn signal(pid: u32, sig: &str) {
+    let _ = std::process::Command::new("kill")
+        .arg(format!("-{sig}"))
+        .arg(pid.to_string())
+        .stderr(Stdio::null())
+        .status();
+}
+
+impl Cluster {
+    fn start_farm(&mut self, i: usize) -> Result<(), String> {
+        let consul = match (&self.proxy, i) {
+            (Some(p), 0) => p.url(),
+            _ => self.server.url(),
+        };
+        let id = self.farms[i].id.clone();
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.cfg.log_dir.join(format!("{id}.log")))
+            .map_err(|e| e.to_string())?;
+        let ttl = format!("{}ms", self.cfg.session_ttl.as_millis());
+        let child = Command::new(&self.cfg.farm_binary)
+            .args([
+                "serve",
+                "--consul",
+                &consul,
+                "--farm-id",
+                &id,
+                "--http",
+                "off",
+                "--audit-db",
+                &self.audit_db,
+            ])
+            .args([
+                "--session-ttl",
+                &ttl,
+                "--lock-delay",
+                "500ms",
+                "--resync-interval",
+                "1s",
+            ])
+            .args([
+                "--consistency-interval",
+                "2s",
+                "--claim-grace",
+                "1s",
+                "--watch-wait",
+                "30s",
+            ])
+            .env("RUST_LOG", "info")
+            .current_dir(&self.cfg.log_dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(log))
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|e| format!("cannot start a farm: {e}"))?;
+        self.farms[i].pid = child.id().unwrap_or(0);
+        self.farms[i].child = Some(child);
+        Ok(())
+    }
+
+    async fn reap(&mut self, i: usize, within: Duration) {
+        if let Some(mut c) = self.farms[i].child.take()
+            && tokio::time::timeout(within, c.wait()).await.is_err()
+        {
+            let _ = c.start_kill();
+            let _ = c.wait().await;
+        }
+    }
+}
+
+/// Node labels the chaos moves nodes between.
+fn node_labels(rng: &mut StdRng) -> LabelSet {
+    let mut l = LabelSet::new();
+    if rng.random_range(0..10) > 0 {
+        l.insert("env".into(), "prod".into());
+    }
+    l.insert("zone".into(), format!("z{}", rng.random_range(0..3)));
+    l
+}
+
+const SELECTORS: [&str; 5] = [
+    "env=prod",
+    "zone=z0",
+    "zone=z1",
+    "zone in (z1,z2)",
+    "env=prod,zone!=z2",
+];
+
+/// How long the audit outbox may take to drain into SQL after the chaos.
+const DRAIN_LIMIT: Duration = Duration::from_secs(150);
+
+/// Runs the chaos and reports.
+pub async fn run(cfg: ChaosConfig) -> Result<ChaosReport, String> {
+    let started = Instant::now();
+    let server = EmbeddedServer::start(ServerConfig {
+        session_ttl_min: Duration::from_secs(1),
+        record_commits: true,
+        ..ServerConfig::ephemeral()
+    })
+    .await
+    .map_err(|e| e.to_string())?;
+    let consul = Consul::new(ConsulConfig::new(server.url())).map_err(|e| e.to_string())?;
+    std::fs::create_dir_all(&cfg.log_dir).map_err(|e| e.to_string())?;
+    let audit_db = format!("sqlite://{}", cfg.log_dir.join("audit.db").display());
+    let proxy = match cfg.proxy {
+        Some(f) => Some(
+            FaultyProxy::start(server.addr(), f)
+                .await
+                .map_err(|e| e.to_string())?,
+        ),
+        None => None,
+    };
+    let mut rng = StdRng::seed_from_u64(cfg.seed);
+    let labels = LabelStore::new(consul.clone());
+    for i in 0..cfg.nodes {
+        labels
+            .set(
+                LabelType::Node,
+                &format!("node-{i:02}"),
+                &node_labels(&mut rng),
+            )
+            .await
+            .map_err(|e| e.to_string())?;
+    }
+    let store = RcStore::new(consul.clone());
+    for i in 0..cfg.rcs {
+        store
+            .create(new_rc(&mut rng, i), "chaos", false)
+            .await
+            .map_err(|e| e.to_string())?;
+    }
+    // The convergence check must see that nothing is owned yet, or it could not see anything.
+    let unconverged_at_start = not_converged(&consul, &BTreeSet::new()).await.len();
+    let farms = (0..cfg.farms)
+        .map(|i| Farm {
+            id: format!("chaos-{i}"),
+            child: None,
+            pid: 0,
+        })
+        .collect();
+    let mut cl = Cluster {
+        cfg: cfg.clone(),
+        server,
+        consul: consul.clone(),
+        audit_db,
+        proxy,
+        farms,
+    };
+    for i in 0..cfg.farms {
+        cl.start_farm(i)?;
+    }
+
+    let report = Arc::new(Mutex::new(ChaosReport::default()));
+    let stop = CancellationToken::new();
+    let mutator = tokio::spawn(mutate(
+        consul.clone(),
+        cfg.seed.wrapping_add(1),
+        cfg.rcs,
+        cfg.nodes,
+        report.clone(),
+        stop.clone(),
+    ));
+
+    // Faults, one at a time, every 2-5 s.
+    let deadline = started + cfg.duration;
+    while Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(rng.random_range(2000..5000))).await;
+        if Instant::now() >= deadline {
+            break;
+        }
+        let i = rng.random_range(0..cl.farms.len());
+        let kind = ["sigkill", "sigstop", "sigterm", "restart"][rng.random_range(0..4)];
+        *report.lock().faults.entry(kind).or_default() += 1;
+        let pid = cl.farms[i].pid;
+        match kind {
+            "sigkill" => {
+                signal(pid, "KILL");
+                cl.reap(i, Duration::from_secs(5)).await;
+                tokio::time::sleep(Duration::from_millis(rng.random_range(0..2000))).await;
+                cl.start_farm(i)?;
+            }
+            "sigstop" => {
+                // Past the session's expiry: the others take over, and the stalled farm must
+                // not write when it wakes.
+                signal(pid, "STOP");
+                tokio::time::sleep(cfg.session_ttl * 5 / 2).await;
+                signal(pid, "CONT");
+            }
+            "sigterm" => {
+                signal(pid, "TERM");
+                cl.reap(i, Duration::from_secs(15)).await;
+                tokio::time::sleep(Duration::from_millis(rng.random_range(0..2000))).await;
+                cl.start_farm(i)?;
+            }
+            _ => {
+                signal(pid, "TERM");
+                cl.reap(i, Duration::from_secs(15)).await;
+                cl.start_farm(i)?;
+            }
+        }
+    }
+    stop.cancel();
+    let _ = mutator.await;
+    // A last crash, not restarted: convergence below includes the survivors taking its RCs.
+    let last = rng.random_range(0..cl.farms.len());
+    signal(cl.farms[last].pid, "CONT");
+    signal(cl.farms[last].pid, "KILL");
+    cl.reap(last, Duration::from_secs(5)).await;
+    *report.lock().faults.entry("final-sigkill").or_default() += 1;
+    let ran_for = started.elapsed();
+
+    // Convergence: every RC as desired, within 2×TTL plus the margin.
+    let quiet = Instant::now();
+    let limit = cfg.session_ttl * 2 + cfg.settle_margin;
+    let mut unconverged = Vec::new();
+    let mut converged_after = None;
+    while quiet.elapsed() < limit {
+        let running: BTreeSet<u32> = cl
+            .farms
+            .iter()
+            .filter(|f| f.child.is_some())
+            .map(|f| f.pid)
+            .collect();
+        unconverged = not_converged(&cl.consul, &running).await;
+        if unconverged.is_empty() {
+            converged_after = Some(quiet.elapsed());
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    // The audit outbox drains into SQL.
+    let srv = &cl.server;
+    let drained = Instant::now();
+    // Generous: the promise is that nothing is lost or stored twice, not how fast; a slow
+    // drain is reported as a figure (one loaded run once needed about a minute).
+    while srv.count_prefix(crate::audit::AUDIT_PREFIX) > 0 && drained.elapsed() < DRAIN_LIMIT {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let drained_after = drained.elapsed();
+    let left = srv.count_prefix(crate::audit::AUDIT_PREFIX);
+    let drain_problem = if left > 0 {
+        Some(shipper_diagnosis(&cl.consul, left).await)
+    } else {
+        None
+    };
+    let observer = Observer::replay(&cl.server.commit_log());
+    let sql = AuditStore::connect(&cl.audit_db)
+        .await
+        .map_err(|e| e.to_string())?;
+    let audit_in_sql = sql
+        .count(&AuditQuery::default())
+        .await
+        .map_err(|e| e.to_string())?;
+    let retargets_in_sql = sql
+        .count(&AuditQuery {
+            event_type: Some(events::RC_RETARGET.into()),
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| e.to_string())?;
+    sql.close().await;
+
+    for i in 0..cl.farms.len() {
+        signal(cl.farms[i].pid, "CONT");
+        signal(cl.farms[i].pid, "TERM");
+        cl.reap(i, Duration::from_secs(15)).await;
+    }
+    let mut r = std::mem::take(&mut *report.lock());
+    r.ran_for = ran_for;
+    r.unconverged_at_start = unconverged_at_start;
+    r.rcs_at_start = cfg.rcs;
+    r.commits = observer.commits;
+    r.fenced_writes = observer.fenced_writes;
+    r.violations = observer.violations.clone();
+    r.converged_after = converged_after;
+    r.unconverged = unconverged;
+    r.audit_written = observer.audit_ids.len() as u64;
+    r.audit_in_sql = audit_in_sql;
+    r.retargets_committed = observer.retarget_commits;
+    r.retargets_in_sql = retargets_in_sql;
+    r.drain_problem = drain_problem;
+    r.drained_after = drained_after;
+    r.outbox_left = left as u64;
+    r.proxy = cl.proxy.as_ref().map(|p| {
+        let s = p.stats();
+        use std::sync::atomic::Ordering::Relaxed;
+        (
+            s.connections.load(Relaxed),
+            s.dropped.load(Relaxed),
+            s.delayed.load(Relaxed),
+        )
+    });
+    cl.server.shutdown().await;
+    Ok(r)
+}
+
+/// Who holds the shipper lock, and whether that session is still alive: what to look at when
+/// the outbox does not drain.
+async fn shipper_diagnosis(consul: &Consul, left: usize) -> String {
+    let q = QueryOptions::default();
+    let holder = match consul.kv_get(crate::audit::SHIPPER_LOCK, &q).await {
+        Ok((Some(e), _)) => match &e.session {
+            Some(sid) => {
+                let alive = matches!(consul.session_info(sid, &q).await, Ok((Some(_), _)));
+                format!(
+                    "held by session {sid} of {:?} (session {})",
+                    e.value_str().unwrap_or("?"),
+                    if alive { "alive" } else { "gone" }
+                )
+            }
+            None => "present but held by no session".into(),
+        },
+        Ok((None, _)) => "free".into(),
+        Err(e) => format!("unreadable: {e}"),
+    };
+    format!(
+        "{left} records still in Consul after {} s; shipper lock {holder}",
+        DRAIN_LIMIT.as_secs()
+    )
+}
+
+fn new_rc(rng: &mut StdRng, i: usize) -> NewRc {
+    NewRc {
+        manifest: format!(
+            "id: chaos-{i}-{}\nlaunchables: {{}}\n",
+            rng.random_range(0..1_000_000)
+        ),
+        node_selector: SELECTORS[rng.random_range(0..SELECTORS.len())].to_string(),
+        pod_labels: LabelSet::new(),
+        replicas_desired: rng.random_range(0..4),
+        strategy: AllocationStrategy::Static,
+        rc_labels: LabelSet::new(),
+        disabled: false,
+    }
+}
+
+/// Random RC and node label changes until `stop`.
+async fn mutate(
+    consul: Consul,
+    seed: u64,
+    rcs: usize,
+    nodes: usize,
+    report: Arc<Mutex<ChaosReport>>,
+    stop: CancellationToken,
+) {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let store = RcStore::new(consul.clone());
+    let labels = LabelStore::new(consul.clone());
+    let mut created = rcs;
+    while !stop.is_cancelled() {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(Duration::from_millis(rng.random_range(100..500))) => {}
+        }
+        let Ok(listing) = store.list().await else {
+            continue;
+        };
+        let ids: Vec<RcId> = listing.rcs.keys().copied().collect();
+        let pick = |rng: &mut StdRng| ids.get(rng.random_range(0..ids.len().max(1))).copied();
+        let kind = match rng.random_range(0..100) {
+            0..35 => "scale",
+            35..45 => "selector",
+            45..55 => "disable",
+            55..65 => "enable",
+            65..72 => "create",
+            72..78 => "delete",
+            _ => "node-labels",
+        };
+        let result: Result<(), String> = match kind {
+            "scale" => match pick(&mut rng) {
+                Some(id) => store
+                    .mutate(
+                        id,
+                        &Mutation::SetReplicas(rng.random_range(0..5)),
+                        "chaos",
+                        false,
+                    )
+                    .await
+                    .map(|_| ())
+                    .map_err(|e| e.to_string()),
+                None => Ok(()),
+            },
+            "selector" => match pick(&mut rng) {
+                Some(id) => {
+                    let sel = SELECTORS[rng.random_range(0..SELECTORS.len())].to_string();
+                    store
+                        .mutate(id, &Mutation::SetNodeSelector(sel), "chaos", false)
+                        .await
+                        .map(|_| ())
+                        .map_err(|e| e.to_string())
+                }
+                None => Ok(()),
+            },
+            "disable" | "enable" => match pick(&mut rng) {
+                Some(id) => {
+                    let m = if kind == "disable" {
+                        Mutation::Disable
+                    } else {
+                        Mutation::Enable
+                    };
+                    store
+                        .mutate(id, &m, "chaos", false)
+                        .await
+                        .map(|_| ())
+                        .map_err(|e| e.to_string())
+                }
+                None => Ok(()),
+            },
+            "create" if ids.len() < rcs * 3 / 2 => {
+                created += 1;
+                store
+                    .create(new_rc(&mut rng, created), "chaos", false)
+                    .await
+                    .map(|_| ())
+                    .map_err(|e| e.to_string())
+            }
+            "delete" if ids.len() > rcs / 2 => match pick(&mut rng) {
+                // Sometimes forced (pods left unmanaged), usually after scaling to 0.
+                Some(id) if rng.random_range(0..4) == 0 => store
+                    .delete(id, true, "chaos", false)
+                    .await
+                    .map(|_| ())
+                    .map_err(|e| e.to_string()),
+                Some(id) => match store
+                    .mutate(id, &Mutation::SetReplicas(0), "chaos", false)
+                    .await
+                {
+                    Ok(_) => store
+                        .delete(id, false, "chaos", false)
+                        .await
+                        .map(|_| ())
+                        .map_err(|e| e.to_string()),
+                    Err(e) => Err(e.to_string()),
+                },
+                None => Ok(()),
+            },
+            "node-labels" => {
+                let node = format!("node-{:02}", rng.random_range(0..nodes));
+                labels
+                    .set(LabelType::Node, &node, &node_labels(&mut rng))
+                    .await
+                    .map_err(|e| e.to_string())
+            }
+            _ => continue,
+        };
+        let mut r = report.lock();
+        *r.mutations.entry(kind).or_default() += 1;
+        if result.is_err() {
+            r.mutation_errors += 1;
+        }
+    }
+}
+
+/// The RCs that are not as desired yet, with why: not owned by one of the `running` farm
+/// processes, a transfer in flight, or pods not matching the desired count and selector.
+pub async fn not_converged(consul: &Consul, running: &BTreeSet<u32>) -> Vec<String> {
+    let q = QueryOptions::default();
+    let store = RcStore::new(consul.clone());
+    let Ok(listing) = store.list().await else {
+        return vec!["cannot list RCs".into()];
+    };
+    let Ok((nodes, _)) = LabelStore::new(consul.clone()).list(LabelType::Node).await else {
+        return vec!["cannot list nodes".into()];
+    };
+    let Ok((pods, _)) = consul.kv_list(&LabelType::Pod.prefix(), &q).await else {
+        return vec!["cannot list pods".into()];
+    };
+    let Ok((intents, _)) = consul.kv_keys("intent/", None, &q).await else {
+        return vec!["cannot list intents".into()];
+    };
+    let Ok((locks, _)) = consul.kv_list(crate::rc::RC_LOCK_PREFIX, &q).await else {
+        return vec!["cannot list locks".into()];
+    };
+    let Ok((farms, _)) = consul
+        .kv_list(crate::farm::registry::FARMS_PREFIX, &q)
+        .await
+    else {
+        return vec!["cannot list farms".into()];
+    };
+    let Ok((transfers, _)) = consul
+        .kv_keys("status/replication_controllers/", None, &q)
+        .await
+    else {
+        return vec!["cannot list transfers".into()];
+    };
+    // Owned by a farm process that is running (a killed farm's session outlives it by up to 2×TTL).
+    let live: BTreeSet<String> = crate::farm::registry::live_farms(&farms)
+        .into_iter()
+        .filter(|f| running.contains(&f.pid))
+        .map(|f| f.session)
+        .collect();
+    let holders = parse_locks(&locks).0;
+    let intents: BTreeSet<String> = intents.into_iter().collect();
+    let mut pods_of: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for e in &pods {
+        let Some(id) = e.key.strip_prefix(&LabelType::Pod.prefix()) else {
+            continue;
+        };
+        let Some((node, pod)) = split_pod_label_id(id) else {
+            continue;
+        };
+        if !intents.contains(&format!("intent/{node}/{pod}")) {
+            continue;
+        }
+        if let Some(rc) = parse_labels(e.value_bytes())
+            .ok()
+            .and_then(|l| l.get(RC_ID_LABEL).cloned())
+        {
+            pods_of.entry(rc).or_default().insert(node.to_string());
+        }
+    }
+    let mut out = Vec::new();
+    for (id, rc) in &listing.rcs {
+        let owner = holders
+            .get(id)
+            .and_then(|h| h.ownership.as_ref())
+            .map(|(s, _)| s.clone());
+        if !owner.as_ref().is_some_and(|s| live.contains(s)) {
+            out.push(format!("{id}: not owned by a running farm"));
+            continue;
+        }
+        if rc.disabled {
+            continue;
+        }
+        if transfers.iter().any(|k| k.contains(&id.to_string())) {
+            out.push(format!("{id}: a transfer is in flight"));
+            continue;
+        }
+        let eligible: BTreeSet<String> = nodes
+            .iter()
+            .filter(|n| rc.node_selector.matches(&n.labels))
+            .map(|n| n.id.clone())
+            .collect();
+        let current = pods_of.get(&id.to_string()).cloned().unwrap_or_default();
+        let desired = rc.replicas_desired as usize;
+        let expected = desired.min(eligible.len());
+        let on_eligible = current.iter().filter(|n| eligible.contains(*n)).count();
+        // A pod on a node that left the selector stays while no eligible node is free to move
+        // it to (removing it would run fewer copies than desired); never more than desired.
+        let stranded = current.iter().any(|n| !eligible.contains(n))
+            && eligible.difference(&current).next().is_some();
+        if current.len() > desired || on_eligible != expected || stranded {
+            out.push(format!(
+                "{id}: {} pods ({on_eligible} on eligible nodes), {expected} expected on eligible nodes, {desired} desired ({} eligible, selector {})",
+                current.len(),
+                eligible.len(),
+                rc.node_selector
+            ));
+        }
+    }
+    out
+}

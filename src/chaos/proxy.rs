@@ -1,0 +1,146 @@
+//! A TCP proxy that delays and drops traffic, to put between a farm and Consul: requests arrive
+//! late, and some connections die mid-request (the client cannot tell whether a write was
+//! applied). Loopback only.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use rand::Rng;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio_util::sync::CancellationToken;
+
+/// What the proxy does to traffic.
+#[derive(Debug, Clone, Copy)]
+pub struct ProxyFaults {
+    /// Each chunk towards the server waits up to this long.
+    pub max_delay: Duration,
+    /// Chance, per thousand chunks, that the connection is cut instead.
+    pub drop_per_mille: u32,
+}
+
+/// Counters of what the proxy did.
+#[derive(Debug, Default)]
+pub struct ProxyStats {
+    pub connections: AtomicU64,
+    pub dropped: AtomicU64,
+    pub delayed: AtomicU64,
+}
+
+pub struct FaultyProxy {
+    addr: SocketAddr,
+    stop: CancellationToken,
+    stats: Arc<ProxyStats>,
+    faults: Arc<Mutex<ProxyFaults>>,
+}
+
+impl Drop for FaultyProxy {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+impl FaultyProxy {
+    /// Listens on an ephemeral loopback port and forwards to `target`.
+    pub async fn start(target: SocketAddr, faults: ProxyFaults) -> std::io::Result<FaultyProxy> {
+        let listener = TcpListener::bind(("127.0.0.1", 0)).await?;
+        let addr = listener.local_addr()?;
+        let stop = CancellationToken::new();
+        let stats = Arc::new(ProxyStats::default());
+        let faults = Arc::new(Mutex::new(faults));
+        let (s, st, f) = (stop.clone(), stats.clone(), faults.clone());
+        tokio::spawn(async move {
+            loop {
+                let accepted = tokio::select! {
+                    _ = s.cancelled() => return,
+                    a = listener.accept() => a,
+                };
+                let Ok((client, _)) = accepted else { continue };
+                st.connections.fetch_add(1, Ordering::Relaxed);
+                tokio::spawn(relay(client, target, f.clone(), st.clone(), s.clone()));
+            }
+        });
+        Ok(FaultyProxy {
+            addr,
+            stop,
+            stats,
+            faults,
+        })
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    pub fn stats(&self) -> &Arc<ProxyStats> {
+        &self.stats
+    }
+
+    /// Changes what the proxy does from the next chunk on, on every connection.
+    pub fn set_faults(&self, faults: ProxyFaults) {
+        *self.faults.lock() = faults;
+    }
+}
+
+async fn relay(
+    client: TcpStream,
+    target: SocketAddr,
+    faults: Arc<Mutex<ProxyFaults>>,
+    stats: Arc<ProxyStats>,
+    stop: CancellationToken,
+) {
+    let Ok(server) = TcpStream::connect(target).await else {
+        return;
+    };
+    let _ = client.set_nodelay(true);
+    let _ = server.set_nodelay(true);
+    let (mut cr, mut cw) = client.into_split();
+    let (mut sr, mut sw) = server.into_split();
+    let upstream = async {
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            let n = match cr.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => n,
+            };
+            let (delay, drop) = {
+                let faults = *faults.lock();
+                let mut rng = rand::rng();
+                let delay = if faults.max_delay.is_zero() {
+                    Duration::ZERO
+                } else {
+                    faults.max_delay.mul_f64(rng.random::<f64>())
+                };
+                (delay, rng.random_range(0..1000) < faults.drop_per_mille)
+            };
+            if !delay.is_zero() {
+                stats.delayed.fetch_add(1, Ordering::Relaxed);
+                tokio::time::sleep(delay).await;
+            }
+            if drop {
+                // Forward the chunk, then cut: the request may be applied, the answer is lost.
+                let _ = sw.write_all(&buf[..n]).await;
+                stats.dropped.fetch_add(1, Ordering::Relaxed);
+                return;
+            }
+            if sw.write_all(&buf[..n]).await.is_err() {
+                return;
+            }
+        }
+    };
+    let downstream = async {
+        let _ = tokio::io::copy(&mut sr, &mut cw).await;
+    };
+    tokio::select! {
+        _ = stop.cancelled() => {}
+        _ = upstream => {}
+        _ = downstream => {}
+    }
+}

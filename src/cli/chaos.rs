@@ -1,0 +1,114 @@
+//! `rcfarm chaos`: three farms crashed, stalled and restarted while RCs and node labels change,
+//! with every committed write checked. Exits 1 when a promise was broken.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use super::{CliError, parse_duration_flag};
+use crate::chaos::{ChaosConfig, proxy::ProxyFaults};
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct ChaosArgs {
+    /// How long to inject faults and mutations; convergence is checked afterwards.
+    #[arg(long, default_value = "60s", value_parser = parse_duration_flag)]
+    pub duration: Duration,
+    #[arg(long, default_value_t = 3)]
+    pub farms: usize,
+    #[arg(long, default_value_t = 12)]
+    pub nodes: usize,
+    #[arg(long, default_value_t = 15)]
+    pub rcs: usize,
+    /// Session TTL of the farms; SIGSTOP lasts 2.5×TTL.
+    #[arg(long, default_value = "2s", value_parser = parse_duration_flag)]
+    pub session_ttl: Duration,
+    /// Seed of the fault and mutation choices (the same seed picks the same sequence).
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Put the first farm behind a proxy that delays requests by up to 200 ms and cuts 1% of
+    /// connections mid-request.
+    #[arg(long)]
+    pub proxy: bool,
+    /// Farm logs and the audit database go here (default: a new temporary directory, kept).
+    #[arg(long)]
+    pub log_dir: Option<PathBuf>,
+    /// The binary to run farms with (default: this one).
+    #[arg(long)]
+    pub farm_binary: Option<PathBuf>,
+}
+
+pub async fn run(args: ChaosArgs) -> Result<(), CliError> {
+    if args.farms < 2 {
+        return Err(CliError::Usage(
+            "--farms must be at least 2: the chaos needs a farm to take over from another".into(),
+        ));
+    }
+    if args.nodes == 0 || args.rcs == 0 {
+        return Err(CliError::Usage(
+            "--nodes and --rcs must be at least 1".into(),
+        ));
+    }
+    if args.session_ttl < Duration::from_secs(1) {
+        return Err(CliError::Usage(
+            "--session-ttl must be at least 1s (Consul's minimum is 10s; the embedded server allows 1s for tests)".into(),
+        ));
+    }
+    let farm_binary = match args.farm_binary {
+        Some(p) => p,
+        None => std::env::current_exe().map_err(|e| {
+            CliError::Failed(format!("cannot find this binary: {e}; pass --farm-binary"))
+        })?,
+    };
+    let log_dir = match args.log_dir {
+        Some(d) => {
+            std::fs::create_dir_all(&d)
+                .map_err(|e| CliError::Failed(format!("{}: {e}", d.display())))?;
+            d.canonicalize()
+                .map_err(|e| CliError::Failed(format!("{}: {e}", d.display())))?
+        }
+        None => tempfile::Builder::new()
+            .prefix("rcfarm-chaos-")
+            .tempdir()
+            .map_err(|e| CliError::Failed(e.to_string()))?
+            .keep(),
+    };
+    let seed = args.seed.unwrap_or_else(rand::random);
+    let proxy = args.proxy.then_some(ProxyFaults {
+        max_delay: Duration::from_millis(200),
+        drop_per_mille: 10,
+    });
+    println!(
+        "chaos: {} farms, {} nodes, {} RCs, TTL {:?}, seed {seed}, for {:?}{}; logs in {}",
+        args.farms,
+        args.nodes,
+        args.rcs,
+        args.session_ttl,
+        args.duration,
+        if proxy.is_some() {
+            ", farm 0 behind a faulty proxy"
+        } else {
+            ""
+        },
+        log_dir.display()
+    );
+    let report = crate::chaos::run(ChaosConfig {
+        farm_binary,
+        duration: args.duration,
+        farms: args.farms,
+        nodes: args.nodes,
+        rcs: args.rcs,
+        session_ttl: args.session_ttl,
+        seed,
+        settle_margin: Duration::from_secs(10),
+        proxy,
+        log_dir,
+    })
+    .await
+    .map_err(CliError::Failed)?;
+    print!("{}", report.summary());
+    if report.ok() {
+        println!("result: OK");
+        Ok(())
+    } else {
+        Err(CliError::Failed("result: FAILED (see above)".into()))
+    }
+}

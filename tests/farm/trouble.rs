@@ -1,0 +1,217 @@
+//! Consul in trouble: the server down for longer than the session TTL and back (with its data
+//! and without), and a farm talking to Consul through a proxy that delays and cuts requests.
+//! Farms stop acting on lost sessions, reconnect, re-claim and converge, and no write is ever
+//! made by a farm that does not hold the RC's lock.
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use rcfarm::chaos::proxy::{FaultyProxy, ProxyFaults};
+use rcfarm::invariants::Observer;
+use rcfarm::rc::RcId;
+use rcfarm::server::{LoggedCommit, ServerConfig};
+use serde_json::json;
+
+use crate::harness::{Cluster, TTL, nodes, rcs};
+
+/// Every RC owned by one of `farms` (by registry) and placed on `replicas` nodes.
+async fn converged(c: &Cluster, ids: &[RcId], farms: &[&str], replicas: usize) -> bool {
+    let owners = c.owner_farms().await;
+    let placements = c.placements().await;
+    ids.iter().all(|id| {
+        owners.get(id).is_some_and(|f| farms.contains(&f.as_str()))
+            && placements.get(id).is_some_and(|p| p.len() == replicas)
+    })
+}
+
+fn assert_no_violations(logs: &[&[LoggedCommit]]) -> u64 {
+    let mut o = Observer::default();
+    for log in logs {
+        for c in *log {
+            o.observe(c);
+        }
+    }
+    assert!(
+        o.violations.is_empty(),
+        "broken promises: {:#?}",
+        o.violations
+    );
+    o.fenced_writes
+}
+
+fn assert_running(c: &mut Cluster) {
+    for f in &mut c.farms {
+        assert!(
+            f.child.try_wait().unwrap().is_none(),
+            "farm {} exited while Consul was down",
+            f.id
+        );
+    }
+}
+
+#[tokio::test]
+async fn consul_down_past_the_ttl_and_back_with_its_data_dir() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = ServerConfig {
+        data_dir: Some(dir.path().to_path_buf()),
+        ..Cluster::server_config()
+    };
+    let mut c = Cluster::start_with(config.clone()).await;
+    nodes(&c, 4, 1).await;
+    c.spawn_farm("f1", &[]).await;
+    c.spawn_farm("f2", &[]).await;
+    let ids = rcs(&c, 6, 2).await;
+    let (cr, idr) = (&c, &ids);
+    c.wait_for(Duration::from_secs(30), "convergence", move || async move {
+        converged(cr, idr, &["f1", "f2"], 2).await
+    })
+    .await;
+    let placed = c.placements().await;
+    let sessions_before: BTreeSet<String> = c.owners().await.into_values().collect();
+
+    let before = c.restart_server(TTL * 3, config).await;
+    assert_running(&mut c);
+
+    // The old sessions came back with the data (timers reset, as Consul does); the farms gave
+    // up on them while Consul was away and open new ones, then claim again.
+    let (cr, idr) = (&c, &ids);
+    let sb = &sessions_before;
+    let took = c
+        .wait_for(
+            Duration::from_secs(30),
+            "re-claim with new sessions",
+            move || async move {
+                converged(cr, idr, &["f1", "f2"], 2).await
+                    && cr.owners().await.values().all(|s| !sb.contains(s))
+            },
+        )
+        .await;
+    for i in 0..2 {
+        assert!(
+            c.farm_log(i).contains("session lost"),
+            "farm {i} noticed: {}",
+            c.farm_log(i)
+        );
+    }
+    // The pods survived with the data; re-claiming found them in place.
+    assert_eq!(c.placements().await, placed, "no pod moved");
+    let after = c.server.commit_log();
+    let fenced = assert_no_violations(&[&before, &after]);
+    assert!(fenced > 0);
+    println!("re-claimed and converged {took:?} after the restart; {fenced} fenced writes checked");
+}
+
+#[tokio::test]
+async fn consul_down_past_the_ttl_and_back_empty() {
+    let mut c = Cluster::start().await;
+    nodes(&c, 4, 1).await;
+    c.spawn_farm("f1", &[]).await;
+    c.spawn_farm("f2", &[]).await;
+    let ids = rcs(&c, 6, 2).await;
+    let (cr, idr) = (&c, &ids);
+    c.wait_for(Duration::from_secs(30), "convergence", move || async move {
+        converged(cr, idr, &["f1", "f2"], 2).await
+    })
+    .await;
+
+    let before = c.restart_server(TTL * 3, Cluster::server_config()).await;
+    assert_running(&mut c);
+
+    // A new, empty Consul: the farms register again with new sessions and write nothing else.
+    let cr = &c;
+    c.wait_for(
+        Duration::from_secs(30),
+        "both farms registered again",
+        move || async move { cr.farm_sessions().await.len() == 2 },
+    )
+    .await;
+    tokio::time::sleep(TTL).await;
+    let (pods, _) = c
+        .consul
+        .kv_keys("intent/", None, &Default::default())
+        .await
+        .unwrap();
+    assert!(
+        pods.is_empty(),
+        "nothing to schedule, nothing written: {pods:?}"
+    );
+
+    // The operator restores nodes and RCs (same ids): the farms claim and schedule them.
+    nodes(&c, 4, 1).await;
+    for (i, id) in ids.iter().enumerate() {
+        c.put_rc(*id, &format!("svc-{i}"), "env=prod", 2, "static_strategy")
+            .await;
+    }
+    let (cr, idr) = (&c, &ids);
+    c.wait_for(
+        Duration::from_secs(30),
+        "convergence on the new server",
+        move || async move { converged(cr, idr, &["f1", "f2"], 2).await },
+    )
+    .await;
+    assert_no_violations(&[&before]);
+    let fenced = assert_no_violations(&[&c.server.commit_log()]);
+    assert!(fenced > 0, "the new server saw scheduling writes");
+}
+
+#[tokio::test]
+async fn a_farm_behind_a_lossy_slow_proxy_never_writes_without_its_lock() {
+    let mut c = Cluster::start().await;
+    nodes(&c, 6, 1).await;
+    // Chunks delayed up to 1.5 s (renewals are due every TTL/2 = 1 s) and 5% of them cut
+    // mid-request: the farm behind it loses its session now and then, and retries writes whose
+    // fate it cannot know.
+    let proxy = FaultyProxy::start(
+        c.server.addr(),
+        ProxyFaults {
+            max_delay: Duration::from_millis(1500),
+            drop_per_mille: 50,
+        },
+    )
+    .await
+    .unwrap();
+    c.spawn_farm_via("slow", &proxy.url(), &[]).await;
+    c.spawn_farm("direct", &[]).await;
+    let ids = rcs(&c, 8, 2).await;
+    // Scale RCs up and down for a while, through both farms.
+    for round in 0..20 {
+        let id = ids[round % ids.len()];
+        c.patch_rc(id, "replicas_desired", json!((round % 4) as i64))
+            .await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    // Cuts are random (5% of chunks): keep changing RCs until some connections were cut.
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let mut round = 0;
+    while proxy
+        .stats()
+        .dropped
+        .load(std::sync::atomic::Ordering::Relaxed)
+        < 3
+        && std::time::Instant::now() < deadline
+    {
+        let id = ids[round % ids.len()];
+        c.patch_rc(id, "replicas_desired", json!((round % 4) as i64))
+            .await;
+        round += 1;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    for id in &ids {
+        c.patch_rc(*id, "replicas_desired", json!(2)).await;
+    }
+    // The faults stop; everything converges, by whichever farm.
+    proxy.set_faults(ProxyFaults {
+        max_delay: Duration::ZERO,
+        drop_per_mille: 0,
+    });
+    let (cr, idr) = (&c, &ids);
+    c.wait_for(Duration::from_secs(30), "convergence", move || async move {
+        converged(cr, idr, &["slow", "direct"], 2).await
+    })
+    .await;
+    let stats = proxy.stats();
+    let dropped = stats.dropped.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(dropped > 0, "the proxy cut connections");
+    let fenced = assert_no_violations(&[&c.server.commit_log()]);
+    println!("{dropped} connections cut; {fenced} fenced writes checked");
+}
