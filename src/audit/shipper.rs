@@ -147,6 +147,13 @@ impl Shipper {
                 &QueryOptions::blocking(*index, self.config.wait),
             )
             .await?;
+        tracing::debug!(
+            asked = *index,
+            index = meta.index,
+            holder = entry.as_ref().and_then(|e| e.session.as_deref()),
+            exists = entry.is_some(),
+            "shipper lock read"
+        );
         *index = meta.index;
         match entry.and_then(|e| e.session) {
             Some(s) if s == self.session => Ok(Acquire::Acquired),

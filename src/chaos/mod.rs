@@ -77,15 +77,6 @@ pub struct ChaosReport {
 }
 
 impl ChaosReport {
-    /// Every promise but the outbox's drain held: no violation, convergence, and no audit record
-    /// lost or stored twice (each committed record is in SQL or still in Consul's outbox).
-    pub fn ok_but_drain(&self) -> bool {
-        self.violations.is_empty()
-            && self.unconverged_at_start == self.rcs_at_start
-            && self.converged_after.is_some()
-            && self.audit_in_sql + self.outbox_left == self.audit_written
-    }
-
     pub fn ok(&self) -> bool {
         self.violations.is_empty()
             && self.unconverged_at_start == self.rcs_at_start

@@ -195,7 +195,11 @@ impl Farm {
                 match AuditStore::connect(&url).await {
                     Ok(store) => {
                         tracing::info!(db = %store.url(), "audit database ready");
-                        let _ = tx.send(Some(Arc::new(store)));
+                        // `send_replace`, not `send`: with no receiver at this moment (no HTTP
+                        // server, and the shipper not yet subscribed because the session is
+                        // still being opened) `send` would drop the store, and this farm would
+                        // never ship.
+                        tx.send_replace(Some(Arc::new(store)));
                         return;
                     }
                     Err(e) => {
@@ -328,7 +332,8 @@ impl Farm {
             let ended = self
                 .serve(&views, &session, &info, ctx, mutation_tx, &shutdown)
                 .await;
-            let _ = self.ready.send(false);
+            // Stored even when nobody listens, so a later subscriber is not told "ready".
+            self.ready.send_replace(false);
             // The shipper gives its lock back before the session goes.
             shipper_stop.cancel();
             if let Some(h) = shipper {

@@ -17,12 +17,15 @@ use crate::db::TestDb;
 
 const BIN: &str = env!("CARGO_BIN_EXE_rcfarm");
 
-async fn test_server() -> EmbeddedServer {
-    server_with(ServerConfig {
+fn test_server_config() -> ServerConfig {
+    ServerConfig {
         session_ttl_min: Duration::from_secs(1),
         ..ServerConfig::ephemeral()
-    })
-    .await
+    }
+}
+
+async fn test_server() -> EmbeddedServer {
+    server_with(test_server_config()).await
 }
 
 /// Writes `n` records into the outbox, as farms do (64 per transaction).
@@ -296,44 +299,23 @@ async fn a_shipper_crash_between_insert_and_delete_duplicates_nothing() {
     let s = test_server().await;
     let c = client(&s);
     let records = write_outbox(&c, 300, 10).await;
-    let farm = |crash: bool| {
-        let mut cmd = tokio::process::Command::new(BIN);
-        cmd.args([
-            "serve",
-            "--consul",
-            &s.url(),
-            "--farm-id",
-            if crash { "crasher" } else { "survivor" },
-        ])
-        .args([
-            "--session-ttl",
-            "2s",
-            "--lock-delay",
-            "0s",
-            "--audit-db",
-            &db.url,
-            "--http",
-            "off",
-        ])
-        .env("RUST_LOG", "info")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true);
-        if crash {
-            cmd.env(rcfarm::audit::shipper::FAILPOINT_ENV, "1");
-        }
-        cmd.spawn().unwrap()
-    };
-    let crasher = farm(true);
-    let out = tokio::time::timeout(Duration::from_secs(60), crasher.wait_with_output())
+    let (mut crasher, crash_log) = spawn_farm(&s.url(), "crasher", &db.url, true);
+    let status = tokio::time::timeout(Duration::from_secs(60), crasher.wait())
         .await
         .unwrap()
         .unwrap();
-    assert!(!out.status.success(), "the failpoint aborts the process");
-    assert!(
-        String::from_utf8_lossy(&out.stderr)
-            .contains("aborting between the SQL insert and the Consul delete")
-    );
+    assert!(!status.success(), "the failpoint aborts the process");
+    let cl = &crash_log;
+    eventually(
+        Duration::from_secs(10),
+        "the failpoint's last words",
+        || async move {
+            cl.lock()
+                .contains("aborting between the SQL insert and the Consul delete")
+                .then_some(())
+        },
+    )
+    .await;
     let store = AuditStore::connect(&db.url).await.unwrap();
     assert_eq!(
         store.count(&AuditQuery::default()).await.unwrap(),
@@ -346,29 +328,8 @@ async fn a_shipper_crash_between_insert_and_delete_duplicates_nothing() {
         "and nothing was deleted from Consul"
     );
 
-    let mut survivor = farm(false);
-    // Drain its log (a full pipe would stall it) and show it if the wait fails.
-    let log = std::sync::Arc::new(parking_lot::Mutex::new(String::new()));
-    let mut lines = tokio::io::BufReader::new(survivor.stderr.take().unwrap()).lines();
-    let sink = log.clone();
-    tokio::spawn(async move {
-        while let Ok(Some(l)) = lines.next_line().await {
-            sink.lock().push_str(&(l + "\n"));
-        }
-    });
-    let cr = &c;
-    let drained = tokio::time::timeout(Duration::from_secs(60), async {
-        while outbox_len(cr).await != 0 {
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    })
-    .await;
-    assert!(
-        drained.is_ok(),
-        "the survivor did not drain the outbox in 60 s ({} left); its log:\n{}",
-        outbox_len(cr).await,
-        log.lock()
-    );
+    let (mut survivor, log) = spawn_farm(&s.url(), "survivor", &db.url, false);
+    assert_drains(&c, &log).await;
     assert_eq!(
         store.count(&AuditQuery::default()).await.unwrap(),
         records.len() as u64,
@@ -390,4 +351,97 @@ async fn a_shipper_crash_between_insert_and_delete_duplicates_nothing() {
         "stored once, by the first shipper"
     );
     let _ = survivor.start_kill();
+}
+
+/// Starts a farm process that ships to `db`; its log is collected (a full pipe would stall it)
+/// so that a failing wait can show it. With `crash`, it aborts after its first SQL insert.
+fn spawn_farm(
+    consul: &str,
+    id: &str,
+    db: &str,
+    crash: bool,
+) -> (tokio::process::Child, Arc<parking_lot::Mutex<String>>) {
+    let mut cmd = tokio::process::Command::new(BIN);
+    cmd.args(["serve", "--consul", consul, "--farm-id", id])
+        .args(["--session-ttl", "2s", "--lock-delay", "0s"])
+        .args(["--audit-db", db, "--http", "off"])
+        .env("RUST_LOG", "info,rcfarm::audit::shipper=debug")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    if crash {
+        cmd.env(rcfarm::audit::shipper::FAILPOINT_ENV, "1");
+    }
+    let mut child = cmd.spawn().unwrap();
+    let log = Arc::new(parking_lot::Mutex::new(String::new()));
+    let mut lines = tokio::io::BufReader::new(child.stderr.take().unwrap()).lines();
+    let sink = log.clone();
+    tokio::spawn(async move {
+        while let Ok(Some(l)) = lines.next_line().await {
+            sink.lock().push_str(&(l + "\n"));
+        }
+    });
+    (child, log)
+}
+
+/// Waits up to 60 s for the outbox to be empty; fails with the shipping farm's log if not.
+async fn assert_drains(c: &Consul, log: &parking_lot::Mutex<String>) {
+    let drained = tokio::time::timeout(Duration::from_secs(60), async {
+        while outbox_len(c).await != 0 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await;
+    assert!(
+        drained.is_ok(),
+        "the outbox was not drained in 60 s ({} left); the shipping farm's log:\n{}",
+        outbox_len(c).await,
+        log.lock()
+    );
+}
+
+/// A farm ready to write SQL before it has a Consul session (Consul still starting) ships
+/// once it gets one. (Its database handle was once dropped when nothing listened for it yet,
+/// and such a farm never shipped; under load, that was a race any farm could lose.)
+#[tokio::test]
+async fn a_farm_whose_database_is_ready_before_its_session_still_ships() {
+    let db = TestDb::sqlite();
+    // A free port with nothing listening on it yet.
+    let addr = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let (mut farm, log) = spawn_farm(&format!("http://{addr}"), "early", &db.url, false);
+    let l = &log;
+    let seen = tokio::time::timeout(Duration::from_secs(30), async move {
+        loop {
+            let text = l.lock().clone();
+            if text.contains("audit database ready")
+                && text.contains("cannot create a Consul session")
+            {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    assert!(
+        seen.is_ok(),
+        "the farm waits for Consul with its database ready; its log:\n{}",
+        log.lock()
+    );
+    let s = server_with(ServerConfig {
+        listen: addr,
+        ..test_server_config()
+    })
+    .await;
+    let c = client(&s);
+    let records = write_outbox(&c, 50, 5).await;
+    assert_drains(&c, &log).await;
+    let store = AuditStore::connect(&db.url).await.unwrap();
+    assert_eq!(
+        store.count(&AuditQuery::default()).await.unwrap(),
+        records.len() as u64
+    );
+    let _ = farm.start_kill();
 }
