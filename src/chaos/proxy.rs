@@ -35,6 +35,24 @@ pub struct FaultyProxy {
     stop: CancellationToken,
     stats: Arc<ProxyStats>,
     faults: Arc<Mutex<ProxyFaults>>,
+    lose_answer: Arc<Mutex<Option<LoseAnswer>>>,
+}
+
+/// A targeted fault: the next requests whose bytes contain `pattern` reach the server, and
+/// their answers are thrown away before the connection is cut.
+#[derive(Debug, Clone)]
+struct LoseAnswer {
+    pattern: Vec<u8>,
+    times: u32,
+}
+
+/// Shared by a connection's two directions.
+#[derive(Clone)]
+struct Shared {
+    faults: Arc<Mutex<ProxyFaults>>,
+    lose_answer: Arc<Mutex<Option<LoseAnswer>>>,
+    stats: Arc<ProxyStats>,
+    stop: CancellationToken,
 }
 
 impl Drop for FaultyProxy {
@@ -51,16 +69,22 @@ impl FaultyProxy {
         let stop = CancellationToken::new();
         let stats = Arc::new(ProxyStats::default());
         let faults = Arc::new(Mutex::new(faults));
-        let (s, st, f) = (stop.clone(), stats.clone(), faults.clone());
+        let lose_answer = Arc::new(Mutex::new(None));
+        let shared = Shared {
+            faults: faults.clone(),
+            lose_answer: lose_answer.clone(),
+            stats: stats.clone(),
+            stop: stop.clone(),
+        };
         tokio::spawn(async move {
             loop {
                 let accepted = tokio::select! {
-                    _ = s.cancelled() => return,
+                    _ = shared.stop.cancelled() => return,
                     a = listener.accept() => a,
                 };
                 let Ok((client, _)) = accepted else { continue };
-                st.connections.fetch_add(1, Ordering::Relaxed);
-                tokio::spawn(relay(client, target, f.clone(), st.clone(), s.clone()));
+                shared.stats.connections.fetch_add(1, Ordering::Relaxed);
+                tokio::spawn(relay(client, target, shared.clone()));
             }
         });
         Ok(FaultyProxy {
@@ -68,6 +92,7 @@ impl FaultyProxy {
             stop,
             stats,
             faults,
+            lose_answer,
         })
     }
 
@@ -87,15 +112,35 @@ impl FaultyProxy {
     pub fn set_faults(&self, faults: ProxyFaults) {
         *self.faults.lock() = faults;
     }
+
+    /// Lets the next `times` requests containing `pattern` (in one chunk) reach the server and
+    /// be applied, but drops their answers and cuts their connections: the client sees a
+    /// write of unknown fate, deterministically. Counted in `dropped`.
+    pub fn lose_answers_to(&self, pattern: &[u8], times: u32) {
+        *self.lose_answer.lock() = Some(LoseAnswer {
+            pattern: pattern.to_vec(),
+            times,
+        });
+    }
 }
 
-async fn relay(
-    client: TcpStream,
-    target: SocketAddr,
-    faults: Arc<Mutex<ProxyFaults>>,
-    stats: Arc<ProxyStats>,
-    stop: CancellationToken,
-) {
+/// Whether this chunk is one whose answer must be lost (and counts it).
+fn take_lose_answer(rule: &Mutex<Option<LoseAnswer>>, chunk: &[u8]) -> bool {
+    let mut rule = rule.lock();
+    let Some(r) = rule.as_mut() else {
+        return false;
+    };
+    if r.times == 0
+        || r.pattern.is_empty()
+        || !chunk.windows(r.pattern.len()).any(|w| w == r.pattern)
+    {
+        return false;
+    }
+    r.times -= 1;
+    true
+}
+
+async fn relay(client: TcpStream, target: SocketAddr, shared: Shared) {
     let Ok(server) = TcpStream::connect(target).await else {
         return;
     };
@@ -103,6 +148,9 @@ async fn relay(
     let _ = server.set_nodelay(true);
     let (mut cr, mut cw) = client.into_split();
     let (mut sr, mut sw) = server.into_split();
+    let stats = &shared.stats;
+    // Set once a request's answer is to be lost: from then on nothing goes back to the client.
+    let mute = std::sync::atomic::AtomicBool::new(false);
     let upstream = async {
         let mut buf = vec![0u8; 64 * 1024];
         loop {
@@ -110,8 +158,16 @@ async fn relay(
                 Ok(0) | Err(_) => return,
                 Ok(n) => n,
             };
+            if take_lose_answer(&shared.lose_answer, &buf[..n]) {
+                mute.store(true, Ordering::SeqCst);
+                let _ = sw.write_all(&buf[..n]).await;
+                stats.dropped.fetch_add(1, Ordering::Relaxed);
+                // Long enough for the server to apply it and answer into the void.
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                return;
+            }
             let (delay, drop) = {
-                let faults = *faults.lock();
+                let faults = *shared.faults.lock();
                 let mut rng = rand::rng();
                 let delay = if faults.max_delay.is_zero() {
                     Duration::ZERO
@@ -136,10 +192,22 @@ async fn relay(
         }
     };
     let downstream = async {
-        let _ = tokio::io::copy(&mut sr, &mut cw).await;
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            let n = match sr.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => n,
+            };
+            if mute.load(Ordering::SeqCst) {
+                continue;
+            }
+            if cw.write_all(&buf[..n]).await.is_err() {
+                return;
+            }
+        }
     };
     tokio::select! {
-        _ = stop.cancelled() => {}
+        _ = shared.stop.cancelled() => {}
         _ = upstream => {}
         _ = downstream => {}
     }

@@ -96,6 +96,13 @@ enum TaskError {
     Other(String),
 }
 
+impl TaskError {
+    /// A write that may or may not have been applied (Consul unreachable, or the answer lost).
+    fn outcome_unknown(&self) -> bool {
+        matches!(self, TaskError::Consul(e) if e.is_retryable())
+    }
+}
+
 /// The farm's handle on a task.
 pub struct TaskHandle {
     pub id: RcId,
@@ -155,6 +162,7 @@ pub fn spawn(
         events,
         transfer: None,
         transfer_loaded: false,
+        unconfirmed_alloc: None,
         unmet: None,
         invalid_reported: None,
         rejected_reported: None,
@@ -182,7 +190,13 @@ struct Worker {
     cancel: CancellationToken,
     events: mpsc::UnboundedSender<TaskEvent>,
     transfer: Option<Transfer>,
+    /// Whether `transfer` reflects the status key. Cleared after a failed pass: a transfer's
+    /// start or finish may have been applied with its answer lost, and acting on the old
+    /// belief would leave a stale transfer in Consul or record its end twice.
     transfer_loaded: bool,
+    /// A node allocated for a transfer whose start had an unknown outcome: kept if the
+    /// transfer turns out to be in flight, given back otherwise.
+    unconfirmed_alloc: Option<NodeName>,
     /// The unmet-desires reason last reported (so it is reported once, not every pass).
     unmet: Option<String>,
     /// The `ModifyIndex` of the invalid record last reported.
@@ -290,6 +304,9 @@ impl Worker {
                     wait
                 }
                 Err(e) => {
+                    // Whatever this pass wrote last may have been applied: learn the transfer
+                    // state from Consul again before acting on it.
+                    self.transfer_loaded = false;
                     let wait = self
                         .backoff
                         .next_delay()
@@ -391,34 +408,41 @@ impl Worker {
             .and_then(Value::as_str)
             .map(str::to_string);
         let desired = rc.desired();
-        let previous = self
-            .last_seen
-            .replace((rc.modify_index, desired.clone(), marker.clone()));
-        let Some((idx, old, old_marker)) = previous else {
+        let seen = (rc.modify_index, desired.clone(), marker.clone());
+        let Some((idx, old, old_marker)) = &self.last_seen else {
+            self.last_seen = Some(seen);
             return Ok(());
         };
-        if idx >= rc.modify_index {
+        if *idx >= rc.modify_index {
             return Ok(());
         }
         let changes = old.diff(&desired);
-        if changes.is_empty() || (marker.is_some() && marker != old_marker) {
-            return Ok(());
+        if !changes.is_empty() && (marker.is_none() || marker == *old_marker) {
+            tracing::info!(
+                ?changes,
+                "desired state changed outside rcfarm; recording it"
+            );
+            // Named after the versions it spans and written create-only: a retry after a lost
+            // answer, or a failed pass, records the change once. The previous version is kept
+            // until it is recorded, so a failure never loses it.
+            let audit = AuditRecord::deterministic(
+                &format!(
+                    "{}@{idx}->{}:observed-change",
+                    self.id.key(),
+                    rc.modify_index
+                ),
+                events::RC_OBSERVED_CHANGE,
+                json!({
+                    "replication_controller_id": self.id,
+                    "pod_id": rc.pod_id(),
+                    "farm_id": self.ctx.farm_id,
+                    "modify_index": rc.modify_index,
+                    "changes": changes,
+                }),
+            );
+            self.commit_report(audit).await?;
         }
-        tracing::info!(
-            ?changes,
-            "desired state changed outside rcfarm; recording it"
-        );
-        let audit = AuditRecord::new(
-            events::RC_OBSERVED_CHANGE,
-            json!({
-                "replication_controller_id": self.id,
-                "pod_id": rc.pod_id(),
-                "farm_id": self.ctx.farm_id,
-                "modify_index": rc.modify_index,
-                "changes": changes,
-            }),
-        );
-        self.commit(vec![], vec![audit]).await?;
+        self.last_seen = Some(seen);
         Ok(())
     }
 
@@ -431,13 +455,16 @@ impl Worker {
             .consul
             .kv_get(&status_key(self.id), &QueryOptions::default())
             .await?;
-        self.transfer = entry.and_then(|e| {
+        let stored = entry.and_then(|e| {
             let v: Value = serde_json::from_slice(e.value_bytes()).ok()?;
             serde_json::from_value::<Transfer>(v.get("node_transfer")?.clone()).ok()
         });
-        if let Some(t) = &self.transfer {
+        if let Some(t) = &stored
+            && self.transfer.as_ref() != Some(t)
+        {
             tracing::info!(old = %t.old_node, new = %t.new_node, "resuming a node transfer in flight");
         }
+        self.transfer = stored;
         self.transfer_loaded = true;
         Ok(())
     }
@@ -452,6 +479,11 @@ impl Worker {
         self.invalid_reported = None;
         self.notice_changes(rc).await?;
         self.load_transfer().await?;
+        if let Some(node) = self.unconfirmed_alloc.take()
+            && self.transfer.as_ref().map(|t| &t.new_node) != Some(&node)
+        {
+            self.deallocate(rc, std::slice::from_ref(&node)).await;
+        }
         if self.transfer.is_none()
             && self.ctx.mutation_locks.borrow().get(&self.id) == Some(&self.session)
         {
@@ -959,6 +991,15 @@ impl Worker {
                 self.transfer = Some(t);
                 self.await_own_write(idx).await?;
                 Ok(Applied::Done)
+            }
+            Err(e) if e.outcome_unknown() => {
+                // The transfer may be in flight: keep the mutation lock and the node until the
+                // next pass has read the status key (the pass start gives back what is unused).
+                self.transfer_loaded = false;
+                if allocated {
+                    self.unconfirmed_alloc = Some(new);
+                }
+                Err(e)
             }
             Err(e) => {
                 let _ = store.release_mutation(self.id, &self.session).await;

@@ -215,3 +215,107 @@ async fn a_farm_behind_a_lossy_slow_proxy_never_writes_without_its_lock() {
     let fenced = assert_no_violations(&[&c.server.commit_log()]);
     println!("{dropped} connections cut; {fenced} fenced writes checked");
 }
+
+/// A node transfer whose start reached Consul but whose answer was lost (the farm sees a write
+/// of unknown fate) is finished from what Consul holds, not forgotten: the status key must not
+/// keep a transfer that no one will ever complete, and the move is recorded once.
+#[tokio::test]
+async fn a_transfer_started_with_its_answer_lost_is_finished_not_forgotten() {
+    let mut c = Cluster::start().await;
+    c.label_node("node-a", &[("env", "prod"), ("zone", "a")])
+        .await;
+    c.label_node("node-b", &[("env", "prod"), ("zone", "c")])
+        .await;
+    let proxy = FaultyProxy::start(
+        c.server.addr(),
+        ProxyFaults {
+            max_delay: Duration::ZERO,
+            drop_per_mille: 0,
+        },
+    )
+    .await
+    .unwrap();
+    c.spawn_farm_via("lossy", &proxy.url(), &[]).await;
+    let id = RcId::new();
+    c.put_rc(id, "web", "zone=a", 1, "static_strategy").await;
+    let on = |node: &'static str| {
+        let c = &c;
+        move || async move { c.placements().await.get(&id) == Some(&BTreeSet::from([node.to_string()])) }
+    };
+    c.wait_for(Duration::from_secs(30), "the pod on node-a", on("node-a"))
+        .await;
+
+    // The first transaction that touches the RC's status key is a transfer's start.
+    proxy.lose_answers_to(b"\"Key\":\"status/replication_controllers/", 1);
+    c.label_node("node-b", &[("env", "prod"), ("zone", "a")])
+        .await;
+    c.label_node("node-a", &[("env", "prod"), ("zone", "b")])
+        .await;
+    let status_key = format!("status/replication_controllers/{id}/replication_controller");
+    let (cr, sk) = (&c, &status_key);
+    c.wait_for(
+        Duration::from_secs(30),
+        "the pod moved to node-b and no transfer left in the status key",
+        move || async move {
+            on("node-b")().await
+                && cr
+                    .consul
+                    .kv_get(sk, &Default::default())
+                    .await
+                    .unwrap()
+                    .0
+                    .is_none()
+        },
+    )
+    .await;
+    assert_eq!(
+        proxy
+            .stats()
+            .dropped
+            .load(std::sync::atomic::Ordering::Relaxed),
+        1,
+        "the start's answer was lost"
+    );
+    let log = c.farm_log(0);
+    assert!(log.contains("RC pass failed"), "{log}");
+    assert!(log.contains("resuming a node transfer in flight"), "{log}");
+    let of_rc = |events: Vec<serde_json::Value>| {
+        events
+            .iter()
+            .filter(|d| d["replication_controller_id"] == json!(id.to_string()))
+            .count()
+    };
+    let (cr, ev) = (&c, &of_rc);
+    c.wait_for(
+        Duration::from_secs(10),
+        "one transfer start and one completion recorded",
+        move || async move {
+            ev(cr
+                .audit_events(rcfarm::audit::events::NODE_TRANSFER_START)
+                .await)
+                == 1
+                && ev(cr
+                    .audit_events(rcfarm::audit::events::NODE_TRANSFER_COMPLETION)
+                    .await)
+                    == 1
+        },
+    )
+    .await;
+    let (cr, lock) = (&c, id.mutation_lock_key());
+    let lock = &lock;
+    c.wait_for(
+        Duration::from_secs(10),
+        "the mutation lock given back",
+        move || async move {
+            cr.consul
+                .kv_get(lock, &Default::default())
+                .await
+                .unwrap()
+                .0
+                .and_then(|e| e.session)
+                .is_none()
+        },
+    )
+    .await;
+    assert_no_violations(&[&c.server.commit_log()]);
+}
