@@ -38,12 +38,14 @@ pub struct FaultyProxy {
     lose_answer: Arc<Mutex<Option<LoseAnswer>>>,
 }
 
-/// A targeted fault: the next requests whose bytes contain `pattern` reach the server, and
-/// their answers are thrown away before the connection is cut.
+/// A targeted fault on the next `times` requests whose bytes contain `pattern`: either they
+/// reach the server and their answers are thrown away (`forward`), or they never reach it; then
+/// the connection is cut.
 #[derive(Debug, Clone)]
 struct LoseAnswer {
     pattern: Vec<u8>,
     times: u32,
+    forward: bool,
 }
 
 /// Shared by a connection's two directions.
@@ -120,24 +122,33 @@ impl FaultyProxy {
         *self.lose_answer.lock() = Some(LoseAnswer {
             pattern: pattern.to_vec(),
             times,
+            forward: true,
+        });
+    }
+
+    /// Cuts the connection of the next `times` requests containing `pattern` (in one chunk)
+    /// before they reach the server: a write that certainly failed. Counted in `dropped`.
+    pub fn refuse_requests_with(&self, pattern: &[u8], times: u32) {
+        *self.lose_answer.lock() = Some(LoseAnswer {
+            pattern: pattern.to_vec(),
+            times,
+            forward: false,
         });
     }
 }
 
-/// Whether this chunk is one whose answer must be lost (and counts it).
-fn take_lose_answer(rule: &Mutex<Option<LoseAnswer>>, chunk: &[u8]) -> bool {
+/// If this chunk is one the targeted fault applies to: whether to forward it (and counts it).
+fn take_lose_answer(rule: &Mutex<Option<LoseAnswer>>, chunk: &[u8]) -> Option<bool> {
     let mut rule = rule.lock();
-    let Some(r) = rule.as_mut() else {
-        return false;
-    };
+    let r = rule.as_mut()?;
     if r.times == 0
         || r.pattern.is_empty()
         || !chunk.windows(r.pattern.len()).any(|w| w == r.pattern)
     {
-        return false;
+        return None;
     }
     r.times -= 1;
-    true
+    Some(r.forward)
 }
 
 async fn relay(client: TcpStream, target: SocketAddr, shared: Shared) {
@@ -158,12 +169,14 @@ async fn relay(client: TcpStream, target: SocketAddr, shared: Shared) {
                 Ok(0) | Err(_) => return,
                 Ok(n) => n,
             };
-            if take_lose_answer(&shared.lose_answer, &buf[..n]) {
+            if let Some(forward) = take_lose_answer(&shared.lose_answer, &buf[..n]) {
                 mute.store(true, Ordering::SeqCst);
-                let _ = sw.write_all(&buf[..n]).await;
                 stats.dropped.fetch_add(1, Ordering::Relaxed);
-                // Long enough for the server to apply it and answer into the void.
-                tokio::time::sleep(Duration::from_millis(300)).await;
+                if forward {
+                    let _ = sw.write_all(&buf[..n]).await;
+                    // Long enough for the server to apply it and answer into the void.
+                    tokio::time::sleep(Duration::from_millis(300)).await;
+                }
                 return;
             }
             let (delay, drop) = {

@@ -216,16 +216,9 @@ async fn a_farm_behind_a_lossy_slow_proxy_never_writes_without_its_lock() {
     println!("{dropped} connections cut; {fenced} fenced writes checked");
 }
 
-/// A node transfer whose start reached Consul but whose answer was lost (the farm sees a write
-/// of unknown fate) is finished from what Consul holds, not forgotten: the status key must not
-/// keep a transfer that no one will ever complete, and the move is recorded once.
-#[tokio::test]
-async fn a_transfer_started_with_its_answer_lost_is_finished_not_forgotten() {
-    let mut c = Cluster::start().await;
-    c.label_node("node-a", &[("env", "prod"), ("zone", "a")])
-        .await;
-    c.label_node("node-b", &[("env", "prod"), ("zone", "c")])
-        .await;
+/// A farm talking to Consul through a proxy with no random faults (the test arms targeted
+/// ones), serving one new RC of one replica on `selector`.
+async fn lossy_farm_serving(c: &mut Cluster, selector: &str) -> (FaultyProxy, RcId) {
     let proxy = FaultyProxy::start(
         c.server.addr(),
         ProxyFaults {
@@ -237,7 +230,34 @@ async fn a_transfer_started_with_its_answer_lost_is_finished_not_forgotten() {
     .unwrap();
     c.spawn_farm_via("lossy", &proxy.url(), &[]).await;
     let id = RcId::new();
-    c.put_rc(id, "web", "zone=a", 1, "static_strategy").await;
+    c.put_rc(id, "web", selector, 1, "static_strategy").await;
+    (proxy, id)
+}
+
+/// Checks that the proxy's targeted fault struck exactly once and that the farm noticed (a
+/// pass failed); returns the farm's log.
+fn faulted_once(proxy: &FaultyProxy, c: &Cluster, what: &str) -> String {
+    let dropped = proxy
+        .stats()
+        .dropped
+        .load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(dropped, 1, "{what}");
+    let log = c.farm_log(0);
+    assert!(log.contains("RC pass failed"), "{log}");
+    log
+}
+
+/// A node transfer whose start reached Consul but whose answer was lost (the farm sees a write
+/// of unknown fate) is finished from what Consul holds, not forgotten: the status key must not
+/// keep a transfer that no one will ever complete, and the move is recorded once.
+#[tokio::test]
+async fn a_transfer_started_with_its_answer_lost_is_finished_not_forgotten() {
+    let mut c = Cluster::start().await;
+    c.label_node("node-a", &[("env", "prod"), ("zone", "a")])
+        .await;
+    c.label_node("node-b", &[("env", "prod"), ("zone", "c")])
+        .await;
+    let (proxy, id) = lossy_farm_serving(&mut c, "zone=a").await;
     let on = |node: &'static str| {
         let c = &c;
         move || async move { c.placements().await.get(&id) == Some(&BTreeSet::from([node.to_string()])) }
@@ -268,16 +288,7 @@ async fn a_transfer_started_with_its_answer_lost_is_finished_not_forgotten() {
         },
     )
     .await;
-    assert_eq!(
-        proxy
-            .stats()
-            .dropped
-            .load(std::sync::atomic::Ordering::Relaxed),
-        1,
-        "the start's answer was lost"
-    );
-    let log = c.farm_log(0);
-    assert!(log.contains("RC pass failed"), "{log}");
+    let log = faulted_once(&proxy, &c, "the start's answer was lost");
     assert!(log.contains("resuming a node transfer in flight"), "{log}");
     let of_rc = |events: Vec<serde_json::Value>| {
         events
@@ -314,6 +325,47 @@ async fn a_transfer_started_with_its_answer_lost_is_finished_not_forgotten() {
                 .0
                 .and_then(|e| e.session)
                 .is_none()
+        },
+    )
+    .await;
+    assert_no_violations(&[&c.server.commit_log()]);
+}
+
+/// A direct KV change to an RC whose audit record could not be written (the request never
+/// reached Consul) is recorded by the next pass, once: a failed write loses no record.
+#[tokio::test]
+async fn an_observed_change_whose_record_failed_is_recorded_on_the_next_pass() {
+    let mut c = Cluster::start().await;
+    nodes(&c, 3, 1).await;
+    let (proxy, id) = lossy_farm_serving(&mut c, "env=prod").await;
+    let placed = |n: usize| {
+        let c = &c;
+        move || async move { c.placements().await.get(&id).map_or(0, BTreeSet::len) == n }
+    };
+    c.wait_for(Duration::from_secs(30), "one pod", placed(1))
+        .await;
+
+    // The next write fenced by this RC's ownership lock is the observed change's record.
+    let check = format!("\"Key\":\"{}\"", id.ownership_lock_key());
+    proxy.refuse_requests_with(check.as_bytes(), 1);
+    c.patch_rc(id, "replicas_desired", json!(2)).await;
+    c.wait_for(Duration::from_secs(30), "two pods", placed(2))
+        .await;
+    faulted_once(&proxy, &c, "the record's first write was refused");
+    let (cr, rc) = (&c, json!(id.to_string()));
+    let rc = &rc;
+    c.wait_for(
+        Duration::from_secs(10),
+        "the observed change recorded once",
+        move || async move {
+            let observed: Vec<serde_json::Value> = cr
+                .audit_events(rcfarm::audit::events::RC_OBSERVED_CHANGE)
+                .await
+                .into_iter()
+                .filter(|d| d["replication_controller_id"] == *rc)
+                .collect();
+            observed.len() == 1
+                && observed[0]["changes"]["replicas_desired"] == json!({"old": 1, "new": 2})
         },
     )
     .await;
