@@ -20,19 +20,9 @@ async fn all_owned_by(c: &Cluster, ids: &[RcId], farms: &[&str]) -> bool {
 async fn kill_9_a_farm_and_its_rcs_are_served_again_within_two_ttls() {
     let mut c = Cluster::start().await;
     nodes(&c, 4, 1).await;
-    for f in ["f1", "f2", "f3"] {
-        c.spawn_farm(f, &[]).await;
-    }
-    let ids = rcs(&c, 12, 1).await;
-    let cr = &c;
-    let idr = &ids;
     // f1 must own something to be worth killing.
-    c.wait_for(
-        Duration::from_secs(30),
-        "all placed, shared by 3 farms",
-        move || async move { cr.placed_and_shared(idr, 3, 1).await },
-    )
-    .await;
+    c.farms_sharing(3, 12, 1).await;
+    let cr = &c;
     let owners = c.owner_farms().await;
     let victims: Vec<RcId> = owners
         .iter()
@@ -71,7 +61,6 @@ async fn kill_9_a_farm_and_its_rcs_are_served_again_within_two_ttls() {
         move || async move { cr.placements().await.get(&v0).is_some_and(|s| s.len() == 3) },
     )
     .await;
-    let _ = idr;
     c.check_invariants(|_| false);
 }
 
@@ -79,16 +68,8 @@ async fn kill_9_a_farm_and_its_rcs_are_served_again_within_two_ttls() {
 async fn sigterm_hands_over_within_about_a_second() {
     let mut c = Cluster::start().await;
     nodes(&c, 3, 1).await;
-    c.spawn_farm("f1", &[]).await;
-    c.spawn_farm("f2", &[]).await;
-    let ids = rcs(&c, 10, 1).await;
-    let (cr, idr) = (&c, &ids);
-    c.wait_for(
-        Duration::from_secs(30),
-        "all placed, shared by 2 farms",
-        move || async move { cr.placed_and_shared(idr, 2, 1).await },
-    )
-    .await;
+    let ids = c.farms_sharing(2, 10, 1).await;
+    let cr = &c;
     let owners = c.owner_farms().await;
     let victims: Vec<RcId> = owners
         .iter()
@@ -139,16 +120,8 @@ async fn sigterm_hands_over_within_about_a_second() {
 async fn a_stalled_farm_past_its_session_expiry_writes_nothing_and_rejoins() {
     let mut c = Cluster::start().await;
     nodes(&c, 4, 1).await;
-    c.spawn_farm("f1", &[]).await;
-    c.spawn_farm("f2", &[]).await;
-    let ids = rcs(&c, 8, 1).await;
-    let (cr, idr) = (&c, &ids);
-    c.wait_for(
-        Duration::from_secs(30),
-        "all placed, shared by 2 farms",
-        move || async move { cr.placed_and_shared(idr, 2, 1).await },
-    )
-    .await;
+    let ids = c.farms_sharing(2, 8, 1).await;
+    let cr = &c;
     let victims: Vec<RcId> = c
         .owner_farms()
         .await
@@ -411,16 +384,8 @@ async fn node_transfer_with_the_pool_scheduler() {
 async fn a_stray_mutation_lock_must_not_block_the_next_owner_forever() {
     let mut c = Cluster::start().await;
     nodes(&c, 4, 1).await;
-    c.spawn_farm("f1", &[]).await;
-    c.spawn_farm("f2", &[]).await;
-    let ids = rcs(&c, 6, 1).await;
-    let (cr, idr) = (&c, &ids);
-    c.wait_for(
-        Duration::from_secs(30),
-        "all placed, shared by 2 farms",
-        move || async move { cr.placed_and_shared(idr, 2, 1).await },
-    )
-    .await;
+    c.farms_sharing(2, 6, 1).await;
+    let cr = &c;
     let owners = c.owner_farms().await;
     let of = |farm: &str| *owners.iter().find(|(_, f)| f.as_str() == farm).unwrap().0;
     let (served_by_f2, served_by_f1) = (of("f2"), of("f1"));

@@ -270,6 +270,24 @@ impl Cluster {
             })
     }
 
+    /// Farms `f1`…`f<farms>` (no extra flags) serving `n` new RCs of `replicas` (see [`rcs`]);
+    /// returns once every RC is placed and every farm owns some, so that a test can pick a
+    /// farm's RCs, or take Consul away, knowing each farm is serving.
+    pub async fn farms_sharing(&mut self, farms: usize, n: usize, replicas: usize) -> Vec<RcId> {
+        for i in 1..=farms {
+            self.spawn_farm(&format!("f{i}"), &[]).await;
+        }
+        let ids = rcs(self, n, replicas as i64).await;
+        let (this, idr) = (&*self, &ids);
+        this.wait_for(
+            Duration::from_secs(30),
+            &format!("all placed, shared by {farms} farms"),
+            move || async move { this.placed_and_shared(idr, farms, replicas).await },
+        )
+        .await;
+        ids
+    }
+
     /// RC → the nodes its pods are on (pods with an intent and labels).
     pub async fn placements(&self) -> BTreeMap<RcId, BTreeSet<String>> {
         let (labels, _) = self

@@ -58,18 +58,9 @@ async fn consul_down_past_the_ttl_and_back_with_its_data_dir() {
     };
     let mut c = Cluster::start_with(config.clone()).await;
     nodes(&c, 4, 1).await;
-    c.spawn_farm("f1", &[]).await;
-    c.spawn_farm("f2", &[]).await;
-    let ids = rcs(&c, 6, 2).await;
-    let (cr, idr) = (&c, &ids);
     // Both farms serving (not one that converged everything while the other was still
     // starting): the test is about farms that lose Consul mid-service.
-    c.wait_for(
-        Duration::from_secs(30),
-        "convergence, shared by both farms",
-        move || async move { cr.placed_and_shared(idr, 2, 2).await },
-    )
-    .await;
+    let ids = c.farms_sharing(2, 6, 2).await;
     let placed = c.placements().await;
     let sessions_before: BTreeSet<String> = c.owners().await.into_values().collect();
 
@@ -109,18 +100,9 @@ async fn consul_down_past_the_ttl_and_back_with_its_data_dir() {
 async fn consul_down_past_the_ttl_and_back_empty() {
     let mut c = Cluster::start().await;
     nodes(&c, 4, 1).await;
-    c.spawn_farm("f1", &[]).await;
-    c.spawn_farm("f2", &[]).await;
-    let ids = rcs(&c, 6, 2).await;
-    let (cr, idr) = (&c, &ids);
     // Both farms serving (not one that converged everything while the other was still
     // starting): the test is about farms that lose Consul mid-service.
-    c.wait_for(
-        Duration::from_secs(30),
-        "convergence, shared by both farms",
-        move || async move { cr.placed_and_shared(idr, 2, 2).await },
-    )
-    .await;
+    let ids = c.farms_sharing(2, 6, 2).await;
 
     let before = c.restart_server(TTL * 3, Cluster::server_config()).await;
     assert_running(&mut c);
