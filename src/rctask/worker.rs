@@ -994,8 +994,8 @@ impl Worker {
             }
             Err(e) if e.outcome_unknown() => {
                 // The transfer may be in flight: keep the mutation lock and the node until the
-                // next pass has read the status key (the pass start gives back what is unused).
-                self.transfer_loaded = false;
+                // next pass has re-read the status key (the failed pass makes it; its start
+                // gives back what turns out unused).
                 if allocated {
                     self.unconfirmed_alloc = Some(new);
                 }
