@@ -19,4 +19,5 @@ pub mod rc;
 pub mod rctask;
 pub mod scheduler;
 pub mod server;
+pub mod task;
 pub mod util;

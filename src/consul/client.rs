@@ -662,6 +662,30 @@ impl Consul {
         self.bool_answer(&raw)
     }
 
+    /// Gives a lock up by deleting its key, only if `session` holds it (as P2's unlock does):
+    /// no lock-delay applies, so another session can take it at once. `Ok(false)` if the
+    /// session did not hold it.
+    pub async fn release_lock(&self, key: &str, session: &str) -> Result<bool> {
+        match self
+            .txn(&[TxnOp::check_session(key, session), TxnOp::delete(key)])
+            .await
+        {
+            Ok(_) => Ok(true),
+            Err(e)
+                if e.txn_failures().any(|(_, f)| {
+                    matches!(
+                        f,
+                        super::txn::TxnFailure::SessionMismatch
+                            | super::txn::TxnFailure::KeyMissing
+                    )
+                }) =>
+            {
+                Ok(false)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
     /// `DELETE /v1/kv/<key>`.
     pub async fn kv_delete(&self, key: &str) -> Result<()> {
         let raw = self

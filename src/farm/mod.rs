@@ -6,7 +6,10 @@
 //! reservations. Changes are dispatched to the tasks they concern.
 
 pub mod claims;
+mod ownership;
+mod rcs;
 pub mod registry;
+mod shipping;
 pub mod sweep;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -14,25 +17,23 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::Utc;
-use serde_json::json;
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::audit::{AuditRecord, AuditStore, Shipper, ShipperConfig, ShipperStats, events};
+use crate::audit::{AuditStore, ShipperConfig, ShipperStats};
 use crate::consul::{
-    Consul, ConsulConfig, ConsulError, KvPair, MAX_TXN_OPS, Session, SessionBehavior,
-    SessionConfig, TxnOp, Watch, WatchConfig,
+    Consul, ConsulConfig, ConsulError, KvPair, Session, SessionBehavior, SessionConfig, TxnOp,
+    Watch, WatchConfig,
 };
 use crate::health::HealthCache;
-use crate::labels::{LabelCache, LabelChanges, LabelSet, LabelType, Selector};
-use crate::rc::{InvalidRc, RC_ID_LABEL, RcId, RcListing, RcStore, RcWatch, parse_locks};
-use crate::rctask::{
-    IntentView, RcState, StatusRegistry, TaskConfig, TaskContext, TaskEvent, TaskHandle,
-};
+use crate::labels::{LabelCache, LabelType, Selector};
+use crate::rc::{RcId, RcStore, RcWatch};
+use crate::rctask::{IntentView, StatusRegistry, TaskConfig, TaskContext, TaskEvent};
 use crate::scheduler::{LabelScheduler, PoolConfig, PoolScheduler, Scheduler};
 use crate::util::{Backoff, jitter_half};
-use claims::assign;
+use ownership::{ClaimFarm, ClaimRules};
+use rcs::{OwnedRcs, RcKind};
 use registry::{FARMS_PREFIX, FarmInfo};
 
 /// Which scheduler the farm uses.
@@ -138,18 +139,6 @@ pub struct Farm {
     garbage_locks_reported: parking_lot::Mutex<BTreeSet<String>>,
 }
 
-/// What the farm owns under its current session.
-struct Owned {
-    tasks: BTreeMap<RcId, TaskHandle>,
-    /// Lock-tree index at which we claimed each RC; until the watch shows that index, a
-    /// missing lock in the view is the watch lagging, not a loss.
-    claimed_at: HashMap<RcId, u64>,
-    /// When each unheld RC was first seen unheld (for the grace rule).
-    unheld_since: HashMap<RcId, Instant>,
-    /// The RC versions handed to tasks.
-    sent: HashMap<RcId, u64>,
-}
-
 impl Farm {
     pub fn new(config: FarmConfig) -> Result<Farm, FarmError> {
         let consul = Consul::new(config.consul.clone())?;
@@ -179,75 +168,6 @@ impl Farm {
 
     pub fn shipper_stats(&self) -> Arc<ShipperStats> {
         self.shipper_stats.clone()
-    }
-
-    /// Connects to the audit database in the background, retrying: a farm serves RCs whether
-    /// or not SQL is reachable (records wait in the Consul outbox).
-    fn connect_audit(&self, shutdown: &CancellationToken) {
-        let Some(url) = self.config.audit_db.clone() else {
-            return;
-        };
-        let tx = self.audit.clone();
-        let shutdown = shutdown.clone();
-        tokio::spawn(async move {
-            let mut backoff = Backoff::new(Duration::from_secs(1), Duration::from_secs(60));
-            loop {
-                match AuditStore::connect(&url).await {
-                    Ok(store) => {
-                        tracing::info!(db = %store.url(), "audit database ready");
-                        // `send_replace`, not `send`: with no receiver at this moment (no HTTP
-                        // server, and the shipper not yet subscribed because the session is
-                        // still being opened) `send` would drop the store, and this farm would
-                        // never ship.
-                        tx.send_replace(Some(Arc::new(store)));
-                        return;
-                    }
-                    Err(e) => {
-                        let wait = backoff.next_delay();
-                        tracing::warn!(error = %e, retry_in = ?wait, "audit database unavailable; records wait in Consul");
-                        tokio::select! {
-                            _ = shutdown.cancelled() => return,
-                            _ = tokio::time::sleep(wait) => {}
-                        }
-                    }
-                }
-            }
-        });
-    }
-
-    /// Runs the shipper under `session` until `stop`.
-    fn spawn_shipper(
-        &self,
-        session: &Session,
-        stop: CancellationToken,
-    ) -> Option<tokio::task::JoinHandle<()>> {
-        self.config.audit_db.as_ref()?;
-        let mut store_rx = self.audit.subscribe();
-        let consul = self.consul.clone();
-        let session_id = session.id().to_string();
-        let farm_id = self.config.farm_id.clone();
-        let config = self.config.shipper.clone();
-        let stats = self.shipper_stats.clone();
-        Some(tokio::spawn(async move {
-            let store = tokio::select! {
-                _ = stop.cancelled() => return,
-                s = store_rx.wait_for(Option::is_some) => match s {
-                    Ok(s) => s.clone(),
-                    Err(_) => return,
-                },
-            };
-            let Some(store) = store else { return };
-            Shipper {
-                consul,
-                store,
-                session: session_id,
-                farm_id,
-                config,
-                stats,
-            }
-            .run(stop)
-            .await;
-        }))
     }
 
     pub fn status(&self) -> Arc<StatusRegistry> {
@@ -418,12 +338,10 @@ impl Farm {
     ) -> Ended {
         let lost = session.lost().clone();
         let (ev_tx, mut ev_rx) = mpsc::unbounded_channel::<TaskEvent>();
-        let mut owned = Owned {
-            tasks: BTreeMap::new(),
-            claimed_at: HashMap::new(),
-            unheld_since: HashMap::new(),
-            sent: HashMap::new(),
-        };
+        let mut owned = OwnedRcs::new(RcKind {
+            farm_id: self.config.farm_id.clone(),
+            status: self.status.clone(),
+        });
         let mut rc_rx = views.rcs.subscribe();
         let mut lock_rx = views.locks.subscribe();
         let mut farm_rx = views.farms.subscribe();
@@ -452,7 +370,7 @@ impl Farm {
             if ready && dirty {
                 dirty = false;
                 let claimed = self
-                    .reconcile(views, session, info, &ctx, &mut owned, &ev_tx, &mutation_tx)
+                    .reconcile_rcs(views, session, info, &ctx, &mut owned, &ev_tx, &mutation_tx)
                     .await;
                 sweep_soon |= claimed;
                 let _ = self.ready.send_if_modified(|r| {
@@ -478,18 +396,12 @@ impl Farm {
                 _ = lost.cancelled() => {
                     // Stop every task at once; their writes are fenced anyway, but they must
                     // not even try.
-                    for (_, t) in std::mem::take(&mut owned.tasks) {
-                        t.cancel();
-                    }
+                    owned.cancel_all();
                     return Ended::SessionLost(session.loss_reason().unwrap_or_default());
                 }
                 Some(ev) = ev_rx.recv() => {
                     let TaskEvent::Fenced(id) = ev;
-                    if let Some(t) = owned.tasks.remove(&id) {
-                        t.cancel();
-                    }
-                    owned.claimed_at.remove(&id);
-                    self.status.remove_rc(id);
+                    owned.fenced(id);
                     dirty = true;
                 }
                 r = rc_rx.changed() => {
@@ -507,457 +419,28 @@ impl Farm {
                 _ = rc_label_rx.changed() => dirty = true,
                 c = pod_changes.recv() => self.dispatch_pod_changes(&owned, c),
                 c = node_changes.recv() => self.dispatch_node_changes(&owned, views, c),
-                _ = health_rx.changed() => {
-                    let changed = views.health.changed_pods();
-                    if let Some(listing) = views.rcs.latest() {
-                        for t in owned.tasks.values() {
-                            if listing.rcs.get(&t.id).is_some_and(|rc| changed.iter().any(|p| p == rc.pod_id())) {
-                                t.wake();
-                            }
-                        }
-                    }
-                }
+                _ = health_rx.changed() => self.dispatch_health_changes(&owned, views),
                 _ = tick.tick() => dirty = true,
                 _ = tokio::time::sleep_until(next_sweep) => {}
             }
         }
     }
 
-    fn dispatch_pod_changes(
-        &self,
-        owned: &Owned,
-        c: Result<Arc<LabelChanges>, tokio::sync::broadcast::error::RecvError>,
-    ) {
-        match c {
-            Ok(ch) => {
-                let mut woken = BTreeSet::new();
-                for change in &ch.changes {
-                    for labels in [&change.old, &change.new].into_iter().flatten() {
-                        if let Some(Ok(id)) = labels.get(RC_ID_LABEL).map(|v| RcId::parse(v))
-                            && woken.insert(id)
-                            && let Some(t) = owned.tasks.get(&id)
-                        {
-                            t.wake();
-                        }
-                    }
-                }
-            }
-            // Missed some: wake everyone.
-            Err(_) => owned.tasks.values().for_each(TaskHandle::wake),
-        }
-    }
-
-    fn dispatch_node_changes(
-        &self,
-        owned: &Owned,
-        views: &Views,
-        c: Result<Arc<LabelChanges>, tokio::sync::broadcast::error::RecvError>,
-    ) {
-        let Some(listing) = views.rcs.latest() else {
-            return;
-        };
-        match c {
-            Ok(ch) => {
-                for t in owned.tasks.values() {
-                    let Some(rc) = listing.rcs.get(&t.id) else {
-                        continue;
-                    };
-                    let affected = ch.changes.iter().any(|change| {
-                        [&change.old, &change.new]
-                            .into_iter()
-                            .flatten()
-                            .any(|l| rc.node_selector.matches(&**l))
-                    });
-                    // Pool membership also moves eligibility of dynamic RCs.
-                    if affected || rc.strategy == crate::rc::AllocationStrategy::Dynamic {
-                        t.wake();
-                    }
-                }
-            }
-            Err(_) => owned.tasks.values().for_each(TaskHandle::wake),
-        }
-    }
-
-    /// Decides what to claim and release, starts and stops tasks, and hands RCs their updates.
-    /// Returns whether it claimed something.
-    #[allow(clippy::too_many_arguments)]
-    async fn reconcile(
-        &self,
-        views: &Views,
-        session: &Session,
-        info: &FarmInfo,
-        ctx: &Arc<TaskContext>,
-        owned: &mut Owned,
-        ev_tx: &mpsc::UnboundedSender<TaskEvent>,
-        mutation_tx: &watch::Sender<Arc<BTreeMap<RcId, String>>>,
-    ) -> bool {
-        let Some(listing) = views.rcs.latest() else {
-            return false;
-        };
-        let Some(lock_snap) = views.locks.latest() else {
-            return false;
-        };
-        let Some(farm_snap) = views.farms.latest() else {
-            return false;
-        };
-        let sid = session.id();
-        let (holders, garbage) = parse_locks(&lock_snap.value);
-        {
-            let mut seen = self.garbage_locks_reported.lock();
-            seen.retain(|k| garbage.contains(k));
-            for key in garbage {
-                if seen.insert(key.clone()) {
-                    tracing::warn!(%key, "a key under the lock prefix is not an RC lock; ignoring it");
-                }
-            }
-        }
-        let mutation: BTreeMap<RcId, String> = holders
-            .iter()
-            .filter_map(|(id, h)| h.mutation.as_ref().map(|(s, _)| (*id, s.clone())))
-            .collect();
-        if **mutation_tx.borrow() != mutation {
-            let changed: Vec<RcId> = owned
-                .tasks
-                .keys()
-                .filter(|id| mutation_tx.borrow().get(id) != mutation.get(id))
-                .copied()
-                .collect();
-            let _ = mutation_tx.send(Arc::new(mutation));
-            for id in changed {
-                if let Some(t) = owned.tasks.get(&id) {
-                    t.wake();
-                }
-            }
-        }
-
-        self.report_unclaimable(&listing).await;
-
-        // Every RC key that names an RC, valid or not (an invalid one is still claimed, so that
-        // exactly one farm reports it).
-        let all_ids: BTreeSet<RcId> = listing
-            .rcs
-            .keys()
-            .copied()
-            .chain(
-                listing
-                    .invalid
-                    .keys()
-                    .filter_map(|k| RcId::from_key(k).and_then(Result::ok)),
-            )
-            .collect();
-        let rc_labels: BTreeMap<RcId, LabelSet> = all_ids
-            .iter()
-            .map(|id| {
-                (
-                    *id,
-                    views
-                        .rc_labels
-                        .get(&id.to_string())
-                        .map(|l| (*l).clone())
-                        .unwrap_or_default(),
-                )
-            })
-            .collect();
-        let mut farms = registry::live_farms(&farm_snap.value);
-        if !farms.iter().any(|f| f.session == sid) {
-            // Our own registration not in the view yet: count ourselves anyway.
-            farms.push(info.clone());
-        }
-        let assignment = assign(&rc_labels, &registry::views(&farms));
-        let mine = assignment.of(&self.config.farm_id);
-        let cap = assignment
-            .cap
-            .get(&self.config.farm_id)
-            .copied()
-            .unwrap_or(0);
-        let matching: BTreeSet<RcId> = rc_labels
-            .iter()
-            .filter(|(_, l)| self.config.rc_selector.matches(*l))
-            .map(|(id, _)| *id)
-            .collect();
-
-        // What we hold, per the view or per our own recent claims.
-        let held_by_us = |id: &RcId| {
-            holders
-                .get(id)
-                .and_then(|h| h.ownership.as_ref())
-                .is_some_and(|(s, _)| s == sid)
-        };
-        let held_by_anyone = |id: &RcId| holders.get(id).is_some_and(|h| h.ownership.is_some());
-        for (id, idx) in owned.claimed_at.clone() {
-            if lock_snap.index >= idx {
-                owned.claimed_at.remove(&id);
-            }
-        }
-        // Tasks whose RC we no longer hold, or that ended: stop them.
-        let gone: Vec<RcId> = owned
-            .tasks
-            .iter()
-            .filter(|(id, t)| {
-                t.is_finished()
-                    || (!held_by_us(id) && !owned.claimed_at.contains_key(*id))
-                    || !all_ids.contains(*id)
-            })
-            .map(|(id, _)| *id)
-            .collect();
-        let mut released_deleted = Vec::new();
-        for id in gone {
-            if let Some(t) = owned.tasks.remove(&id) {
-                let deleted = !all_ids.contains(&id);
-                if deleted {
-                    t.update(RcState::Deleted);
-                    released_deleted.push(id);
-                } else if !t.is_finished() {
-                    tracing::warn!(rc_id = %id, "no longer holding the ownership lock; stopping the task");
-                }
-                t.stop().await;
-                self.status.remove_rc(id);
-            }
-            owned.sent.remove(&id);
-        }
-        // A deleted RC's lock is given back (its pods are left alone).
-        if !released_deleted.is_empty() {
-            let held: Vec<RcId> = released_deleted
-                .into_iter()
-                .filter(|id| held_by_us(id))
-                .collect();
-            self.release(session, &held, "replication controller deleted")
-                .await;
-        }
-
-        // Claim: what is assigned to us and free; and, after a grace period, what nobody takes.
-        let now = Instant::now();
-        owned
-            .unheld_since
-            .retain(|id, _| all_ids.contains(id) && !held_by_anyone(id));
-        let held_count = owned.tasks.len();
-        let mut to_claim = Vec::new();
-        for id in &matching {
-            if held_by_anyone(id) || owned.tasks.contains_key(id) {
-                continue;
-            }
-            let since = *owned.unheld_since.entry(*id).or_insert(now);
-            let waited = now.duration_since(since);
-            let ours = mine.contains(id);
-            let room = held_count + to_claim.len() < cap + self.config.share_slack;
-            if ours
-                || (waited >= self.config.claim_grace && room)
-                || waited >= self.config.claim_grace * 3
-            {
-                to_claim.push(*id);
-            }
-        }
-        let claimed = if to_claim.is_empty() {
-            Vec::new()
-        } else {
-            self.claim(session, &to_claim).await
-        };
-        for (id, index) in &claimed {
-            owned.claimed_at.insert(*id, *index);
-            owned.unheld_since.remove(id);
-        }
-
-        // Start tasks for what we hold and have no task for (claimed now, or held after a
-        // restart of the loop).
-        for id in all_ids
-            .iter()
-            .filter(|id| held_by_us(id) || owned.claimed_at.contains_key(id))
-        {
-            if owned.tasks.contains_key(id) {
-                continue;
-            }
-            let state = rc_state(&listing, *id);
-            let t = crate::rctask::spawn(
-                ctx.clone(),
-                sid.to_string(),
-                session.lost(),
-                *id,
-                state,
-                ev_tx.clone(),
-            );
-            owned.tasks.insert(*id, t);
-        }
-
-        // Hand over what is assigned elsewhere: only RCs we hold per the view (never one just
-        // claimed), and only while the farm it is assigned to is live.
-        let excess: Vec<RcId> = owned
-            .tasks
-            .keys()
-            .filter(|id| !mine.contains(id) && held_by_us(id) && !owned.claimed_at.contains_key(id))
-            .filter(|id| {
-                assignment
-                    .owner
-                    .get(id)
-                    .is_some_and(|f| f != &self.config.farm_id)
-                    || !matching.contains(id)
-            })
-            .copied()
-            .collect();
-        if !excess.is_empty() {
-            tracing::info!(
-                count = excess.len(),
-                "handing RCs over to the farms they are assigned to"
-            );
-            for id in &excess {
-                if let Some(t) = owned.tasks.remove(id) {
-                    t.stop().await;
-                }
-                owned.sent.remove(id);
-                self.status.remove_rc(*id);
-            }
-            self.release(session, &excess, "handed over for fair share")
-                .await;
-        }
-
-        // A mutation lock our session holds on an RC we do not serve would stop its owner from
-        // ever moving a pod (it waits for "another session"). It happens when a task is stopped
-        // mid-transfer (handover, fencing, deletion), when the release request is lost, or when
-        // an acquire sent by a task just stopped lands late; the lock tree's change brings us
-        // back here. The transfer itself, if one is in flight, is resumed by the owner.
-        let stray: Vec<RcId> = holders
-            .iter()
-            .filter(|(id, h)| {
-                h.mutation.as_ref().is_some_and(|(s, _)| s == sid) && !owned.tasks.contains_key(id)
-            })
-            .map(|(id, _)| *id)
-            .collect();
-        if !stray.is_empty() {
-            let store = RcStore::new(self.consul.clone());
-            for id in stray {
-                match store.release_mutation(id, sid).await {
-                    Ok(_) => {
-                        tracing::info!(rc_id = %id, "released the mutation lock of an RC this farm no longer serves")
-                    }
-                    Err(e) => {
-                        tracing::warn!(rc_id = %id, error = %e, "cannot release a stray mutation lock; will retry")
-                    }
-                }
-            }
-        }
-
-        // Hand tasks the RC versions they have not seen.
-        for (id, t) in &owned.tasks {
-            let version = listing
-                .rcs
-                .get(id)
-                .map(|r| r.modify_index)
-                .or_else(|| listing.invalid.get(&id.key()).map(|i| i.modify_index));
-            if let Some(v) = version
-                && owned.sent.get(id) != Some(&v)
-            {
-                t.update(rc_state(&listing, *id));
-                owned.sent.insert(*id, v);
-            }
-        }
-
-        let owned_n = owned.tasks.len();
-        metrics::gauge!("rcfarm_owned_rcs").set(owned_n as f64);
-        metrics::gauge!("rcfarm_fair_share").set(cap as f64);
-        metrics::gauge!("rcfarm_live_farms").set(farms.len() as f64);
-        self.status.update_farm(|f| {
-            f.owned = owned_n;
-            f.fair_share = cap;
-            f.live_farms = farms.iter().map(|f| f.farm_id.clone()).collect();
-            f.matching_rcs = matching.len();
-            f.invalid_rcs = listing.invalid.len();
-        });
-        !claimed.is_empty()
-    }
-
-    /// Takes ownership locks in batched transactions (a lock and its audit record per RC);
-    /// ops that fail (someone else was faster) are dropped and the rest retried once.
-    async fn claim(&self, session: &Session, ids: &[RcId]) -> Vec<(RcId, u64)> {
-        let mut got = Vec::new();
-        for chunk in ids.chunks(MAX_TXN_OPS / 2) {
-            let mut batch: Vec<RcId> = chunk.to_vec();
-            for _ in 0..2 {
-                if batch.is_empty() {
-                    break;
-                }
-                let mut ops = Vec::new();
-                for id in &batch {
-                    ops.push(TxnOp::lock(
-                        id.ownership_lock_key(),
-                        session.name().as_bytes().to_vec(),
-                        session.id(),
-                    ));
-                    ops.push(
-                        AuditRecord::new(
-                            events::RC_CLAIMED,
-                            json!({"replication_controller_id": id, "farm_id": self.config.farm_id, "session": session.id(), "session_name": session.name()}),
-                        )
-                        .txn_op(),
-                    );
-                }
-                match self.consul.txn(&ops).await {
-                    Ok(resp) => {
-                        let index = resp
-                            .results
-                            .iter()
-                            .map(|r| r.modify_index)
-                            .max()
-                            .unwrap_or(0);
-                        tracing::info!(count = batch.len(), "claimed RCs");
-                        got.extend(batch.iter().map(|id| (*id, index)));
-                        break;
-                    }
-                    Err(ConsulError::Conflict(errs)) => {
-                        let failed: BTreeSet<usize> = errs.iter().map(|e| e.op_index / 2).collect();
-                        batch = batch
-                            .into_iter()
-                            .enumerate()
-                            .filter(|(i, _)| !failed.contains(i))
-                            .map(|(_, id)| id)
-                            .collect();
-                    }
-                    Err(e) => {
-                        tracing::warn!(error = %e, "claiming RCs failed");
-                        break;
-                    }
-                }
-            }
-        }
-        got
-    }
-
-    /// Gives ownership locks up (delete if still ours), with an audit record each.
-    async fn release(&self, session: &Session, ids: &[RcId], reason: &str) {
-        for chunk in ids.chunks(MAX_TXN_OPS / 3) {
-            let mut ops = Vec::new();
-            for id in chunk {
-                let key = id.ownership_lock_key();
-                ops.push(TxnOp::check_session(key.clone(), session.id()));
-                ops.push(TxnOp::delete(key));
-                ops.push(
-                    AuditRecord::new(
-                        events::RC_RELEASED,
-                        json!({"replication_controller_id": id, "farm_id": self.config.farm_id, "session": session.id(), "session_name": session.name(), "reason": reason}),
-                    )
-                    .txn_op(),
-                );
-            }
-            if let Err(e) = self.consul.txn(&ops).await {
-                // Some lock was not ours any more: release one by one.
-                tracing::debug!(error = %e, "batched release failed; releasing one by one");
-                let store = RcStore::new(self.consul.clone());
-                for id in chunk {
-                    let _ = store.release_ownership(*id, session.id()).await;
-                }
-            }
+    fn claim_farm<'a>(&'a self, session: &'a Session) -> ClaimFarm<'a> {
+        ClaimFarm {
+            consul: &self.consul,
+            session,
+            farm_id: &self.config.farm_id,
+            rules: ClaimRules {
+                grace: self.config.claim_grace,
+                slack: self.config.share_slack,
+            },
         }
     }
 
     /// Graceful shutdown: stop tasks, leave the registry, release every lock.
-    async fn hand_over(&self, session: &Session, info: &FarmInfo, owned: &mut Owned) {
+    async fn hand_over(&self, session: &Session, info: &FarmInfo, owned: &mut OwnedRcs) {
         let started = Instant::now();
-        let ids: Vec<RcId> = owned.tasks.keys().copied().collect();
-        let tasks = std::mem::take(&mut owned.tasks);
-        for t in tasks.values() {
-            t.cancel();
-        }
-        for (_, t) in tasks {
-            let _ = tokio::time::timeout(Duration::from_secs(10), t.stop()).await;
-        }
         let _ = self
             .consul
             .txn(&[
@@ -965,7 +448,8 @@ impl Farm {
                 TxnOp::delete(info.key()),
             ])
             .await;
-        self.release(session, &ids, "farm shutting down").await;
+        let farm = self.claim_farm(session);
+        let ids = owned.hand_over(&farm).await;
         // Mutation locks of transfers in flight: the next owner resumes them.
         let store = RcStore::new(self.consul.clone());
         for id in &ids {
@@ -973,98 +457,5 @@ impl Farm {
         }
         self.status.clear_rcs();
         tracing::info!(released = ids.len(), took = ?started.elapsed(), "handed every RC over");
-    }
-
-    /// Reads the intents of every owned pod and wakes the tasks that have something to repair.
-    async fn sweep(&self, views: &Views, ctx: &Arc<TaskContext>, owned: &Owned) {
-        let mut pods = BTreeSet::new();
-        for id in owned.tasks.keys() {
-            let sel = Selector::from_equalities([(RC_ID_LABEL, id.to_string().as_str())]);
-            for pid in views.pods.matches(&sel) {
-                if let Some((n, p)) = crate::labels::split_pod_label_id(&pid) {
-                    pods.insert((n.to_string(), p.to_string()));
-                }
-            }
-        }
-        match sweep::sweep(&self.consul, &ctx.intents, &pods).await {
-            Ok(n) => {
-                tracing::debug!(intents = n, "consistency sweep done");
-                if let Some(listing) = views.rcs.latest() {
-                    for t in owned.tasks.values() {
-                        if let Some(rc) = listing.rcs.get(&t.id) {
-                            let nodes = pods
-                                .iter()
-                                .filter(|(_, p)| p == rc.pod_id())
-                                .map(|(n, _)| crate::scheduler::NodeName::from(n.as_str()));
-                            if !ctx
-                                .intents
-                                .bad(rc.pod_id(), rc.manifest.digest(), nodes)
-                                .is_empty()
-                            {
-                                t.wake();
-                            }
-                        }
-                    }
-                }
-            }
-            Err(e) => tracing::warn!(error = %e, "consistency sweep failed"),
-        }
-    }
-}
-
-impl Farm {
-    /// Reports records under the RC prefix whose key names no RC (`replication_controllers/x`):
-    /// no lock can be taken on them, so every farm sees them. Each farm logs each version once;
-    /// the audit record has an id derived from key and version, written create-only, so there
-    /// is one record per version however many farms notice.
-    async fn report_unclaimable(&self, listing: &RcListing) {
-        let due: Vec<(&String, &InvalidRc)> = {
-            let mut reported = self.unclaimable_reported.lock();
-            reported.retain(|k, _| listing.invalid.contains_key(k));
-            listing
-                .invalid
-                .iter()
-                .filter(|(k, inv)| {
-                    !matches!(RcId::from_key(k), Some(Ok(_)))
-                        && reported.get(*k) != Some(&inv.modify_index)
-                })
-                .collect()
-        };
-        for (key, inv) in due {
-            tracing::warn!(%key, problem = %inv.problem, "a record under the RC prefix names no RC; no farm will serve it");
-            metrics::counter!("rcfarm_rc_invalid_total", "kind" => inv.problem.kind()).increment(1);
-            let audit = AuditRecord::deterministic(
-                &format!("{key}@{}", inv.modify_index),
-                events::RC_INVALID,
-                json!({
-                    "key": key,
-                    "modify_index": inv.modify_index,
-                    "problem": inv.problem.to_string(),
-                    "farm_id": self.config.farm_id,
-                }),
-            );
-            match self.consul.txn(&[audit.txn_op()]).await {
-                Ok(_) => {}
-                // Another farm recorded it first.
-                Err(e) if AuditRecord::recorded_already(&e, 0) => {}
-                Err(e) => {
-                    tracing::warn!(%key, error = %e, "cannot record the invalid RC key; will retry");
-                    continue;
-                }
-            }
-            self.unclaimable_reported
-                .lock()
-                .insert(key.clone(), inv.modify_index);
-        }
-    }
-}
-
-fn rc_state(listing: &RcListing, id: RcId) -> RcState {
-    if let Some(rc) = listing.rcs.get(&id) {
-        RcState::Valid(rc.clone())
-    } else if let Some(inv) = listing.invalid.get(&id.key()) {
-        RcState::Invalid(Arc::new(inv.clone()))
-    } else {
-        RcState::Deleted
     }
 }

@@ -470,21 +470,7 @@ impl RcStore {
     }
 
     async fn release(&self, key: &str, session: &str) -> Result<bool, RcStoreError> {
-        match self
-            .consul
-            .txn(&[TxnOp::check_session(key, session), TxnOp::delete(key)])
-            .await
-        {
-            Ok(_) => Ok(true),
-            Err(e)
-                if e.txn_failures().any(|(_, f)| {
-                    matches!(f, TxnFailure::SessionMismatch | TxnFailure::KeyMissing)
-                }) =>
-            {
-                Ok(false)
-            }
-            Err(e) => Err(e.into()),
-        }
+        Ok(self.consul.release_lock(key, session).await?)
     }
 
     /// The fencing check every RC write begins with: fails the transaction unless `session`

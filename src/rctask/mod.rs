@@ -4,8 +4,11 @@
 
 pub mod intents;
 pub mod plan;
+mod reports;
 pub mod status;
+mod transfer;
 mod worker;
+mod writes;
 
 pub use intents::{IntentState, IntentView, intent_key};
 pub use plan::{Action, Observed, Plan, Transfer, plan};

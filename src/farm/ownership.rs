@@ -1,0 +1,345 @@
+//! Claimed work, whatever is claimed: the farm claims RCs and rolling updates the same way.
+//! Each kind has a lock per object (`lock/replication_controllers/<id>`, `lock/rolls/<id>`);
+//! a farm claims its fair share of the objects it may serve, starts a task per object it
+//! holds, hands objects over when they are assigned elsewhere, and gives everything back on
+//! shutdown. This module is that machinery; the kinds differ only in their [`Kind`].
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::claims::Assignment;
+use crate::audit::AuditRecord;
+use crate::consul::{Consul, ConsulError, MAX_TXN_OPS, Session, TxnOp};
+use crate::rc::RcId;
+use crate::task::TaskHandle;
+
+/// What distinguishes one kind of claimed work.
+pub(crate) trait Kind {
+    /// What the kind's task is handed: the object as the farm last saw it.
+    type State: Send + Sync + 'static;
+    /// For logs and audit records: "replication controller", "rolling update".
+    const NOUN: &'static str;
+    /// For logs: "RCs", "rolling updates".
+    const PLURAL: &'static str;
+
+    fn lock_key(id: RcId) -> String;
+    /// The audit record written with a claim.
+    fn claimed_record(&self, id: RcId, session: &Session) -> AuditRecord;
+    /// The audit record written with a release.
+    fn released_record(&self, id: RcId, session: &Session, reason: &str) -> AuditRecord;
+    /// The state that tells a task its object was deleted.
+    fn deleted() -> Self::State;
+    /// Forgets what the farm reports about an object it stopped serving.
+    fn forget(&self, id: RcId);
+}
+
+/// What the farm sees of one kind at a reconcile.
+pub(crate) struct ClaimView<'a> {
+    /// Every object that exists (a valid or an invalid record: an invalid one is claimed too,
+    /// so that exactly one farm reports it).
+    pub all: &'a BTreeSet<RcId>,
+    /// The objects this farm may serve.
+    pub matching: &'a BTreeSet<RcId>,
+    pub assignment: &'a Assignment,
+    /// The session holding each object's lock.
+    pub holders: &'a BTreeMap<RcId, String>,
+    /// The lock tree's index, to tell a lagging view from a lost lock.
+    pub lock_index: u64,
+}
+
+/// Tunables shared by the kinds.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ClaimRules {
+    /// How long an unheld object waits for its assigned farm before a farm with room takes it.
+    pub grace: Duration,
+    /// How far over its fair share a farm may go for objects nobody else takes.
+    pub slack: usize,
+}
+
+/// What a farm owns of one kind under its current session.
+pub(crate) struct Owned<K: Kind> {
+    pub kind: K,
+    pub tasks: BTreeMap<RcId, TaskHandle<K::State>>,
+    /// Lock-tree index at which each object was claimed: until the watch shows that index, a
+    /// missing lock in the view is the watch lagging, not a loss.
+    claimed_at: HashMap<RcId, u64>,
+    /// When each unheld object was first seen unheld (for the grace rule).
+    unheld_since: HashMap<RcId, Instant>,
+    /// The versions handed to tasks.
+    sent: HashMap<RcId, u64>,
+}
+
+impl<K: Kind> Owned<K> {
+    pub fn new(kind: K) -> Self {
+        Owned {
+            kind,
+            tasks: BTreeMap::new(),
+            claimed_at: HashMap::new(),
+            unheld_since: HashMap::new(),
+            sent: HashMap::new(),
+        }
+    }
+
+    /// A task stopped on its own because a write was fenced: forget it (it is claimed again
+    /// if the object is still ours to serve).
+    pub fn fenced(&mut self, id: RcId) {
+        if let Some(t) = self.tasks.remove(&id) {
+            t.cancel();
+        }
+        self.claimed_at.remove(&id);
+        self.sent.remove(&id);
+        self.kind.forget(id);
+    }
+
+    /// Cancels every task at once (the session is lost: they must not even try to write).
+    pub fn cancel_all(&mut self) {
+        for (_, t) in std::mem::take(&mut self.tasks) {
+            t.cancel();
+        }
+        self.claimed_at.clear();
+        self.sent.clear();
+    }
+
+    /// Claims, starts, stops and hands over tasks so that the farm serves what the view says
+    /// it should. `spawn` starts a task; `state` gives an object's state and version. Returns
+    /// what was claimed.
+    pub async fn reconcile(
+        &mut self,
+        farm: &ClaimFarm<'_>,
+        view: &ClaimView<'_>,
+        mut spawn: impl FnMut(RcId) -> TaskHandle<K::State>,
+        state: impl Fn(RcId) -> Option<(K::State, u64)>,
+    ) -> Vec<RcId> {
+        let sid = farm.session.id();
+        let held_by_us = |id: &RcId| view.holders.get(id).is_some_and(|s| s == sid);
+        let held_by_anyone = |id: &RcId| view.holders.contains_key(id);
+        self.claimed_at.retain(|_, idx| view.lock_index < *idx);
+
+        // Tasks whose object we no longer hold, that ended, or whose object is gone: stop them.
+        let gone: Vec<RcId> = self
+            .tasks
+            .iter()
+            .filter(|(id, t)| {
+                t.is_finished()
+                    || (!held_by_us(id) && !self.claimed_at.contains_key(*id))
+                    || !view.all.contains(*id)
+            })
+            .map(|(id, _)| *id)
+            .collect();
+        let mut deleted = Vec::new();
+        for id in gone {
+            if let Some(t) = self.tasks.remove(&id) {
+                if !view.all.contains(&id) {
+                    t.update(K::deleted());
+                    deleted.push(id);
+                } else if !t.is_finished() {
+                    tracing::warn!(id = %id, "no longer holding the lock of one of our {}; stopping its task", K::PLURAL);
+                }
+                t.stop().await;
+                self.kind.forget(id);
+            }
+            self.sent.remove(&id);
+        }
+        // A deleted object's lock is given back.
+        let deleted: Vec<RcId> = deleted.into_iter().filter(|id| held_by_us(id)).collect();
+        if !deleted.is_empty() {
+            farm.release(&self.kind, &deleted, &format!("{} deleted", K::NOUN))
+                .await;
+        }
+
+        // Claim: what is assigned to us and free; and, after a grace period, what nobody takes.
+        let mine = view.assignment.of(farm.farm_id);
+        let cap = view.assignment.cap.get(farm.farm_id).copied().unwrap_or(0);
+        let now = Instant::now();
+        self.unheld_since
+            .retain(|id, _| view.all.contains(id) && !held_by_anyone(id));
+        let held_count = self.tasks.len();
+        let mut to_claim = Vec::new();
+        for id in view.matching {
+            if held_by_anyone(id) || self.tasks.contains_key(id) {
+                continue;
+            }
+            let since = *self.unheld_since.entry(*id).or_insert(now);
+            let waited = now.duration_since(since);
+            let room = held_count + to_claim.len() < cap + farm.rules.slack;
+            if mine.contains(id)
+                || (waited >= farm.rules.grace && room)
+                || waited >= farm.rules.grace * 3
+            {
+                to_claim.push(*id);
+            }
+        }
+        let claimed = if to_claim.is_empty() {
+            Vec::new()
+        } else {
+            farm.claim(&self.kind, &to_claim).await
+        };
+        for (id, index) in &claimed {
+            self.claimed_at.insert(*id, *index);
+            self.unheld_since.remove(id);
+        }
+
+        // Start tasks for what we hold and have no task for (claimed now, or held after a
+        // restart of the loop).
+        for id in view
+            .all
+            .iter()
+            .filter(|id| held_by_us(id) || self.claimed_at.contains_key(id))
+        {
+            if !self.tasks.contains_key(id) {
+                self.tasks.insert(*id, spawn(*id));
+                // The task starts from the version it was spawned with.
+                if let Some((_, version)) = state(*id) {
+                    self.sent.insert(*id, version);
+                }
+            }
+        }
+
+        // Hand over what is assigned elsewhere: only objects we hold per the view (never one
+        // just claimed), and only while the farm it is assigned to is live.
+        let excess: Vec<RcId> = self
+            .tasks
+            .keys()
+            .filter(|id| !mine.contains(id) && held_by_us(id) && !self.claimed_at.contains_key(id))
+            .filter(|id| {
+                view.assignment
+                    .owner
+                    .get(id)
+                    .is_some_and(|f| f != farm.farm_id)
+                    || !view.matching.contains(id)
+            })
+            .copied()
+            .collect();
+        if !excess.is_empty() {
+            tracing::info!(
+                count = excess.len(),
+                "handing {} over to the farms they are assigned to",
+                K::PLURAL
+            );
+            for id in &excess {
+                if let Some(t) = self.tasks.remove(id) {
+                    t.stop().await;
+                }
+                self.sent.remove(id);
+                self.kind.forget(*id);
+            }
+            farm.release(&self.kind, &excess, "handed over for fair share")
+                .await;
+        }
+
+        // Hand tasks the versions they have not seen.
+        for (id, t) in &self.tasks {
+            if let Some((s, version)) = state(*id)
+                && self.sent.get(id) != Some(&version)
+            {
+                t.update(s);
+                self.sent.insert(*id, version);
+            }
+        }
+        claimed.into_iter().map(|(id, _)| id).collect()
+    }
+
+    /// Graceful shutdown: stops every task and gives every lock back. Returns what was held.
+    pub async fn hand_over(&mut self, farm: &ClaimFarm<'_>) -> Vec<RcId> {
+        let ids: Vec<RcId> = self.tasks.keys().copied().collect();
+        let tasks = std::mem::take(&mut self.tasks);
+        for t in tasks.values() {
+            t.cancel();
+        }
+        for (_, t) in tasks {
+            let _ = tokio::time::timeout(Duration::from_secs(10), t.stop()).await;
+        }
+        for id in &ids {
+            self.kind.forget(*id);
+        }
+        farm.release(&self.kind, &ids, "farm shutting down").await;
+        ids
+    }
+}
+
+/// The farm as the claim machinery needs it.
+pub(crate) struct ClaimFarm<'a> {
+    pub consul: &'a Consul,
+    pub session: &'a Session,
+    pub farm_id: &'a str,
+    pub rules: ClaimRules,
+}
+
+impl ClaimFarm<'_> {
+    /// Takes locks in batched transactions (a lock and its audit record per object); ops that
+    /// fail (someone else was faster) are dropped and the rest retried once. Returns each
+    /// object claimed with the commit index.
+    async fn claim<K: Kind>(&self, kind: &K, ids: &[RcId]) -> Vec<(RcId, u64)> {
+        let mut got = Vec::new();
+        for chunk in ids.chunks(MAX_TXN_OPS / 2) {
+            let mut batch: Vec<RcId> = chunk.to_vec();
+            for _ in 0..2 {
+                if batch.is_empty() {
+                    break;
+                }
+                let mut ops = Vec::new();
+                for id in &batch {
+                    ops.push(TxnOp::lock(
+                        K::lock_key(*id),
+                        self.session.name().as_bytes().to_vec(),
+                        self.session.id(),
+                    ));
+                    ops.push(kind.claimed_record(*id, self.session).txn_op());
+                }
+                match self.consul.txn(&ops).await {
+                    Ok(resp) => {
+                        let index = resp
+                            .results
+                            .iter()
+                            .map(|r| r.modify_index)
+                            .max()
+                            .unwrap_or(0);
+                        tracing::info!(count = batch.len(), "claimed {}", K::PLURAL);
+                        got.extend(batch.iter().map(|id| (*id, index)));
+                        break;
+                    }
+                    Err(ConsulError::Conflict(errs)) => {
+                        let failed: BTreeSet<usize> = errs.iter().map(|e| e.op_index / 2).collect();
+                        batch = batch
+                            .into_iter()
+                            .enumerate()
+                            .filter(|(i, _)| !failed.contains(i))
+                            .map(|(_, id)| id)
+                            .collect();
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "claiming {} failed", K::PLURAL);
+                        break;
+                    }
+                }
+            }
+        }
+        got
+    }
+
+    /// Gives locks up (deleted if still ours, so no lock-delay applies), with an audit record
+    /// each.
+    pub async fn release<K: Kind>(&self, kind: &K, ids: &[RcId], reason: &str) {
+        for chunk in ids.chunks(MAX_TXN_OPS / 3) {
+            let mut ops = Vec::new();
+            for id in chunk {
+                let key = K::lock_key(*id);
+                ops.push(TxnOp::check_session(key.clone(), self.session.id()));
+                ops.push(TxnOp::delete(key));
+                ops.push(kind.released_record(*id, self.session, reason).txn_op());
+            }
+            if let Err(e) = self.consul.txn(&ops).await {
+                // Some lock was not ours any more: release one by one.
+                tracing::debug!(error = %e, "batched release failed; releasing one by one");
+                for id in chunk {
+                    let _ = self
+                        .consul
+                        .release_lock(&K::lock_key(*id), self.session.id())
+                        .await;
+                }
+            }
+        }
+    }
+}

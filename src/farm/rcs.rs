@@ -1,0 +1,387 @@
+//! RCs as claimed work: the farm's reconcile of its RCs (claims through [`super::ownership`]),
+//! the dispatch of pod, node and health changes to the RC tasks they concern, the consistency
+//! sweep, and the reports of what no task can report.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+
+use serde_json::json;
+use tokio::sync::{broadcast, mpsc, watch};
+
+use super::claims::assign;
+use super::ownership::{ClaimView, Kind, Owned};
+use super::registry::{self, FarmInfo};
+use super::{Farm, Views, sweep};
+use crate::audit::{AuditRecord, events};
+use crate::consul::Session;
+use crate::labels::{LabelChanges, LabelSet, Selector};
+use crate::rc::{InvalidRc, RC_ID_LABEL, RcId, RcListing, RcStore, parse_locks};
+use crate::rctask::{RcState, StatusRegistry, TaskContext, TaskEvent, TaskHandle};
+
+/// RCs, for the claim machinery.
+pub(crate) struct RcKind {
+    pub farm_id: String,
+    pub status: Arc<StatusRegistry>,
+}
+
+impl Kind for RcKind {
+    type State = RcState;
+    const NOUN: &'static str = "replication controller";
+    const PLURAL: &'static str = "RCs";
+
+    fn lock_key(id: RcId) -> String {
+        id.ownership_lock_key()
+    }
+
+    fn claimed_record(&self, id: RcId, session: &Session) -> AuditRecord {
+        AuditRecord::new(
+            events::RC_CLAIMED,
+            json!({"replication_controller_id": id, "farm_id": self.farm_id, "session": session.id(), "session_name": session.name()}),
+        )
+    }
+
+    fn released_record(&self, id: RcId, session: &Session, reason: &str) -> AuditRecord {
+        AuditRecord::new(
+            events::RC_RELEASED,
+            json!({"replication_controller_id": id, "farm_id": self.farm_id, "session": session.id(), "session_name": session.name(), "reason": reason}),
+        )
+    }
+
+    fn deleted() -> RcState {
+        RcState::Deleted
+    }
+
+    fn forget(&self, id: RcId) {
+        self.status.remove_rc(id);
+    }
+}
+
+pub(crate) type OwnedRcs = Owned<RcKind>;
+
+type Changes = Result<Arc<LabelChanges>, broadcast::error::RecvError>;
+
+impl Farm {
+    pub(super) fn dispatch_pod_changes(&self, owned: &OwnedRcs, c: Changes) {
+        match c {
+            Ok(ch) => {
+                let mut woken = BTreeSet::new();
+                for change in &ch.changes {
+                    for labels in [&change.old, &change.new].into_iter().flatten() {
+                        if let Some(Ok(id)) = labels.get(RC_ID_LABEL).map(|v| RcId::parse(v))
+                            && woken.insert(id)
+                            && let Some(t) = owned.tasks.get(&id)
+                        {
+                            t.wake();
+                        }
+                    }
+                }
+            }
+            // Missed some: wake everyone.
+            Err(_) => owned.tasks.values().for_each(TaskHandle::wake),
+        }
+    }
+
+    pub(super) fn dispatch_node_changes(&self, owned: &OwnedRcs, views: &Views, c: Changes) {
+        let Some(listing) = views.rcs.latest() else {
+            return;
+        };
+        match c {
+            Ok(ch) => {
+                for t in owned.tasks.values() {
+                    let Some(rc) = listing.rcs.get(&t.id) else {
+                        continue;
+                    };
+                    let affected = ch.changes.iter().any(|change| {
+                        [&change.old, &change.new]
+                            .into_iter()
+                            .flatten()
+                            .any(|l| rc.node_selector.matches(&**l))
+                    });
+                    // Pool membership also moves eligibility of dynamic RCs.
+                    if affected || rc.strategy == crate::rc::AllocationStrategy::Dynamic {
+                        t.wake();
+                    }
+                }
+            }
+            Err(_) => owned.tasks.values().for_each(TaskHandle::wake),
+        }
+    }
+
+    pub(super) fn dispatch_health_changes(&self, owned: &OwnedRcs, views: &Views) {
+        let changed = views.health.changed_pods();
+        if let Some(listing) = views.rcs.latest() {
+            for t in owned.tasks.values() {
+                if listing
+                    .rcs
+                    .get(&t.id)
+                    .is_some_and(|rc| changed.iter().any(|p| p == rc.pod_id()))
+                {
+                    t.wake();
+                }
+            }
+        }
+    }
+
+    /// Decides what to claim and release, starts and stops tasks, and hands RCs their updates.
+    /// Returns whether it claimed something.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) async fn reconcile_rcs(
+        &self,
+        views: &Views,
+        session: &Session,
+        info: &FarmInfo,
+        ctx: &Arc<TaskContext>,
+        owned: &mut OwnedRcs,
+        ev_tx: &mpsc::UnboundedSender<TaskEvent>,
+        mutation_tx: &watch::Sender<Arc<BTreeMap<RcId, String>>>,
+    ) -> bool {
+        let Some(listing) = views.rcs.latest() else {
+            return false;
+        };
+        let Some(lock_snap) = views.locks.latest() else {
+            return false;
+        };
+        let Some(farm_snap) = views.farms.latest() else {
+            return false;
+        };
+        let sid = session.id();
+        let (holders, garbage) = parse_locks(&lock_snap.value);
+        {
+            let mut seen = self.garbage_locks_reported.lock();
+            seen.retain(|k| garbage.contains(k));
+            for key in garbage {
+                if seen.insert(key.clone()) {
+                    tracing::warn!(%key, "a key under the lock prefix is not an RC lock; ignoring it");
+                }
+            }
+        }
+        let mutation: BTreeMap<RcId, String> = holders
+            .iter()
+            .filter_map(|(id, h)| h.mutation.as_ref().map(|(s, _)| (*id, s.clone())))
+            .collect();
+        if **mutation_tx.borrow() != mutation {
+            let changed: Vec<RcId> = owned
+                .tasks
+                .keys()
+                .filter(|id| mutation_tx.borrow().get(id) != mutation.get(id))
+                .copied()
+                .collect();
+            let _ = mutation_tx.send(Arc::new(mutation));
+            for id in changed {
+                if let Some(t) = owned.tasks.get(&id) {
+                    t.wake();
+                }
+            }
+        }
+
+        self.report_unclaimable(&listing).await;
+
+        // Every RC key that names an RC, valid or not (an invalid one is still claimed, so that
+        // exactly one farm reports it).
+        let all_ids: BTreeSet<RcId> = listing
+            .rcs
+            .keys()
+            .copied()
+            .chain(
+                listing
+                    .invalid
+                    .keys()
+                    .filter_map(|k| RcId::from_key(k).and_then(Result::ok)),
+            )
+            .collect();
+        let rc_labels: BTreeMap<RcId, LabelSet> = all_ids
+            .iter()
+            .map(|id| {
+                (
+                    *id,
+                    views
+                        .rc_labels
+                        .get(&id.to_string())
+                        .map(|l| (*l).clone())
+                        .unwrap_or_default(),
+                )
+            })
+            .collect();
+        let mut farms = registry::live_farms(&farm_snap.value);
+        if !farms.iter().any(|f| f.session == sid) {
+            // Our own registration not in the view yet: count ourselves anyway.
+            farms.push(info.clone());
+        }
+        let assignment = assign(&rc_labels, &registry::views(&farms));
+        let cap = assignment
+            .cap
+            .get(&self.config.farm_id)
+            .copied()
+            .unwrap_or(0);
+        let matching: BTreeSet<RcId> = rc_labels
+            .iter()
+            .filter(|(_, l)| self.config.rc_selector.matches(*l))
+            .map(|(id, _)| *id)
+            .collect();
+        let owners: BTreeMap<RcId, String> = holders
+            .iter()
+            .filter_map(|(id, h)| h.ownership.as_ref().map(|(s, _)| (*id, s.clone())))
+            .collect();
+        let view = ClaimView {
+            all: &all_ids,
+            matching: &matching,
+            assignment: &assignment,
+            holders: &owners,
+            lock_index: lock_snap.index,
+        };
+        let claimed = owned
+            .reconcile(
+                &self.claim_farm(session),
+                &view,
+                |id| {
+                    crate::rctask::spawn(
+                        ctx.clone(),
+                        sid.to_string(),
+                        session.lost(),
+                        id,
+                        rc_state(&listing, id),
+                        ev_tx.clone(),
+                    )
+                },
+                |id| Some((rc_state(&listing, id), rc_version(&listing, id)?)),
+            )
+            .await;
+
+        // A mutation lock our session holds on an RC we do not serve would stop its owner from
+        // ever moving a pod (it waits for "another session"). It happens when a task is stopped
+        // mid-transfer (handover, fencing, deletion), when the release request is lost, or when
+        // an acquire sent by a task just stopped lands late; the lock tree's change brings us
+        // back here. The transfer itself, if one is in flight, is resumed by the owner.
+        let stray: Vec<RcId> = holders
+            .iter()
+            .filter(|(id, h)| {
+                h.mutation.as_ref().is_some_and(|(s, _)| s == sid) && !owned.tasks.contains_key(id)
+            })
+            .map(|(id, _)| *id)
+            .collect();
+        if !stray.is_empty() {
+            let store = RcStore::new(self.consul.clone());
+            for id in stray {
+                match store.release_mutation(id, sid).await {
+                    Ok(_) => {
+                        tracing::info!(rc_id = %id, "released the mutation lock of an RC this farm no longer serves")
+                    }
+                    Err(e) => {
+                        tracing::warn!(rc_id = %id, error = %e, "cannot release a stray mutation lock; will retry")
+                    }
+                }
+            }
+        }
+
+        let owned_n = owned.tasks.len();
+        metrics::gauge!("rcfarm_owned_rcs").set(owned_n as f64);
+        metrics::gauge!("rcfarm_fair_share").set(cap as f64);
+        metrics::gauge!("rcfarm_live_farms").set(farms.len() as f64);
+        self.status.update_farm(|f| {
+            f.owned = owned_n;
+            f.fair_share = cap;
+            f.live_farms = farms.iter().map(|f| f.farm_id.clone()).collect();
+            f.matching_rcs = matching.len();
+            f.invalid_rcs = listing.invalid.len();
+        });
+        !claimed.is_empty()
+    }
+
+    /// Reads the intents of every owned pod and wakes the tasks that have something to repair.
+    pub(super) async fn sweep(&self, views: &Views, ctx: &Arc<TaskContext>, owned: &OwnedRcs) {
+        let mut pods = BTreeSet::new();
+        for id in owned.tasks.keys() {
+            let sel = Selector::from_equalities([(RC_ID_LABEL, id.to_string().as_str())]);
+            for pid in views.pods.matches(&sel) {
+                if let Some((n, p)) = crate::labels::split_pod_label_id(&pid) {
+                    pods.insert((n.to_string(), p.to_string()));
+                }
+            }
+        }
+        match sweep::sweep(&self.consul, &ctx.intents, &pods).await {
+            Ok(n) => {
+                tracing::debug!(intents = n, "consistency sweep done");
+                if let Some(listing) = views.rcs.latest() {
+                    for t in owned.tasks.values() {
+                        if let Some(rc) = listing.rcs.get(&t.id) {
+                            let nodes = pods
+                                .iter()
+                                .filter(|(_, p)| p == rc.pod_id())
+                                .map(|(n, _)| crate::scheduler::NodeName::from(n.as_str()));
+                            if !ctx
+                                .intents
+                                .bad(rc.pod_id(), rc.manifest.digest(), nodes)
+                                .is_empty()
+                            {
+                                t.wake();
+                            }
+                        }
+                    }
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "consistency sweep failed"),
+        }
+    }
+    /// Reports records under the RC prefix whose key names no RC (`replication_controllers/x`):
+    /// no lock can be taken on them, so every farm sees them. Each farm logs each version once;
+    /// the audit record has an id derived from key and version, written create-only, so there
+    /// is one record per version however many farms notice.
+    pub(super) async fn report_unclaimable(&self, listing: &RcListing) {
+        let due: Vec<(&String, &InvalidRc)> = {
+            let mut reported = self.unclaimable_reported.lock();
+            reported.retain(|k, _| listing.invalid.contains_key(k));
+            listing
+                .invalid
+                .iter()
+                .filter(|(k, inv)| {
+                    !matches!(RcId::from_key(k), Some(Ok(_)))
+                        && reported.get(*k) != Some(&inv.modify_index)
+                })
+                .collect()
+        };
+        for (key, inv) in due {
+            tracing::warn!(%key, problem = %inv.problem, "a record under the RC prefix names no RC; no farm will serve it");
+            metrics::counter!("rcfarm_rc_invalid_total", "kind" => inv.problem.kind()).increment(1);
+            let audit = AuditRecord::deterministic(
+                &format!("{key}@{}", inv.modify_index),
+                events::RC_INVALID,
+                json!({
+                    "key": key,
+                    "modify_index": inv.modify_index,
+                    "problem": inv.problem.to_string(),
+                    "farm_id": self.config.farm_id,
+                }),
+            );
+            match self.consul.txn(&[audit.txn_op()]).await {
+                Ok(_) => {}
+                // Another farm recorded it first.
+                Err(e) if AuditRecord::recorded_already(&e, 0) => {}
+                Err(e) => {
+                    tracing::warn!(%key, error = %e, "cannot record the invalid RC key; will retry");
+                    continue;
+                }
+            }
+            self.unclaimable_reported
+                .lock()
+                .insert(key.clone(), inv.modify_index);
+        }
+    }
+}
+
+fn rc_state(listing: &RcListing, id: RcId) -> RcState {
+    if let Some(rc) = listing.rcs.get(&id) {
+        RcState::Valid(rc.clone())
+    } else if let Some(inv) = listing.invalid.get(&id.key()) {
+        RcState::Invalid(Arc::new(inv.clone()))
+    } else {
+        RcState::Deleted
+    }
+}
+
+fn rc_version(listing: &RcListing, id: RcId) -> Option<u64> {
+    listing
+        .rcs
+        .get(&id)
+        .map(|r| r.modify_index)
+        .or_else(|| listing.invalid.get(&id.key()).map(|i| i.modify_index))
+}

@@ -1,0 +1,257 @@
+//! Node transfers: moving a pod off a node it should no longer be on, under the RC's mutation
+//! lock, with its state in P2's status key so whichever farm serves the RC next resumes it.
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use chrono::Utc;
+use serde_json::{Value, json};
+
+use super::intents::IntentState;
+use super::plan::{Observed, Transfer};
+use super::worker::{TaskError, Worker, status_key};
+use super::writes::Applied;
+use crate::audit::{AuditRecord, events};
+use crate::consul::{QueryOptions, TxnOp};
+use crate::rc::{Rc, RcStore};
+use crate::scheduler::{NodeName, SchedulerError};
+
+impl Worker {
+    pub(super) async fn load_transfer(&mut self) -> Result<(), TaskError> {
+        if self.transfer_loaded {
+            return Ok(());
+        }
+        let (entry, _) = self
+            .ctx
+            .consul
+            .kv_get(&status_key(self.id), &QueryOptions::default())
+            .await?;
+        let stored = entry.and_then(|e| {
+            let v: Value = serde_json::from_slice(e.value_bytes()).ok()?;
+            serde_json::from_value::<Transfer>(v.get("node_transfer")?.clone()).ok()
+        });
+        if let Some(t) = &stored
+            && self.transfer.as_ref() != Some(t)
+        {
+            tracing::info!(old = %t.old_node, new = %t.new_node, "resuming a node transfer in flight");
+        }
+        self.transfer = stored;
+        self.transfer_loaded = true;
+        Ok(())
+    }
+
+    pub(super) fn transfer_details(
+        &self,
+        rc: &Rc,
+        t: &Transfer,
+        replicas: u64,
+    ) -> serde_json::Map<String, Value> {
+        let v = json!({
+            "node_transfer_id": t.id,
+            "replication_controller_id": self.id,
+            "pod_id": rc.pod_id(),
+            "availability_zone": rc.pod_labels.get("availability_zone").cloned().unwrap_or_default(),
+            "cluster_name": rc.pod_labels.get("cluster_name").cloned().unwrap_or_default(),
+            "replication_controller_node_selector": rc.node_selector.to_string(),
+            "old_node": t.old_node,
+            "new_node": t.new_node,
+            "replica_count": replicas,
+            "farm_id": self.ctx.farm_id,
+        });
+        match v {
+            Value::Object(m) => m,
+            _ => serde_json::Map::new(),
+        }
+    }
+
+    pub(super) async fn start_transfer(
+        &mut self,
+        rc: &Rc,
+        o: &Observed<'_>,
+        old: NodeName,
+        new: Option<NodeName>,
+    ) -> Result<Applied, TaskError> {
+        let (new, allocated) = match new {
+            Some(n) => (n, false),
+            None => match self
+                .ctx
+                .scheduler
+                .allocate_nodes(&rc.manifest, &rc.node_selector, 1, true)
+                .await
+            {
+                Ok(mut got) if !got.is_empty() => (got.remove(0), true),
+                Ok(_) | Err(SchedulerError::AllocationUnsupported(_)) => {
+                    return Ok(Applied::AllocationExhausted);
+                }
+                Err(e) => return Err(e.into()),
+            },
+        };
+        let store = RcStore::new(self.ctx.consul.clone());
+        if !store
+            .acquire_mutation(
+                self.id,
+                &self.session,
+                &format!("rc-node-transfer-{}", self.id),
+            )
+            .await
+            .map_err(|e| TaskError::Other(e.to_string()))?
+        {
+            if allocated {
+                self.deallocate(rc, std::slice::from_ref(&new)).await;
+            }
+            return Ok(Applied::MutationLocked);
+        }
+        let t = Transfer {
+            old_node: old.clone(),
+            new_node: new.clone(),
+            id: uuid::Uuid::new_v4().to_string(),
+            started_at: Utc::now(),
+        };
+        let mut nodes: BTreeSet<NodeName> = o.current.keys().cloned().collect();
+        nodes.insert(new.clone());
+        let mut ops = vec![
+            TxnOp::check_session(self.id.mutation_lock_key(), &self.session),
+            TxnOp::cas(
+                status_key(self.id),
+                serde_json::to_vec(&json!({"node_transfer": t})).unwrap_or_default(),
+                0,
+            ),
+        ];
+        ops.extend(self.schedule_ops(rc, &new));
+        let start = AuditRecord::new(
+            events::NODE_TRANSFER_START,
+            Value::Object(self.transfer_details(rc, &t, rc.replicas_desired)),
+        );
+        match self
+            .commit_for(rc, ops, vec![start, self.retarget(rc, &nodes)])
+            .await
+        {
+            Ok(idx) => {
+                tracing::info!(%old, %new, "node transfer started");
+                self.ctx.intents.set(
+                    &new,
+                    rc.pod_id(),
+                    IntentState::Digest(rc.manifest.digest().to_string()),
+                );
+                self.transfer = Some(t);
+                self.await_own_write(idx).await?;
+                Ok(Applied::Done)
+            }
+            Err(e) if e.outcome_unknown() => {
+                // The transfer may be in flight: keep the mutation lock and the node until the
+                // next pass has re-read the status key (the failed pass makes it; its start
+                // gives back what turns out unused).
+                if allocated {
+                    self.unconfirmed_alloc = Some(new);
+                }
+                Err(e)
+            }
+            Err(e) => {
+                let _ = store.release_mutation(self.id, &self.session).await;
+                if allocated {
+                    self.deallocate(rc, std::slice::from_ref(&new)).await;
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Completes (`rollback: None`) or rolls back a transfer in one transaction.
+    pub(super) async fn finish_transfer(
+        &mut self,
+        rc: &Rc,
+        o: &Observed<'_>,
+        rollback: Option<String>,
+    ) -> Result<Applied, TaskError> {
+        let Some(t) = self.transfer.clone() else {
+            return Ok(Applied::Done);
+        };
+        let store = RcStore::new(self.ctx.consul.clone());
+        // A transfer resumed after a farm change needs the mutation lock again.
+        let held = self.ctx.mutation_locks.borrow().get(&self.id).cloned();
+        if held.as_deref() != Some(self.session.as_str())
+            && !store
+                .acquire_mutation(
+                    self.id,
+                    &self.session,
+                    &format!("rc-node-transfer-{}", self.id),
+                )
+                .await
+                .map_err(|e| TaskError::Other(e.to_string()))?
+        {
+            return Ok(Applied::MutationLocked);
+        }
+        let drop_node = if rollback.is_some() {
+            &t.new_node
+        } else {
+            &t.old_node
+        };
+        let mut nodes: BTreeSet<NodeName> = o.current.keys().cloned().collect();
+        let mut ops = vec![TxnOp::delete(status_key(self.id))];
+        if let Some(pod) = o.current.get(drop_node) {
+            ops.extend(self.unschedule_ops(rc, drop_node, pod));
+            nodes.remove(drop_node);
+        }
+        let mut details = self.transfer_details(rc, &t, rc.replicas_desired);
+        let event = match &rollback {
+            Some(reason) => {
+                details.insert("rollback_reason".into(), json!(reason));
+                events::NODE_TRANSFER_ROLLBACK
+            }
+            None => events::NODE_TRANSFER_COMPLETION,
+        };
+        let idx = self
+            .commit_for(
+                rc,
+                ops,
+                vec![
+                    AuditRecord::new(event, Value::Object(details)),
+                    self.retarget(rc, &nodes),
+                ],
+            )
+            .await?;
+        match &rollback {
+            Some(reason) => {
+                tracing::warn!(old = %t.old_node, new = %t.new_node, %reason, "node transfer rolled back")
+            }
+            None => tracing::info!(old = %t.old_node, new = %t.new_node, "node transfer completed"),
+        }
+        self.ctx.intents.remove(drop_node, rc.pod_id());
+        self.transfer = None;
+        let _ = store.release_mutation(self.id, &self.session).await;
+        self.await_own_write(idx).await?;
+        self.deallocate(rc, std::slice::from_ref(drop_node)).await;
+        Ok(Applied::Done)
+    }
+
+    /// Gives nodes back to the scheduler; failures are kept and retried on later passes.
+    pub(super) async fn deallocate(&mut self, rc: &Rc, nodes: &[NodeName]) {
+        for attempt in 0..3u32 {
+            match self
+                .ctx
+                .scheduler
+                .deallocate_nodes(&rc.node_selector, nodes)
+                .await
+            {
+                Ok(()) => {
+                    for n in nodes {
+                        self.pending_dealloc.remove(n);
+                    }
+                    return;
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, ?nodes, attempt, "deallocation failed; retrying");
+                    tokio::time::sleep(Duration::from_millis(200 << attempt)).await;
+                }
+            }
+        }
+        self.pending_dealloc.extend(nodes.iter().cloned());
+    }
+
+    pub(super) async fn retry_deallocations(&mut self, rc: &Rc) {
+        if !self.pending_dealloc.is_empty() {
+            let nodes: Vec<NodeName> = self.pending_dealloc.iter().cloned().collect();
+            self.deallocate(rc, &nodes).await;
+        }
+    }
+}

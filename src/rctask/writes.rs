@@ -1,0 +1,281 @@
+//! The RC task's writes: every one a transaction fenced by the RC's ownership lock and
+//! guarded by the RC record's index, carrying its audit record.
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use serde_json::json;
+
+use super::intents::{IntentState, intent_key};
+use super::plan::{Action, Observed};
+use super::worker::{TaskError, Worker};
+use crate::audit::{AuditRecord, events};
+use crate::consul::{TxnFailure, TxnOp};
+use crate::labels::{LabelSet, LabelStore, LabelType, pod_label_id};
+use crate::rc::{POD_ID_LABEL, RC_ID_LABEL, Rc, RcStore};
+use crate::scheduler::{NodeName, SchedulerError};
+
+/// Room left in a transaction for the ownership check and audit records.
+const TXN_OVERHEAD: usize = 4;
+
+impl Worker {
+    /// Commits a write planned against `rc`: fenced by the ownership lock, and refused if the
+    /// RC record changed since it was read (so nothing is ever scheduled for a stale replica
+    /// count or selector).
+    pub(super) async fn commit_for(
+        &self,
+        rc: &Rc,
+        ops: Vec<TxnOp>,
+        audits: Vec<AuditRecord>,
+    ) -> Result<u64, TaskError> {
+        let mut guarded = Vec::with_capacity(ops.len() + 1);
+        guarded.push(TxnOp::check_index(rc.id.key(), rc.modify_index));
+        guarded.extend(ops);
+        match self.commit(guarded, audits).await {
+            Err(TaskError::Consul(e))
+                if e.txn_failures().any(|(i, f)| {
+                    i == 1 && matches!(f, TxnFailure::IndexStale | TxnFailure::KeyMissing)
+                }) =>
+            {
+                metrics::counter!("rcfarm_stale_plans_total").increment(1);
+                Err(TaskError::Stale)
+            }
+            other => other,
+        }
+    }
+
+    /// Commits `ops` fenced by the ownership lock, with `audits`. Returns the commit index.
+    pub(super) async fn commit(
+        &self,
+        ops: Vec<TxnOp>,
+        audits: Vec<AuditRecord>,
+    ) -> Result<u64, TaskError> {
+        if self.cancel.is_cancelled() {
+            // Stopped (session lost or handed over): never write again.
+            return Err(TaskError::Fenced);
+        }
+        let mut all = Vec::with_capacity(ops.len() + audits.len() + 1);
+        all.push(RcStore::ownership_check_op(self.id, &self.session));
+        all.extend(ops);
+        all.extend(audits.iter().map(AuditRecord::txn_op));
+        match self.ctx.consul.txn(&all).await {
+            Ok(resp) => Ok(resp
+                .results
+                .iter()
+                .map(|r| r.modify_index)
+                .max()
+                .unwrap_or(0)),
+            Err(e)
+                if e.txn_failures().any(|(i, f)| {
+                    i == 0 && matches!(f, TxnFailure::SessionMismatch | TxnFailure::KeyMissing)
+                }) =>
+            {
+                metrics::counter!("rcfarm_fenced_writes_total").increment(1);
+                Err(TaskError::Fenced)
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Commits a report whose id is derived from what it reports ([`AuditRecord::deterministic`]):
+    /// if the record exists already, an earlier owner of this RC (before a handover) made it.
+    pub(super) async fn commit_report(&self, audit: AuditRecord) -> Result<(), TaskError> {
+        match self.commit(vec![], vec![audit]).await {
+            Ok(_) => Ok(()),
+            // Op 0 is the fencing check, op 1 the create-only audit record.
+            Err(TaskError::Consul(e)) if AuditRecord::recorded_already(&e, 1) => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Waits until the pod label cache reflects our own write, so the next plan counts it.
+    pub(super) async fn await_own_write(&self, index: u64) -> Result<(), TaskError> {
+        if index == 0 {
+            return Ok(());
+        }
+        tokio::time::timeout(Duration::from_secs(10), self.ctx.pods.wait_for_index(index))
+            .await
+            .map_err(|_| {
+                TaskError::Other(
+                    "the pod label cache did not catch up with our own write within 10 s".into(),
+                )
+            })
+    }
+
+    pub(super) fn schedule_ops(&self, rc: &Rc, node: &str) -> Vec<TxnOp> {
+        let pod = rc.pod_id();
+        let id = pod_label_id(node, pod);
+        let (existing, index) = self
+            .ctx
+            .pods
+            .get_with_index(&id)
+            .map(|(l, i)| ((*l).clone(), i))
+            .unwrap_or_default();
+        vec![
+            TxnOp::set(intent_key(node, pod), rc.manifest.raw().as_bytes().to_vec()),
+            LabelStore::apply_op(
+                LabelType::Pod,
+                &id,
+                &existing,
+                index,
+                &rc.labels_for_pods(),
+                &[],
+            ),
+        ]
+    }
+
+    pub(super) fn unschedule_ops(&self, rc: &Rc, node: &str, pod: &str) -> Vec<TxnOp> {
+        let id = pod_label_id(node, pod);
+        let mut ops = vec![TxnOp::delete(intent_key(node, pod))];
+        if let Some((existing, index)) = self.ctx.pods.get_with_index(&id) {
+            let mut remove: Vec<String> = rc.pod_labels.keys().cloned().collect();
+            remove.push(POD_ID_LABEL.to_string());
+            remove.push(RC_ID_LABEL.to_string());
+            ops.push(LabelStore::apply_op(
+                LabelType::Pod,
+                &id,
+                &existing,
+                index,
+                &LabelSet::new(),
+                &remove,
+            ));
+        }
+        ops
+    }
+
+    /// P2's RETARGET record: the full node set after the change.
+    pub(super) fn retarget(&self, rc: &Rc, nodes: &BTreeSet<NodeName>) -> AuditRecord {
+        AuditRecord::new(
+            events::RC_RETARGET,
+            json!({
+                "pod_id": rc.pod_id(),
+                "availability_zone": rc.pod_labels.get("availability_zone").cloned().unwrap_or_default(),
+                "cluster_name": rc.pod_labels.get("cluster_name").cloned().unwrap_or_default(),
+                "nodes": nodes,
+                "replication_controller_id": self.id,
+                "farm_id": self.ctx.farm_id,
+            }),
+        )
+    }
+
+    pub(super) async fn apply(
+        &mut self,
+        rc: &Rc,
+        o: &Observed<'_>,
+        action: Action,
+    ) -> Result<Applied, TaskError> {
+        let mut nodes: BTreeSet<NodeName> = o.current.keys().cloned().collect();
+        match action {
+            Action::Schedule(targets) => self.write_pods(rc, o, &targets, false).await,
+            Action::Replace(targets) => self.write_pods(rc, o, &targets, false).await,
+            Action::Repair(targets) => self.write_pods(rc, o, &targets, true).await,
+            Action::Unschedule(targets) => {
+                for chunk in targets.chunks((crate::consul::MAX_TXN_OPS - TXN_OVERHEAD) / 2) {
+                    let mut ops = Vec::new();
+                    for node in chunk {
+                        let pod = o
+                            .current
+                            .get(node)
+                            .map(String::as_str)
+                            .unwrap_or(rc.pod_id());
+                        ops.extend(self.unschedule_ops(rc, node, pod));
+                        nodes.remove(node);
+                    }
+                    let idx = self
+                        .commit_for(rc, ops, vec![self.retarget(rc, &nodes)])
+                        .await?;
+                    for node in chunk {
+                        self.ctx.intents.remove(node, rc.pod_id());
+                    }
+                    tracing::info!(nodes = ?chunk, "unscheduled");
+                    metrics::counter!("rcfarm_pods_unscheduled_total")
+                        .increment(chunk.len() as u64);
+                    self.await_own_write(idx).await?;
+                    self.deallocate(rc, chunk).await;
+                }
+                Ok(Applied::Done)
+            }
+            Action::Allocate(n) => match self
+                .ctx
+                .scheduler
+                .allocate_nodes(&rc.manifest, &rc.node_selector, n, false)
+                .await
+            {
+                Ok(got) => {
+                    tracing::info!(wanted = n, got = ?got, "allocated nodes");
+                    Ok(if got.len() < n {
+                        Applied::AllocationExhausted
+                    } else {
+                        Applied::Done
+                    })
+                }
+                Err(SchedulerError::AllocationUnsupported(why)) => {
+                    tracing::debug!(%why, "allocation unsupported");
+                    Ok(Applied::AllocationExhausted)
+                }
+                Err(e) => Err(e.into()),
+            },
+            Action::StartTransfer { old, new } => self.start_transfer(rc, o, old, new).await,
+            Action::CompleteTransfer => self.finish_transfer(rc, o, None).await,
+            Action::RollbackTransfer(reason) => self.finish_transfer(rc, o, Some(reason)).await,
+        }
+    }
+
+    /// Writes intent and labels on `targets` (replacing pods of an older pod id in place). A
+    /// repair changes no node set, so it is audited as a repair, not a retarget.
+    pub(super) async fn write_pods(
+        &mut self,
+        rc: &Rc,
+        o: &Observed<'_>,
+        targets: &[NodeName],
+        repair: bool,
+    ) -> Result<Applied, TaskError> {
+        let mut nodes: BTreeSet<NodeName> = o.current.keys().cloned().collect();
+        // Up to four ops per node (a replacement removes the old pod's intent and labels).
+        for chunk in targets.chunks((crate::consul::MAX_TXN_OPS - TXN_OVERHEAD) / 4) {
+            let mut ops = Vec::new();
+            for node in chunk {
+                if let Some(old_pod) = o.current.get(node).filter(|p| p.as_str() != rc.pod_id()) {
+                    ops.extend(self.unschedule_ops(rc, node, old_pod));
+                }
+                ops.extend(self.schedule_ops(rc, node));
+                nodes.insert(node.clone());
+            }
+            let audit = if repair {
+                AuditRecord::new(
+                    events::RC_REPAIRED,
+                    json!({
+                        "replication_controller_id": self.id,
+                        "pod_id": rc.pod_id(),
+                        "farm_id": self.ctx.farm_id,
+                        "nodes": chunk,
+                        "reason": "intent missing or different from the manifest",
+                    }),
+                )
+            } else {
+                self.retarget(rc, &nodes)
+            };
+            let idx = self.commit_for(rc, ops, vec![audit]).await?;
+            for node in chunk {
+                self.ctx.intents.set(
+                    node,
+                    rc.pod_id(),
+                    IntentState::Digest(rc.manifest.digest().to_string()),
+                );
+            }
+            tracing::info!(nodes = ?chunk, repair, "scheduled");
+            metrics::counter!("rcfarm_pods_scheduled_total").increment(chunk.len() as u64);
+            self.await_own_write(idx).await?;
+        }
+        Ok(Applied::Done)
+    }
+}
+
+/// What applying one action led to, beyond success.
+pub(super) enum Applied {
+    Done,
+    /// The scheduler has no more nodes to give in this pass.
+    AllocationExhausted,
+    /// Another session holds the mutation lock.
+    MutationLocked,
+}
