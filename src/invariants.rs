@@ -4,7 +4,11 @@
 //! - **fencing**: every write to a pod's intent or labels carries a `check-session` on the lock
 //!   of the RC the pod belongs to, by the session holding that lock at that moment;
 //! - **never too many pods**: no write raises an RC's pod count above its desired count (+1
-//!   while its node-transfer status key exists).
+//!   while its node-transfer status key exists);
+//! - **rolling updates**: every roll step is fenced by the roll's lock, held by the writer; a
+//!   step never raises old + new desired replicas above the roll's bound (its target, or what
+//!   they were); and no farm write takes a started roll's pods that are up (their node runs
+//!   what the intent asks and passes its health check) below the roll's minimum.
 //!
 //! It also counts scheduling transactions and audit records, to check that every committed
 //! change reached the audit log.
@@ -14,8 +18,10 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use serde_json::Value;
 
 use crate::audit::{AUDIT_PREFIX, AuditRecord, events};
+use crate::health::{HEALTH_PREFIX, parse_health};
 use crate::labels::parse_labels;
 use crate::rc::{RC_ID_LABEL, RC_LOCK_PREFIX, RC_PREFIX};
+use crate::roll::{ROLL_LOCK_PREFIX, ROLL_PREFIX};
 use crate::server::{Change, LoggedCommit};
 
 /// A broken promise.
@@ -46,6 +52,18 @@ pub struct Observer {
     /// The ids of every audit record ever written.
     pub audit_ids: BTreeSet<String>,
     pub commits: u64,
+    /// Commits that carried a roll's step, start or completion record.
+    pub roll_steps: u64,
+    /// Per roll: the fewest pods up seen after a farm's write while the roll ran.
+    pub roll_lowest_up: BTreeMap<String, usize>,
+}
+
+/// A roll as the observer reads it from the replayed KV.
+struct RollView {
+    old: String,
+    new: String,
+    target: i64,
+    minimum: usize,
 }
 
 fn pod_key(k: &str) -> Option<(&str, &str)> {
@@ -71,6 +89,126 @@ impl Observer {
 
     fn count(&self, rc: &str) -> usize {
         self.pods.get(rc).map_or(0, BTreeSet::len)
+    }
+
+    fn rc_field(&self, rc: &str, field: &str) -> Option<Value> {
+        self.kv
+            .get(&format!("{RC_PREFIX}{rc}"))
+            .and_then(|v| serde_json::from_slice::<Value>(v).ok())
+            .map(|v| v[field].clone())
+    }
+
+    /// Rolls in the replayed KV that have started (their old RC is disabled).
+    fn started_rolls(&self) -> BTreeMap<String, RollView> {
+        self.kv
+            .iter()
+            .filter(|(k, _)| k.starts_with(ROLL_PREFIX))
+            .filter_map(|(k, v)| {
+                let u = crate::roll::record::decode(v).ok()?;
+                let started =
+                    self.rc_field(&u.old_rc.to_string(), "disabled") == Some(Value::Bool(true));
+                started.then(|| {
+                    (
+                        k.trim_start_matches(ROLL_PREFIX).to_string(),
+                        RollView {
+                            old: u.old_rc.to_string(),
+                            new: u.new_rc.to_string(),
+                            target: u.desired_replicas as i64,
+                            minimum: u.minimum_replicas as usize,
+                        },
+                    )
+                })
+            })
+            .collect()
+    }
+
+    /// Pods of a roll's two RCs that are up: their node runs what the intent asks (per
+    /// `reality/`) and their health check passes.
+    fn up(&self, roll: &RollView) -> usize {
+        let digest = |key: &str| {
+            self.kv
+                .get(key)
+                .and_then(|v| std::str::from_utf8(v).ok())
+                .and_then(|t| crate::rc::Manifest::parse(t).ok())
+                .map(|m| m.digest().to_string())
+        };
+        [&roll.old, &roll.new]
+            .iter()
+            .filter_map(|rc| self.pods.get(*rc))
+            .flatten()
+            .filter(|label_key| {
+                let Some((node, pod)) = pod_key(label_key) else {
+                    return false;
+                };
+                let wanted = digest(&format!("intent/{node}/{pod}"));
+                wanted.is_some()
+                    && wanted == digest(&format!("reality/{node}/{pod}"))
+                    && self
+                        .kv
+                        .get(&format!("{HEALTH_PREFIX}{pod}/{node}"))
+                        .and_then(|v| parse_health(v).ok())
+                        .is_some_and(|h| h.is_passing())
+            })
+            .count()
+    }
+
+    /// Checks a commit against the rolls it concerns: steps fenced by the roll's lock, the
+    /// replica bound, and the minimum of pods up (farm writes only: `fenced`).
+    fn check_rolls(
+        &mut self,
+        c: &LoggedCommit,
+        before: &BTreeMap<String, (usize, i64)>,
+        roll_records: &BTreeSet<String>,
+        holders: &HashMap<String, String>,
+    ) {
+        for id in roll_records {
+            let lock = format!("{ROLL_LOCK_PREFIX}{id}");
+            let fenced = c
+                .checks
+                .iter()
+                .any(|(k, s)| *k == lock && holders.get(&lock) == Some(s));
+            if !fenced {
+                self.violations.push(Violation {
+                    index: c.index,
+                    what: format!(
+                        "a step of rolling update {id} not fenced by its lock, held by the writer"
+                    ),
+                });
+            }
+        }
+        let fenced = !c.checks.is_empty();
+        for (id, roll) in self.started_rolls() {
+            let Some((up_before, sum_before)) = before.get(&id).copied() else {
+                continue;
+            };
+            let sum = |rc: &str| self.desired(rc).max(0);
+            let sum_after = sum(&roll.old) + sum(&roll.new);
+            // The bound holds the roll's own steps (an operator may scale an RC mid-roll).
+            if roll_records.contains(&id) && sum_after > sum_before && sum_after > roll.target {
+                self.violations.push(Violation {
+                    index: c.index,
+                    what: format!(
+                        "rolling update {id}: old + new desired rose to {sum_after}, above its bound max({}, {sum_before})",
+                        roll.target
+                    ),
+                });
+            }
+            if !fenced {
+                continue;
+            }
+            let up = self.up(&roll);
+            let lowest = self.roll_lowest_up.entry(id.clone()).or_insert(up);
+            *lowest = (*lowest).min(up);
+            if up < up_before && up < roll.minimum {
+                self.violations.push(Violation {
+                    index: c.index,
+                    what: format!(
+                        "rolling update {id}: a farm's write took the pods up from {up_before} to {up}, below its minimum {}",
+                        roll.minimum
+                    ),
+                });
+            }
+        }
     }
 
     fn set(&mut self, key: &str, value: Option<(&[u8], Option<&String>)>) {
@@ -127,12 +265,53 @@ impl Observer {
             .iter()
             .map(|rc| (rc.clone(), self.count(rc)))
             .collect();
-        let holders: HashMap<String, String> = if pod_keys.is_empty() {
+        // Rolls this commit steps (by its audit records), and the rolls' state before it.
+        let roll_records: BTreeSet<String> = c
+            .changes
+            .iter()
+            .filter_map(|ch| match ch {
+                Change::Put(k, e) if k.starts_with(AUDIT_PREFIX) => {
+                    let r = AuditRecord::from_kv(k, &e.value).ok()?;
+                    [
+                        events::ROLL_STARTED,
+                        events::ROLL_STEP,
+                        events::ROLL_COMPLETION,
+                    ]
+                    .contains(&r.event_type.as_str())
+                    .then(|| {
+                        r.event_details["rolling_update_id"]
+                            .as_str()
+                            .map(str::to_string)
+                    })
+                    .flatten()
+                    .filter(|_| !c.checks.is_empty() || r.event_type != events::ROLL_COMPLETION)
+                }
+                _ => None,
+            })
+            .collect();
+        let concerns_rolls = c.changes.iter().any(|ch| match ch {
+            Change::Put(k, _) | Change::Delete(k) => {
+                k.starts_with(RC_PREFIX) || k.starts_with(ROLL_PREFIX) || pod_key(k).is_some()
+            }
+            _ => false,
+        });
+        let rolls_before: BTreeMap<String, (usize, i64)> = if concerns_rolls {
+            self.started_rolls()
+                .into_iter()
+                .map(|(id, r)| {
+                    let sum = self.desired(&r.old).max(0) + self.desired(&r.new).max(0);
+                    (id, (self.up(&r), sum))
+                })
+                .collect()
+        } else {
+            BTreeMap::new()
+        };
+        let holders: HashMap<String, String> = if pod_keys.is_empty() && roll_records.is_empty() {
             HashMap::new()
         } else {
             self.sessions
                 .iter()
-                .filter(|(k, _)| k.starts_with(RC_LOCK_PREFIX))
+                .filter(|(k, _)| k.starts_with(RC_LOCK_PREFIX) || k.starts_with(ROLL_LOCK_PREFIX))
                 .map(|(k, v)| (k.clone(), v.clone()))
                 .collect()
         };
@@ -164,6 +343,12 @@ impl Observer {
                 _ => {}
             }
         }
+        if !roll_records.is_empty() {
+            self.roll_steps += 1;
+        }
+        if concerns_rolls {
+            self.check_rolls(c, &rolls_before, &roll_records, &holders);
+        }
         touched.extend(pod_keys.iter().filter_map(|(n, p)| self.rc_of_pod(n, p)));
         if touched.is_empty() {
             return;
@@ -176,7 +361,32 @@ impl Observer {
             return;
         }
         self.fenced_writes += 1;
+        // A rolling update's new RC takes its old RC's pods over in place: fenced by the new
+        // RC's lock, not the old one's.
+        let rolled_into: HashMap<String, String> = self
+            .kv
+            .iter()
+            .filter(|(k, _)| k.starts_with(ROLL_PREFIX))
+            .filter_map(|(_, v)| crate::roll::record::decode(v).ok())
+            .map(|u| (u.old_rc.to_string(), u.new_rc.to_string()))
+            .collect();
+        let fenced_by = |rc: &str| {
+            let lock = format!("{RC_LOCK_PREFIX}{rc}");
+            c.checks
+                .iter()
+                .find(|(k, _)| *k == lock)
+                .map(|(_, s)| (lock, s.clone()))
+        };
         for rc in &touched {
+            let taken_over = fenced_by(rc).is_none()
+                && rolled_into
+                    .get(rc)
+                    .and_then(|new| fenced_by(new))
+                    .is_some_and(|(lock, s)| holders.get(&lock) == Some(&s))
+                && self.count(rc) < before.get(rc).copied().unwrap_or(0);
+            if taken_over {
+                continue;
+            }
             let lock = format!("{RC_LOCK_PREFIX}{rc}");
             let Some((_, session)) = c.checks.iter().find(|(k, _)| k == &lock) else {
                 self.violations.push(Violation {

@@ -9,9 +9,14 @@ use serde::Serialize;
 use crate::consul::{Consul, ConsulError, QueryOptions};
 use crate::farm::claims::assign;
 use crate::farm::registry::{self, FARMS_PREFIX, FarmInfo};
+use crate::health::{HEALTH_PREFIX, parse_health};
 use crate::labels::{LabelSet, LabelStore, LabelType, Selector, parse_labels, split_pod_label_id};
 use crate::rc::{RC_ID_LABEL, RC_LOCK_PREFIX, RcId, RcStore, parse_locks};
 use crate::rctask::Transfer;
+use crate::roll::{
+    ROLL_LOCK_PREFIX, ROLL_PREFIX, RcCounts, RollStatus, RollStore, RollStoreError, reality_key,
+    runs,
+};
 
 /// One RC.
 #[derive(Debug, Clone, Serialize)]
@@ -265,4 +270,219 @@ pub async fn nodes(
         .filter(|n| selector.matches(&n.labels))
         .map(|n| (n.id, n.labels))
         .collect())
+}
+
+/// One rolling update, as Consul shows it.
+#[derive(Debug, Clone, Serialize)]
+pub struct RollOverview {
+    pub id: String,
+    pub old_rc: Option<String>,
+    pub new_rc: Option<String>,
+    pub pod_id: Option<String>,
+    pub desired_replicas: u64,
+    pub minimum_replicas: u64,
+    pub leave_old: bool,
+    pub roll_delay: String,
+    pub owner_farm: Option<String>,
+    pub owner_session: Option<String>,
+    /// Desired, current, real (running the RC's manifest) and healthy pods of each RC.
+    pub old: Option<RcCounts>,
+    pub new: Option<RcCounts>,
+    /// What the roll waits for, per the farm carrying it out (when that farm answers).
+    pub waiting: Option<String>,
+    /// Replica steps the owning farm took.
+    pub steps: Option<u64>,
+    pub conditions: Vec<String>,
+    /// Why the record is invalid, if it is.
+    pub problem: Option<String>,
+    /// Healthy new pods over the desired count, 0 to 1.
+    pub progress: f64,
+    pub modify_index: u64,
+}
+
+impl RollOverview {
+    /// Folds in what the farm carrying the roll out says about it.
+    pub fn merge(&mut self, local: &RollStatus) {
+        self.waiting = local.waiting.as_ref().map(|(_, why)| why.clone());
+        self.steps = Some(local.steps);
+        for c in &local.conditions {
+            if !self.conditions.iter().any(|x| x.starts_with(&c.kind)) {
+                self.conditions.push(format!("{}: {}", c.kind, c.message));
+            }
+        }
+        if let Some(e) = &local.last_error {
+            self.conditions.push(format!("Error: {e}"));
+        }
+    }
+}
+
+/// Every rolling update, with both RCs' pods counted as the roll farm counts them (their
+/// health, and whether their nodes run the RC's manifest per `reality/`). A handful of reads
+/// plus one batched read of the rolls' pods.
+pub async fn load_rolls(consul: &Consul) -> Result<Vec<RollOverview>, ConsulError> {
+    let q = QueryOptions::default();
+    let store_err = |e: RollStoreError| match e {
+        RollStoreError::Consul(c) => c,
+        other => ConsulError::BadResponse(other.to_string()),
+    };
+    let rolls = RollStore::new(consul.clone())
+        .list()
+        .await
+        .map_err(store_err)?;
+    if rolls.rolls.is_empty() && rolls.invalid.is_empty() {
+        return Ok(Vec::new());
+    }
+    let listing = RcStore::new(consul.clone())
+        .list()
+        .await
+        .map_err(|e| match e {
+            crate::rc::RcStoreError::Consul(c) => c,
+            other => ConsulError::BadResponse(other.to_string()),
+        })?;
+    let (locks, _) = consul.kv_list(ROLL_LOCK_PREFIX, &q).await?;
+    let holder: BTreeMap<String, String> = locks
+        .iter()
+        .filter_map(|e| {
+            Some((
+                e.key.strip_prefix(ROLL_LOCK_PREFIX)?.to_string(),
+                e.session.clone()?,
+            ))
+        })
+        .collect();
+    let (farm_entries, _) = consul.kv_list(FARMS_PREFIX, &q).await?;
+    let farms = registry::live_farms(&farm_entries);
+    // The pods of the rolls' RCs, and what their nodes run and report.
+    let rc_ids: BTreeSet<RcId> = rolls
+        .rolls
+        .values()
+        .flat_map(|r| [r.update.old_rc, r.update.new_rc])
+        .collect();
+    let (pods, _) = consul.kv_list(&LabelType::Pod.prefix(), &q).await?;
+    let mut pods_of: BTreeMap<RcId, Vec<(String, String)>> = BTreeMap::new();
+    for e in &pods {
+        let Some((node, pod)) = e
+            .key
+            .strip_prefix(&LabelType::Pod.prefix())
+            .and_then(split_pod_label_id)
+        else {
+            continue;
+        };
+        if let Some(rc) = parse_labels(e.value_bytes())
+            .ok()
+            .and_then(|l| l.get(RC_ID_LABEL).and_then(|v| RcId::parse(v).ok()))
+            .filter(|rc| rc_ids.contains(rc))
+        {
+            pods_of
+                .entry(rc)
+                .or_default()
+                .push((node.to_string(), pod.to_string()));
+        }
+    }
+    let keys: Vec<String> = pods_of
+        .values()
+        .flatten()
+        .flat_map(|(n, p)| [reality_key(n, p), format!("{HEALTH_PREFIX}{p}/{n}")])
+        .collect();
+    let found = consul.read_keys(&keys).await?;
+    let counts = |id: RcId| -> Option<RcCounts> {
+        let rc = listing.rcs.get(&id)?;
+        let pods = pods_of.get(&id).map(Vec::as_slice).unwrap_or_default();
+        Some(RcCounts::count(
+            rc.replicas_desired,
+            rc.disabled,
+            rc.manifest.digest(),
+            pods.iter().map(|(n, p)| {
+                (
+                    runs(found.get(&reality_key(n, p))),
+                    found
+                        .get(&format!("{HEALTH_PREFIX}{p}/{n}"))
+                        .and_then(|kv| parse_health(kv.value_bytes()).ok()),
+                )
+            }),
+        ))
+    };
+    let owner = |id: &str| {
+        let session = holder.get(id).cloned();
+        let farm = session.as_ref().and_then(|s| {
+            farms
+                .iter()
+                .find(|f| &f.session == s)
+                .map(|f| f.farm_id.clone())
+        });
+        (session, farm)
+    };
+    let mut out = Vec::new();
+    for r in rolls.rolls.values() {
+        let u = &r.update;
+        let id = r.id().to_string();
+        let (owner_session, owner_farm) = owner(&id);
+        let (old, new) = (counts(u.old_rc), counts(u.new_rc));
+        let mut conditions = Vec::new();
+        for (which, rc, c) in [("old", u.old_rc, &old), ("new", u.new_rc, &new)] {
+            if c.is_none() {
+                let why = if listing.invalid.contains_key(&rc.key()) {
+                    "is invalid"
+                } else {
+                    "does not exist"
+                };
+                conditions.push(format!("Blocked: the {which} RC {rc} {why}"));
+            }
+        }
+        if let Some(c) = rolls.conflict(r) {
+            conditions.push(format!("Blocked: {c}"));
+        }
+        if owner_session.is_none() {
+            conditions.push("Unowned".into());
+        }
+        let progress = new.map_or(0.0, |n| {
+            (n.healthy.min(u.desired_replicas) as f64 / u.desired_replicas.max(1) as f64)
+                .clamp(0.0, 1.0)
+        });
+        out.push(RollOverview {
+            id,
+            old_rc: Some(u.old_rc.to_string()),
+            new_rc: Some(u.new_rc.to_string()),
+            pod_id: listing.rcs.get(&u.new_rc).map(|rc| rc.pod_id().to_string()),
+            desired_replicas: u.desired_replicas,
+            minimum_replicas: u.minimum_replicas,
+            leave_old: u.leave_old,
+            roll_delay: crate::util::format_go_duration(u.roll_delay),
+            owner_farm,
+            owner_session,
+            old,
+            new,
+            waiting: None,
+            steps: None,
+            conditions,
+            problem: None,
+            progress,
+            modify_index: r.modify_index,
+        });
+    }
+    for (key, inv) in &rolls.invalid {
+        let id = key.trim_start_matches(ROLL_PREFIX).to_string();
+        let (owner_session, owner_farm) = owner(&id);
+        out.push(RollOverview {
+            id,
+            old_rc: None,
+            new_rc: None,
+            pod_id: None,
+            desired_replicas: 0,
+            minimum_replicas: 0,
+            leave_old: false,
+            roll_delay: "0s".into(),
+            owner_farm,
+            owner_session,
+            old: None,
+            new: None,
+            waiting: None,
+            steps: None,
+            conditions: vec![format!("Invalid: {}", inv.problem)],
+            problem: Some(inv.problem.to_string()),
+            progress: 0.0,
+            modify_index: inv.modify_index,
+        });
+    }
+    out.sort_by(|a, b| a.id.cmp(&b.id));
+    Ok(out)
 }

@@ -202,6 +202,27 @@ pub fn jitter_up_to(d: Duration) -> Duration {
     Duration::from_nanos(rand::rng().random_range(0..=n))
 }
 
+/// A JSON value for an error message, cut to 40 characters.
+pub fn describe_json(v: &serde_json::Value) -> String {
+    let s = v.to_string();
+    match s.char_indices().nth(40) {
+        Some((i, _)) => format!("{}…", &s[..i]),
+        None => s,
+    }
+}
+
+/// What kind of JSON value a document is, for "must be an object, found …".
+pub fn json_kind(v: &serde_json::Value) -> &'static str {
+    match v {
+        serde_json::Value::Object(_) => "an object",
+        serde_json::Value::Array(_) => "an array",
+        serde_json::Value::String(_) => "a string",
+        serde_json::Value::Number(_) => "a number",
+        serde_json::Value::Bool(_) => "a boolean",
+        serde_json::Value::Null => "null",
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -16,8 +16,9 @@ use tokio::sync::watch;
 use crate::audit::{AuditQuery, AuditStore, ShipperStats};
 use crate::consul::Consul;
 use crate::labels::Selector;
-use crate::overview::{Overview, RcOverview};
+use crate::overview::{Overview, RcOverview, RollOverview};
 use crate::rctask::StatusRegistry;
+use crate::roll::RollStatusRegistry;
 
 const STATUS_PAGE: &str = include_str!("status.html");
 
@@ -26,6 +27,7 @@ const STATUS_PAGE: &str = include_str!("status.html");
 pub struct ApiState {
     pub consul: Consul,
     pub status: Arc<StatusRegistry>,
+    pub rolls: Arc<RollStatusRegistry>,
     pub ready: watch::Receiver<bool>,
     pub audit: watch::Receiver<Option<Arc<AuditStore>>>,
     pub shipper: Arc<ShipperStats>,
@@ -58,6 +60,8 @@ pub fn router(state: ApiState) -> Router {
         .route("/metrics", get(metrics))
         .route("/v1/rcs", get(rcs))
         .route("/v1/rcs/{id}", get(rc))
+        .route("/v1/rolls", get(rolls))
+        .route("/v1/rolls/{id}", get(roll))
         .route("/v1/farms", get(farms))
         .route("/v1/audit", get(audit))
         .fallback(|| async {
@@ -180,6 +184,43 @@ async fn rc(
         .ok()
         .and_then(|i| s.status.rc(i));
     Ok(Json(json!({"rc": r, "local_status": local})))
+}
+
+/// Every rolling update, with this farm's own view (what it waits for, stalls) of the ones
+/// it carries out.
+async fn load_rolls(s: &ApiState) -> ApiResult<Vec<RollOverview>> {
+    let mut rolls = crate::overview::load_rolls(&s.consul)
+        .await
+        .map_err(unavailable)?;
+    for r in &mut rolls {
+        if let Ok(id) = crate::rc::RcId::parse(&r.id)
+            && let Some(local) = s.rolls.get(id)
+        {
+            r.merge(&local);
+        }
+    }
+    Ok(rolls)
+}
+
+async fn rolls(State(s): State<ApiState>) -> ApiResult<Json<serde_json::Value>> {
+    let rolls = load_rolls(&s).await?;
+    Ok(Json(json!({"rolls": rolls})))
+}
+
+async fn roll(
+    State(s): State<ApiState>,
+    Path(id): Path<String>,
+) -> ApiResult<Json<serde_json::Value>> {
+    let rid = crate::rc::RcId::parse(&id)
+        .map_err(|e| ApiError(StatusCode::BAD_REQUEST, format!("rolling update id {e}")))?;
+    let rolls = load_rolls(&s).await?;
+    let r = rolls.into_iter().find(|r| r.id == id).ok_or_else(|| {
+        ApiError(
+            StatusCode::NOT_FOUND,
+            format!("rolling update {id} does not exist"),
+        )
+    })?;
+    Ok(Json(json!({"roll": r, "local_status": s.rolls.get(rid)})))
 }
 
 async fn farms(State(s): State<ApiState>) -> ApiResult<Json<serde_json::Value>> {

@@ -13,7 +13,7 @@ pub const AUDIT_PREFIX: &str = "audit_logs/";
 /// P2's `CurrentSchemaVersion`.
 pub const SCHEMA_VERSION: i64 = 1;
 
-/// Event types. The first four are P2's own; the rest are rcfarm's.
+/// Event types. P2's own: the first four and `ROLLING_UPDATE_CREATION|COMPLETION`; the rest are rcfarm's.
 pub mod events {
     /// The full node set of an RC after a scheduling change (P2).
     pub const RC_RETARGET: &str = "REPLICATION_CONTROLLER_RETARGET";
@@ -35,8 +35,24 @@ pub mod events {
     pub const RC_REPAIRED: &str = "REPLICATION_CONTROLLER_REPAIRED";
     /// A node's labels changed through rcctl.
     pub const NODE_LABELS_CHANGED: &str = "NODE_LABELS_CHANGED";
+    /// A rolling update was created (P2's record, plus the roll's parameters).
+    pub const ROLL_CREATION: &str = "ROLLING_UPDATE_CREATION";
+    /// A rolling update ended: completed, aborted or canceled (P2's record, plus the reason).
+    pub const ROLL_COMPLETION: &str = "ROLLING_UPDATE_COMPLETION";
+    /// A farm took a roll's RCs: their mutation locks, the old RC disabled, the new enabled.
+    pub const ROLL_STARTED: &str = "ROLLING_UPDATE_STARTED";
+    /// Replicas moved from the old RC to the new one (or the old RC was told to remove its
+    /// leftovers), in the same transaction as the RC records.
+    pub const ROLL_STEP: &str = "ROLLING_UPDATE_STEP";
+    /// A roll stopped progressing (once when it starts, with why) and progresses again.
+    pub const ROLL_STALLED: &str = "ROLLING_UPDATE_STALLED";
+    pub const ROLL_PROGRESSING: &str = "ROLLING_UPDATE_PROGRESSING";
+    /// A roll record that cannot be acted on, once per version.
+    pub const ROLL_INVALID: &str = "ROLLING_UPDATE_INVALID";
+    pub const ROLL_CLAIMED: &str = "ROLLING_UPDATE_CLAIMED";
+    pub const ROLL_RELEASED: &str = "ROLLING_UPDATE_RELEASED";
 
-    pub const ALL: [&str; 15] = [
+    pub const ALL: [&str; 24] = [
         RC_RETARGET,
         NODE_TRANSFER_START,
         NODE_TRANSFER_COMPLETION,
@@ -52,6 +68,15 @@ pub mod events {
         RC_DESIRES_MET,
         RC_REPAIRED,
         NODE_LABELS_CHANGED,
+        ROLL_CREATION,
+        ROLL_COMPLETION,
+        ROLL_STARTED,
+        ROLL_STEP,
+        ROLL_STALLED,
+        ROLL_PROGRESSING,
+        ROLL_INVALID,
+        ROLL_CLAIMED,
+        ROLL_RELEASED,
     ];
 }
 

@@ -11,6 +11,7 @@ mod consul_dev;
 mod logging;
 mod rcctl;
 mod serve;
+mod simulate;
 
 use std::process::ExitCode;
 use std::time::Duration;
@@ -47,6 +48,24 @@ pub fn parse_duration_flag(s: &str) -> Result<Duration, String> {
     Ok(Duration::from_nanos(d.nanos))
 }
 
+/// Parses `key=value` arguments (labels), naming the flag in errors.
+pub fn parse_pairs(args: &[String], what: &str) -> Result<crate::labels::LabelSet, CliError> {
+    let mut out = crate::labels::LabelSet::new();
+    for a in args {
+        let (k, v) = a.split_once('=').ok_or_else(|| {
+            CliError::Usage(format!(
+                "{what} {a:?}: expected KEY=VALUE, e.g. team=payments"
+            ))
+        })?;
+        crate::labels::selector::validate_key(k)
+            .map_err(|e| CliError::Usage(format!("{what} {a:?}: {e}")))?;
+        crate::labels::selector::validate_value(v)
+            .map_err(|e| CliError::Usage(format!("{what} {a:?}: {e}")))?;
+        out.insert(k.to_string(), v.to_string());
+    }
+    Ok(out)
+}
+
 #[derive(Debug, Parser)]
 #[command(
     name = "rcfarm",
@@ -74,6 +93,8 @@ enum RcfarmCommand {
     Bench(BenchCommand),
     /// Crash, stall and restart farms while RCs change; check every promise (exit 1 if broken).
     Chaos(chaos::ChaosArgs),
+    /// Play P2's preparer for a set of nodes: run their intents (reality/) and report health.
+    SimulateNodes(simulate::SimulateArgs),
 }
 
 #[derive(Debug, Subcommand)]
@@ -118,6 +139,7 @@ pub fn rcfarm_main() -> ExitCode {
             RcfarmCommand::Bench(BenchCommand::Selectors(args)) => bench_selectors::run(args).await,
             RcfarmCommand::Bench(BenchCommand::Audit(args)) => bench_audit::run(args).await,
             RcfarmCommand::Chaos(args) => chaos::run(args).await,
+            RcfarmCommand::SimulateNodes(args) => simulate::run(args).await,
             RcfarmCommand::Bench(BenchCommand::Farm(args)) => {
                 println!("{}", bench_farm::header());
                 bench_farm::run(args).await

@@ -5,12 +5,14 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 use super::consul_dev::{self, ConsulDevArgs};
+use super::simulate::SimBehaviour;
 use super::{CliError, parse_duration_flag, shutdown_signal};
 use crate::consul::ConsulConfig;
 use crate::consul::WatchConfig;
 use crate::farm::{Farm, FarmConfig, SchedulerKind};
 use crate::labels::Selector;
 use crate::rctask::TaskConfig;
+use crate::roll::RollConfig;
 use crate::scheduler::PoolConfig;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -61,6 +63,14 @@ pub struct FarmArgs {
     /// How long an unheld RC waits for its assigned farm before any farm with room takes it.
     #[arg(long, env = "RCFARM_CLAIM_GRACE", default_value = "3s", value_parser = parse_duration_flag)]
     pub claim_grace: Duration,
+    /// Report a rolling update stalled (log, metric, audit record, status) when it has not
+    /// moved for this long (at once when it can never move as things are).
+    #[arg(long, env = "RCFARM_ROLL_STALL_AFTER", default_value = "5m", value_parser = parse_duration_flag)]
+    pub roll_stall_after: Duration,
+    /// Look at a waiting rolling update this often even without changes (what nodes run,
+    /// `reality/`, is not watched).
+    #[arg(long, env = "RCFARM_ROLL_RESYNC", default_value = "5s", value_parser = parse_duration_flag)]
+    pub roll_resync: Duration,
     /// The `wait` of the farm's blocking queries.
     #[arg(long, env = "RCFARM_WATCH_WAIT", default_value = "5m", value_parser = parse_duration_flag)]
     pub watch_wait: Duration,
@@ -138,6 +148,11 @@ impl FarmArgs {
             ..TaskConfig::default()
         };
         c.consistency_interval = self.consistency_interval;
+        c.roll = RollConfig {
+            stall_after: self.roll_stall_after,
+            resync: self.roll_resync.max(Duration::from_millis(100)),
+            ..RollConfig::default()
+        };
         c.claim_grace = self.claim_grace;
         c.watch = WatchConfig {
             wait: self.watch_wait,
@@ -206,6 +221,7 @@ async fn run_farm(
         let state = crate::api::ApiState {
             consul: farm.consul().clone(),
             status: farm.status(),
+            rolls: farm.roll_status(),
             ready: farm.ready(),
             audit: farm.audit_store(),
             shipper: farm.shipper_stats(),
@@ -272,6 +288,12 @@ pub struct DevArgs {
     pub server: ConsulDevArgs,
     #[command(flatten)]
     pub farm: FarmArgs,
+    /// Also play P2's preparer for this many nodes (node-1 … node-N): they run their intents
+    /// and report health, so pods become ready and rolling updates complete.
+    #[arg(long, default_value_t = 0)]
+    pub simulate_nodes: usize,
+    #[command(flatten)]
+    pub sim: SimBehaviour,
 }
 
 /// The embedded server and one farm in one process: everything on one machine.
@@ -287,6 +309,13 @@ pub async fn dev(args: DevArgs) -> Result<(), CliError> {
         server.url()
     );
     let shutdown = CancellationToken::new();
+    if args.simulate_nodes > 0 {
+        let sim = args.sim.to_config(args.simulate_nodes)?;
+        tracing::info!(nodes = ?sim.nodes, "rcfarm dev: simulating nodes");
+        let consul = crate::consul::Consul::new(config.consul.clone())
+            .map_err(|e| CliError::Usage(e.to_string()))?;
+        super::simulate::spawn(consul, sim, shutdown.clone())?;
+    }
     let s = shutdown.clone();
     tokio::spawn(async move {
         shutdown_signal().await;

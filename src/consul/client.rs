@@ -662,6 +662,27 @@ impl Consul {
         self.bool_answer(&raw)
     }
 
+    /// Reads many keys, some perhaps missing, in batched read-only transactions: `get-tree` on
+    /// each exact key never fails for a missing one and exists in every Consul version (unlike
+    /// `get-or-empty`). The entries found, by key.
+    pub async fn read_keys(
+        &self,
+        keys: &[String],
+    ) -> Result<std::collections::HashMap<String, KvPair>> {
+        let mut found = std::collections::HashMap::with_capacity(keys.len());
+        for chunk in keys.chunks(MAX_TXN_OPS) {
+            let ops: Vec<TxnOp> = chunk.iter().map(|k| TxnOp::get_tree(k.clone())).collect();
+            let resp = self.txn(&ops).await?;
+            for kv in resp.results {
+                // A prefix read also returns longer keys (`a/web` finds `a/web2`).
+                if chunk.contains(&kv.key) {
+                    found.insert(kv.key.clone(), kv);
+                }
+            }
+        }
+        Ok(found)
+    }
+
     /// Gives a lock up by deleting its key, only if `session` holds it (as P2's unlock does):
     /// no lock-delay applies, so another session can take it at once. `Ok(false)` if the
     /// session did not hold it.

@@ -20,4 +20,4 @@ pub use txn::{KvVerb, MAX_TXN_OPS, TxnFailure, TxnOp, TxnOpError, TxnResponse};
 pub use types::{
     KvPair, QueryMeta, QueryOptions, ServiceCheck, SessionBehavior, SessionEntry, SessionRequest,
 };
-pub use watch::{Snapshot, SnapshotRx, Watch, WatchConfig, WatchStats, spawn_watch};
+pub use watch::{DerivedWatch, Snapshot, SnapshotRx, Watch, WatchConfig, WatchStats, spawn_watch};

@@ -224,6 +224,18 @@ pub struct TxnResponse {
     pub index: Option<u64>,
 }
 
+impl TxnResponse {
+    /// The index the transaction committed at, as its results show it (0 when it wrote
+    /// nothing that yields a result).
+    pub fn commit_index(&self) -> u64 {
+        self.results
+            .iter()
+            .map(|r| r.modify_index)
+            .max()
+            .unwrap_or(0)
+    }
+}
+
 #[derive(Debug, Deserialize)]
 #[serde(rename_all = "PascalCase")]
 pub(crate) struct WireTxnResponse {

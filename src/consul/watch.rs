@@ -278,3 +278,61 @@ impl Consul {
         })
     }
 }
+
+/// A prefix watched and folded into a derived value (a parsed listing), each snapshot derived
+/// with the previous result at hand so unchanged entries are not parsed again.
+pub struct DerivedWatch<L> {
+    rx: watch::Receiver<Option<Arc<L>>>,
+    task: JoinHandle<()>,
+    stats: Arc<WatchStats>,
+}
+
+impl<L> Drop for DerivedWatch<L> {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl<L: Send + Sync + 'static> DerivedWatch<L> {
+    /// Watches `prefix`; `derive(index, entries, previous)` builds each value.
+    pub fn spawn(
+        consul: &Consul,
+        prefix: impl Into<String>,
+        config: WatchConfig,
+        derive: impl Fn(u64, &[KvPair], Option<&L>) -> L + Send + 'static,
+    ) -> DerivedWatch<L> {
+        let watch = consul.watch_prefix(prefix, config);
+        let stats = watch.stats().clone();
+        let (tx, rx) = watch::channel(None);
+        let task = tokio::spawn(async move {
+            let mut src = watch.subscribe();
+            let mut prev: Option<Arc<L>> = None;
+            loop {
+                let snap = src.borrow_and_update().clone();
+                if let Some(s) = snap {
+                    let value = Arc::new(derive(s.index, &s.value, prev.as_deref()));
+                    prev = Some(value.clone());
+                    if tx.send(Some(value)).is_err() {
+                        return;
+                    }
+                }
+                if src.changed().await.is_err() {
+                    return;
+                }
+            }
+        });
+        DerivedWatch { rx, task, stats }
+    }
+
+    pub fn subscribe(&self) -> watch::Receiver<Option<Arc<L>>> {
+        self.rx.clone()
+    }
+
+    pub fn latest(&self) -> Option<Arc<L>> {
+        self.rx.borrow().clone()
+    }
+
+    pub fn stats(&self) -> &Arc<WatchStats> {
+        &self.stats
+    }
+}

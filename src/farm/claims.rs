@@ -58,16 +58,30 @@ impl Assignment {
 
 /// Computes the assignment of `rcs` (each with its own labels, for the farms' RC selectors).
 pub fn assign(rcs: &BTreeMap<RcId, LabelSet>, farms: &[FarmView]) -> Assignment {
+    assign_by(rcs, farms, |selector, labels| selector.matches(labels))
+}
+
+/// Computes the assignment of any claimed objects (named by an RC id: rolls are named by
+/// their new RC), `may_serve` telling whether a farm's RC selector admits an object.
+pub fn assign_by<L>(
+    items: &BTreeMap<RcId, L>,
+    farms: &[FarmView],
+    may_serve: impl Fn(&Selector, &L) -> bool,
+) -> Assignment {
     let mut farms: Vec<&FarmView> = farms.iter().collect();
     farms.sort_by(|a, b| a.farm_id.cmp(&b.farm_id));
     farms.dedup_by(|a, b| a.farm_id == b.farm_id);
     if farms.is_empty() {
         return Assignment::default();
     }
-    // Fair share per farm: the RCs it may serve, divided among the farms with the same selector.
+    // Fair share per farm: the objects it may serve, divided among the farms with the same
+    // selector.
     let mut cap = BTreeMap::new();
     for f in &farms {
-        let servable = rcs.values().filter(|l| f.rc_selector.matches(*l)).count();
+        let servable = items
+            .values()
+            .filter(|l| may_serve(&f.rc_selector, l))
+            .count();
         let peers = farms
             .iter()
             .filter(|g| g.rc_selector == f.rc_selector)
@@ -77,10 +91,10 @@ pub fn assign(rcs: &BTreeMap<RcId, LabelSet>, farms: &[FarmView]) -> Assignment 
     }
     let mut load: BTreeMap<&str, usize> = BTreeMap::new();
     let mut owner = BTreeMap::new();
-    for (rc, labels) in rcs {
+    for (rc, labels) in items {
         let mut candidates: Vec<(&FarmView, u64)> = farms
             .iter()
-            .filter(|f| f.rc_selector.matches(labels))
+            .filter(|f| may_serve(&f.rc_selector, labels))
             .map(|f| (*f, score(&f.farm_id, rc)))
             .collect();
         candidates.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.farm_id.cmp(&b.0.farm_id)));

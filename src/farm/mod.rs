@@ -9,10 +9,12 @@ pub mod claims;
 mod ownership;
 mod rcs;
 pub mod registry;
+mod rolls;
 mod shipping;
 pub mod sweep;
+mod unclaimable;
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -28,13 +30,17 @@ use crate::consul::{
 };
 use crate::health::HealthCache;
 use crate::labels::{LabelCache, LabelType, Selector};
-use crate::rc::{RcId, RcStore, RcWatch};
+use crate::rc::{LockView, RcStore, RcWatch};
 use crate::rctask::{IntentView, StatusRegistry, TaskConfig, TaskContext, TaskEvent};
+use crate::roll::{
+    ROLL_LOCK_PREFIX, RollConfig, RollContext, RollEvent, RollStatusRegistry, RollStore, RollWatch,
+};
 use crate::scheduler::{LabelScheduler, PoolConfig, PoolScheduler, Scheduler};
 use crate::util::{Backoff, jitter_half};
 use ownership::{ClaimFarm, ClaimRules};
-use rcs::{OwnedRcs, RcKind};
+use rcs::{LocksTx, OwnedRcs, RcKind};
 use registry::{FARMS_PREFIX, FarmInfo};
+use rolls::{OwnedRolls, RollDispatch, RollKind, RollsTx};
 
 /// Which scheduler the farm uses.
 #[derive(Debug, Clone)]
@@ -68,6 +74,7 @@ pub struct FarmConfig {
     /// does not ship (records wait in Consul for a farm that does).
     pub audit_db: Option<String>,
     pub shipper: ShipperConfig,
+    pub roll: RollConfig,
 }
 
 impl FarmConfig {
@@ -87,6 +94,7 @@ impl FarmConfig {
             http: None,
             audit_db: None,
             shipper: ShipperConfig::default(),
+            roll: RollConfig::default(),
         }
     }
 
@@ -108,6 +116,16 @@ pub enum FarmError {
     Consul(#[from] ConsulError),
 }
 
+/// What serving under one session works with.
+struct Serving<'a> {
+    session: &'a Session,
+    info: &'a FarmInfo,
+    ctx: Arc<TaskContext>,
+    roll_ctx: Arc<RollContext>,
+    locks_tx: LocksTx,
+    rolls_tx: RollsTx,
+}
+
 /// Why serving under one session ended.
 enum Ended {
     Shutdown,
@@ -119,6 +137,8 @@ struct Views {
     rcs: RcWatch,
     locks: Watch<Vec<KvPair>>,
     farms: Watch<Vec<KvPair>>,
+    rolls: RollWatch,
+    roll_locks: Watch<Vec<KvPair>>,
     rc_labels: Arc<LabelCache>,
     nodes: Arc<LabelCache>,
     pods: Arc<LabelCache>,
@@ -130,6 +150,7 @@ pub struct Farm {
     config: FarmConfig,
     consul: Consul,
     status: Arc<StatusRegistry>,
+    roll_status: Arc<RollStatusRegistry>,
     ready: watch::Sender<bool>,
     audit: watch::Sender<Option<Arc<AuditStore>>>,
     shipper_stats: Arc<ShipperStats>,
@@ -153,6 +174,7 @@ impl Farm {
             config,
             consul,
             status,
+            roll_status: Arc::default(),
             ready,
             audit,
             shipper_stats: Arc::default(),
@@ -174,6 +196,11 @@ impl Farm {
         self.status.clone()
     }
 
+    /// What this farm reports about the rolling updates it carries out.
+    pub fn roll_status(&self) -> Arc<RollStatusRegistry> {
+        self.roll_status.clone()
+    }
+
     pub fn consul(&self) -> &Consul {
         &self.consul
     }
@@ -193,6 +220,8 @@ impl Farm {
                 .consul
                 .watch_prefix(crate::rc::RC_LOCK_PREFIX, w.clone()),
             farms: self.consul.watch_prefix(FARMS_PREFIX, w.clone()),
+            rolls: RollStore::new(self.consul.clone()).watch(w.clone()),
+            roll_locks: self.consul.watch_prefix(ROLL_LOCK_PREFIX, w.clone()),
             rc_labels: Arc::new(LabelCache::spawn(
                 &self.consul,
                 LabelType::ReplicationController,
@@ -235,7 +264,18 @@ impl Farm {
                 }
             };
             backoff.reset();
-            let (mutation_tx, mutation_rx) = watch::channel(Arc::new(BTreeMap::new()));
+            let (locks_tx, locks_rx) = watch::channel(Arc::new(LockView::default()));
+            let (rolls_tx, rolls_rx) = watch::channel(Arc::new(std::collections::BTreeMap::new()));
+            let roll_ctx = Arc::new(RollContext {
+                consul: self.consul.clone(),
+                farm_id: cfg.farm_id.clone(),
+                rcs: views.rcs.subscribe(),
+                locks: locks_rx.clone(),
+                pods: views.pods.clone(),
+                health: views.health.clone(),
+                status: self.roll_status.clone(),
+                config: cfg.roll.clone(),
+            });
             let ctx = Arc::new(TaskContext {
                 consul: self.consul.clone(),
                 farm_id: cfg.farm_id.clone(),
@@ -244,13 +284,25 @@ impl Farm {
                 scheduler: scheduler.clone(),
                 intents: Arc::new(IntentView::default()),
                 status: self.status.clone(),
-                mutation_locks: mutation_rx,
+                locks: locks_rx,
+                rolls: rolls_rx,
                 config: cfg.task.clone(),
             });
             let shipper_stop = session.lost().child_token();
             let shipper = self.spawn_shipper(&session, shipper_stop.clone());
             let ended = self
-                .serve(&views, &session, &info, ctx, mutation_tx, &shutdown)
+                .serve(
+                    &views,
+                    &Serving {
+                        session: &session,
+                        info: &info,
+                        ctx,
+                        roll_ctx,
+                        locks_tx,
+                        rolls_tx,
+                    },
+                    &shutdown,
+                )
                 .await;
             // Stored even when nobody listens, so a later subscriber is not told "ready".
             self.ready.send_replace(false);
@@ -272,6 +324,7 @@ impl Farm {
                         f.session_losses += 1;
                     });
                     self.status.clear_rcs();
+                    self.roll_status.clear();
                     let wait = jitter_half(Duration::from_secs(2));
                     tracing::warn!(%reason, retry_in = ?wait, "session lost: every RC task stopped; starting over with a new session");
                     // We gave up on it after one TTL without renewal, but Consul may still
@@ -327,24 +380,25 @@ impl Farm {
         Ok((session, info))
     }
 
-    async fn serve(
-        &self,
-        views: &Views,
-        session: &Session,
-        info: &FarmInfo,
-        ctx: Arc<TaskContext>,
-        mutation_tx: watch::Sender<Arc<BTreeMap<RcId, String>>>,
-        shutdown: &CancellationToken,
-    ) -> Ended {
+    async fn serve(&self, views: &Views, sv: &Serving<'_>, shutdown: &CancellationToken) -> Ended {
+        let session = sv.session;
         let lost = session.lost().clone();
         let (ev_tx, mut ev_rx) = mpsc::unbounded_channel::<TaskEvent>();
+        let (roll_ev_tx, mut roll_ev_rx) = mpsc::unbounded_channel::<RollEvent>();
         let mut owned = OwnedRcs::new(RcKind {
             farm_id: self.config.farm_id.clone(),
             status: self.status.clone(),
         });
+        let mut rolls = OwnedRolls::new(RollKind {
+            farm_id: self.config.farm_id.clone(),
+            status: self.roll_status.clone(),
+        });
+        let mut roll_dispatch = RollDispatch::default();
         let mut rc_rx = views.rcs.subscribe();
         let mut lock_rx = views.locks.subscribe();
         let mut farm_rx = views.farms.subscribe();
+        let mut rolls_rx = views.rolls.subscribe();
+        let mut roll_lock_rx = views.roll_locks.subscribe();
         let mut rc_label_rx = views.rc_labels.subscribe_version();
         let mut pod_changes = views.pods.subscribe_changes();
         let mut node_changes = views.nodes.subscribe_changes();
@@ -355,24 +409,60 @@ impl Farm {
         let mut sweep_soon = false;
 
         tracing::info!(session = %session.id(), "serving");
-        // Claims are reconsidered when what they depend on changes (RCs, locks, farms, RC
-        // labels, a task stopping) and on each tick; pod, node and health changes only wake
-        // the tasks they concern.
-        let mut dirty = true;
+        // Claims are reconsidered when what they depend on changes (RCs or rolls, locks,
+        // farms, RC labels, a task stopping) and on each tick; pod, node and health changes
+        // only wake the tasks they concern.
+        let (mut dirty, mut dirty_rolls) = (true, true);
         loop {
             let ready = rc_rx.borrow().is_some()
                 && lock_rx.borrow().is_some()
                 && farm_rx.borrow().is_some()
+                && rolls_rx.borrow().is_some()
+                && roll_lock_rx.borrow().is_some()
                 && views.nodes.is_synced()
                 && views.pods.is_synced()
                 && views.rc_labels.is_synced()
                 && views.health.tree().is_synced();
             if ready && dirty {
                 dirty = false;
+                let locks_before = sv.locks_tx.borrow().clone();
                 let claimed = self
-                    .reconcile_rcs(views, session, info, &ctx, &mut owned, &ev_tx, &mutation_tx)
+                    .reconcile_rcs(
+                        views,
+                        session,
+                        sv.info,
+                        &sv.ctx,
+                        &mut owned,
+                        &ev_tx,
+                        &sv.locks_tx,
+                    )
                     .await;
+                let locks_after = sv.locks_tx.borrow().clone();
+                if !Arc::ptr_eq(&locks_before, &locks_after) {
+                    self.dispatch_locks_to_rolls(
+                        &rolls,
+                        views.rolls.latest().as_deref(),
+                        &locks_before,
+                        &locks_after,
+                    );
+                }
                 sweep_soon |= claimed;
+            }
+            if ready && dirty_rolls {
+                dirty_rolls = false;
+                self.reconcile_rolls(
+                    views,
+                    session,
+                    sv.info,
+                    &sv.roll_ctx,
+                    &mut rolls,
+                    &roll_ev_tx,
+                    &sv.rolls_tx,
+                    &owned,
+                )
+                .await;
+            }
+            if ready {
                 let _ = self.ready.send_if_modified(|r| {
                     let changed = !*r;
                     *r = true;
@@ -381,7 +471,7 @@ impl Farm {
                 self.status.update_farm(|f| f.synced = true);
             }
             if ready && (sweep_soon || Instant::now() >= next_sweep) {
-                self.sweep(views, &ctx, &owned).await;
+                self.sweep(views, &sv.ctx, &owned).await;
                 next_sweep = Instant::now()
                     + jitter_half(self.config.consistency_interval * 2)
                         .min(self.config.consistency_interval * 2);
@@ -390,13 +480,14 @@ impl Farm {
             tokio::select! {
                 biased;
                 _ = shutdown.cancelled() => {
-                    self.hand_over(session, info, &mut owned).await;
+                    self.hand_over(sv, &mut owned, &mut rolls, views).await;
                     return Ended::Shutdown;
                 }
                 _ = lost.cancelled() => {
                     // Stop every task at once; their writes are fenced anyway, but they must
                     // not even try.
                     owned.cancel_all();
+                    rolls.cancel_all();
                     return Ended::SessionLost(session.loss_reason().unwrap_or_default());
                 }
                 Some(ev) = ev_rx.recv() => {
@@ -404,9 +495,17 @@ impl Farm {
                     owned.fenced(id);
                     dirty = true;
                 }
+                Some(ev) = roll_ev_rx.recv() => {
+                    let RollEvent::Fenced(id) = ev;
+                    rolls.fenced(id);
+                    dirty_rolls = true;
+                }
                 r = rc_rx.changed() => {
                     if r.is_err() { return Ended::SessionLost("RC watch ended".into()); }
                     dirty = true;
+                    if let Some(listing) = views.rcs.latest() {
+                        self.dispatch_rcs_to_rolls(&rolls, views.rolls.latest().as_deref(), &listing, &mut roll_dispatch);
+                    }
                 }
                 r = lock_rx.changed() => {
                     if r.is_err() { return Ended::SessionLost("lock watch ended".into()); }
@@ -415,12 +514,33 @@ impl Farm {
                 r = farm_rx.changed() => {
                     if r.is_err() { return Ended::SessionLost("farm watch ended".into()); }
                     dirty = true;
+                    dirty_rolls = true;
                 }
-                _ = rc_label_rx.changed() => dirty = true,
-                c = pod_changes.recv() => self.dispatch_pod_changes(&owned, c),
+                r = rolls_rx.changed() => {
+                    if r.is_err() { return Ended::SessionLost("roll watch ended".into()); }
+                    dirty_rolls = true;
+                }
+                r = roll_lock_rx.changed() => {
+                    if r.is_err() { return Ended::SessionLost("roll lock watch ended".into()); }
+                    dirty_rolls = true;
+                }
+                _ = rc_label_rx.changed() => {
+                    dirty = true;
+                    dirty_rolls = true;
+                }
+                c = pod_changes.recv() => {
+                    self.dispatch_pods_to_rolls(&rolls, views.rolls.latest().as_deref(), &c);
+                    self.dispatch_pod_changes(&owned, c);
+                }
                 c = node_changes.recv() => self.dispatch_node_changes(&owned, views, c),
-                _ = health_rx.changed() => self.dispatch_health_changes(&owned, views),
-                _ = tick.tick() => dirty = true,
+                _ = health_rx.changed() => {
+                    self.dispatch_health_changes(&owned, views);
+                    self.dispatch_health_to_rolls(&rolls, views);
+                }
+                _ = tick.tick() => {
+                    dirty = true;
+                    dirty_rolls = true;
+                }
                 _ = tokio::time::sleep_until(next_sweep) => {}
             }
         }
@@ -439,7 +559,14 @@ impl Farm {
     }
 
     /// Graceful shutdown: stop tasks, leave the registry, release every lock.
-    async fn hand_over(&self, session: &Session, info: &FarmInfo, owned: &mut OwnedRcs) {
+    async fn hand_over(
+        &self,
+        sv: &Serving<'_>,
+        owned: &mut OwnedRcs,
+        rolls: &mut OwnedRolls,
+        views: &Views,
+    ) {
+        let (session, info) = (sv.session, sv.info);
         let started = Instant::now();
         let _ = self
             .consul
@@ -448,12 +575,17 @@ impl Farm {
                 TxnOp::delete(info.key()),
             ])
             .await;
+        let locks = sv.locks_tx.borrow().clone();
+        self.hand_over_rolls(session, rolls, views.rolls.latest().as_deref(), &locks)
+            .await;
         let farm = self.claim_farm(session);
         let ids = owned.hand_over(&farm).await;
         // Mutation locks of transfers in flight: the next owner resumes them.
         let store = RcStore::new(self.consul.clone());
         for id in &ids {
-            let _ = store.release_mutation(*id, session.id()).await;
+            let _ = store
+                .release_mutation(*id, session.id(), &id.node_transfer_holder())
+                .await;
         }
         self.status.clear_rcs();
         tracing::info!(released = ids.len(), took = ?started.elapsed(), "handed every RC over");

@@ -58,6 +58,28 @@ pub(crate) struct ClaimRules {
     pub slack: usize,
 }
 
+/// A claim or release record: the object (under `id_field`), the farm, its session, and for
+/// a release why.
+pub(crate) fn ownership_record(
+    event: &str,
+    id_field: &str,
+    id: RcId,
+    farm_id: &str,
+    session: &Session,
+    reason: Option<&str>,
+) -> AuditRecord {
+    let mut details = serde_json::json!({
+        id_field: id,
+        "farm_id": farm_id,
+        "session": session.id(),
+        "session_name": session.name(),
+    });
+    if let Some(r) = reason {
+        details["reason"] = r.into();
+    }
+    AuditRecord::new(event, details)
+}
+
 /// What a farm owns of one kind under its current session.
 pub(crate) struct Owned<K: Kind> {
     pub kind: K,
@@ -290,12 +312,7 @@ impl ClaimFarm<'_> {
                 }
                 match self.consul.txn(&ops).await {
                     Ok(resp) => {
-                        let index = resp
-                            .results
-                            .iter()
-                            .map(|r| r.modify_index)
-                            .max()
-                            .unwrap_or(0);
+                        let index = resp.commit_index();
                         tracing::info!(count = batch.len(), "claimed {}", K::PLURAL);
                         got.extend(batch.iter().map(|id| (*id, index)));
                         break;

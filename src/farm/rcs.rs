@@ -5,17 +5,17 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
-use serde_json::json;
 use tokio::sync::{broadcast, mpsc, watch};
 
 use super::claims::assign;
-use super::ownership::{ClaimView, Kind, Owned};
+use super::ownership::{ClaimView, Kind, Owned, ownership_record};
 use super::registry::{self, FarmInfo};
+use super::unclaimable::Unclaimable;
 use super::{Farm, Views, sweep};
 use crate::audit::{AuditRecord, events};
 use crate::consul::Session;
 use crate::labels::{LabelChanges, LabelSet, Selector};
-use crate::rc::{InvalidRc, RC_ID_LABEL, RcId, RcListing, RcStore, parse_locks};
+use crate::rc::{LockView, RC_ID_LABEL, RcId, RcListing, RcStore, parse_locks};
 use crate::rctask::{RcState, StatusRegistry, TaskContext, TaskEvent, TaskHandle};
 
 /// RCs, for the claim machinery.
@@ -34,16 +34,24 @@ impl Kind for RcKind {
     }
 
     fn claimed_record(&self, id: RcId, session: &Session) -> AuditRecord {
-        AuditRecord::new(
+        ownership_record(
             events::RC_CLAIMED,
-            json!({"replication_controller_id": id, "farm_id": self.farm_id, "session": session.id(), "session_name": session.name()}),
+            "replication_controller_id",
+            id,
+            &self.farm_id,
+            session,
+            None,
         )
     }
 
     fn released_record(&self, id: RcId, session: &Session, reason: &str) -> AuditRecord {
-        AuditRecord::new(
+        ownership_record(
             events::RC_RELEASED,
-            json!({"replication_controller_id": id, "farm_id": self.farm_id, "session": session.id(), "session_name": session.name(), "reason": reason}),
+            "replication_controller_id",
+            id,
+            &self.farm_id,
+            session,
+            Some(reason),
         )
     }
 
@@ -57,6 +65,9 @@ impl Kind for RcKind {
 }
 
 pub(crate) type OwnedRcs = Owned<RcKind>;
+
+/// Where the farm publishes the RC lock tree to its tasks.
+pub(crate) type LocksTx = watch::Sender<Arc<LockView>>;
 
 type Changes = Result<Arc<LabelChanges>, broadcast::error::RecvError>;
 
@@ -133,7 +144,7 @@ impl Farm {
         ctx: &Arc<TaskContext>,
         owned: &mut OwnedRcs,
         ev_tx: &mpsc::UnboundedSender<TaskEvent>,
-        mutation_tx: &watch::Sender<Arc<BTreeMap<RcId, String>>>,
+        locks_tx: &LocksTx,
     ) -> bool {
         let Some(listing) = views.rcs.latest() else {
             return false;
@@ -155,26 +166,37 @@ impl Farm {
                 }
             }
         }
-        let mutation: BTreeMap<RcId, String> = holders
-            .iter()
-            .filter_map(|(id, h)| h.mutation.as_ref().map(|(s, _)| (*id, s.clone())))
-            .collect();
-        if **mutation_tx.borrow() != mutation {
-            let changed: Vec<RcId> = owned
-                .tasks
-                .keys()
-                .filter(|id| mutation_tx.borrow().get(id) != mutation.get(id))
-                .copied()
-                .collect();
-            let _ = mutation_tx.send(Arc::new(mutation));
-            for id in changed {
-                if let Some(t) = owned.tasks.get(&id) {
+        if locks_tx.borrow().index != lock_snap.index {
+            let view = Arc::new(LockView {
+                index: lock_snap.index,
+                holders: holders.clone(),
+            });
+            let old = locks_tx.send_replace(view.clone());
+            for (id, t) in &owned.tasks {
+                if old.mutation(*id) != view.mutation(*id) {
                     t.wake();
                 }
             }
         }
 
-        self.report_unclaimable(&listing).await;
+        self.report_unclaimable(
+            crate::rc::RC_PREFIX,
+            "RC",
+            events::RC_INVALID,
+            "rcfarm_rc_invalid_total",
+            listing
+                .invalid
+                .iter()
+                .filter(|(k, _)| !matches!(RcId::from_key(k), Some(Ok(_))))
+                .map(|(k, inv)| Unclaimable {
+                    key: k.clone(),
+                    modify_index: inv.modify_index,
+                    problem: inv.problem.to_string(),
+                    kind: inv.problem.kind(),
+                })
+                .collect(),
+        )
+        .await;
 
         // Every RC key that names an RC, valid or not (an invalid one is still claimed, so that
         // exactly one farm reports it).
@@ -202,11 +224,7 @@ impl Farm {
                 )
             })
             .collect();
-        let mut farms = registry::live_farms(&farm_snap.value);
-        if !farms.iter().any(|f| f.session == sid) {
-            // Our own registration not in the view yet: count ourselves anyway.
-            farms.push(info.clone());
-        }
+        let farms = registry::live_farms_with(&farm_snap.value, info);
         let assignment = assign(&rc_labels, &registry::views(&farms));
         let cap = assignment
             .cap
@@ -252,19 +270,31 @@ impl Farm {
         // mid-transfer (handover, fencing, deletion), when the release request is lost, or when
         // an acquire sent by a task just stopped lands late; the lock tree's change brings us
         // back here. The transfer itself, if one is in flight, is resumed by the owner.
-        let stray: Vec<RcId> = holders
+        let stray: Vec<(RcId, String)> = holders
             .iter()
-            .filter(|(id, h)| {
-                h.mutation.as_ref().is_some_and(|(s, _)| s == sid) && !owned.tasks.contains_key(id)
+            .filter_map(|(id, h)| {
+                let (s, v) = h.mutation.as_ref()?;
+                if s != sid {
+                    return None;
+                }
+                let ours_for_transfer = *v == id.node_transfer_holder();
+                // A rolling update's lock is the roll farm's business; any other value under
+                // our session (a late request of a stopped task, an older version) is stray.
+                let stray = if ours_for_transfer {
+                    !owned.tasks.contains_key(id)
+                } else {
+                    !v.starts_with(crate::roll::ROLL_HOLDER_PREFIX)
+                };
+                stray.then(|| (*id, v.clone()))
             })
-            .map(|(id, _)| *id)
             .collect();
         if !stray.is_empty() {
             let store = RcStore::new(self.consul.clone());
-            for id in stray {
-                match store.release_mutation(id, sid).await {
-                    Ok(_) => {
-                        tracing::info!(rc_id = %id, "released the mutation lock of an RC this farm no longer serves")
+            for (id, holder) in stray {
+                match store.release_mutation(id, sid, &holder).await {
+                    Ok(false) => {}
+                    Ok(true) => {
+                        tracing::info!(rc_id = %id, %holder, "released the mutation lock of an RC this farm no longer serves")
                     }
                     Err(e) => {
                         tracing::warn!(rc_id = %id, error = %e, "cannot release a stray mutation lock; will retry")
@@ -320,50 +350,6 @@ impl Farm {
                 }
             }
             Err(e) => tracing::warn!(error = %e, "consistency sweep failed"),
-        }
-    }
-    /// Reports records under the RC prefix whose key names no RC (`replication_controllers/x`):
-    /// no lock can be taken on them, so every farm sees them. Each farm logs each version once;
-    /// the audit record has an id derived from key and version, written create-only, so there
-    /// is one record per version however many farms notice.
-    pub(super) async fn report_unclaimable(&self, listing: &RcListing) {
-        let due: Vec<(&String, &InvalidRc)> = {
-            let mut reported = self.unclaimable_reported.lock();
-            reported.retain(|k, _| listing.invalid.contains_key(k));
-            listing
-                .invalid
-                .iter()
-                .filter(|(k, inv)| {
-                    !matches!(RcId::from_key(k), Some(Ok(_)))
-                        && reported.get(*k) != Some(&inv.modify_index)
-                })
-                .collect()
-        };
-        for (key, inv) in due {
-            tracing::warn!(%key, problem = %inv.problem, "a record under the RC prefix names no RC; no farm will serve it");
-            metrics::counter!("rcfarm_rc_invalid_total", "kind" => inv.problem.kind()).increment(1);
-            let audit = AuditRecord::deterministic(
-                &format!("{key}@{}", inv.modify_index),
-                events::RC_INVALID,
-                json!({
-                    "key": key,
-                    "modify_index": inv.modify_index,
-                    "problem": inv.problem.to_string(),
-                    "farm_id": self.config.farm_id,
-                }),
-            );
-            match self.consul.txn(&[audit.txn_op()]).await {
-                Ok(_) => {}
-                // Another farm recorded it first.
-                Err(e) if AuditRecord::recorded_already(&e, 0) => {}
-                Err(e) => {
-                    tracing::warn!(%key, error = %e, "cannot record the invalid RC key; will retry");
-                    continue;
-                }
-            }
-            self.unclaimable_reported
-                .lock()
-                .insert(key.clone(), inv.modify_index);
         }
     }
 }

@@ -46,6 +46,15 @@ pub fn live_farms(entries: &[KvPair]) -> Vec<FarmInfo> {
     out
 }
 
+/// Live farms, counting `me` even before its own registration shows in the view.
+pub fn live_farms_with(entries: &[KvPair], me: &FarmInfo) -> Vec<FarmInfo> {
+    let mut farms = live_farms(entries);
+    if !farms.iter().any(|f| f.session == me.session) {
+        farms.push(me.clone());
+    }
+    farms
+}
+
 /// The views the claim assignment needs. A farm whose selector does not parse serves nothing.
 pub fn views(farms: &[FarmInfo]) -> Vec<FarmView> {
     farms

@@ -3,35 +3,24 @@
 
 use std::collections::BTreeSet;
 
-use crate::consul::{Consul, ConsulError, MAX_TXN_OPS, TxnOp};
+use crate::consul::{Consul, ConsulError};
 use crate::rctask::{IntentState, IntentView, intent_key};
 
-/// Reads the intents of `pods` (`(node, pod id)`) and records them. `get-tree` on the exact key
-/// never fails for a missing key and exists in every Consul version (unlike `get-or-empty`).
+/// Reads the intents of `pods` (`(node, pod id)`) and records them.
 pub async fn sweep(
     consul: &Consul,
     view: &IntentView,
     pods: &BTreeSet<(String, String)>,
 ) -> Result<usize, ConsulError> {
-    let pods: Vec<&(String, String)> = pods.iter().collect();
-    let mut read = 0;
-    for chunk in pods.chunks(MAX_TXN_OPS) {
-        let ops: Vec<TxnOp> = chunk
-            .iter()
-            .map(|(n, p)| TxnOp::get_tree(intent_key(n, p)))
-            .collect();
-        let resp = consul.txn(&ops).await?;
-        for (node, pod) in chunk {
-            let key = intent_key(node, pod);
-            let value = resp
-                .results
-                .iter()
-                .find(|r| r.key == key)
-                .map(|r| r.value_bytes());
-            view.set(node, pod, IntentState::from_value(value));
-            read += 1;
-        }
+    let keys: Vec<String> = pods.iter().map(|(n, p)| intent_key(n, p)).collect();
+    let found = consul.read_keys(&keys).await?;
+    for ((node, pod), key) in pods.iter().zip(&keys) {
+        view.set(
+            node,
+            pod,
+            IntentState::from_value(found.get(key).map(|kv| kv.value_bytes())),
+        );
     }
-    view.retain(&pods.into_iter().cloned().collect());
-    Ok(read)
+    view.retain(pods);
+    Ok(keys.len())
 }

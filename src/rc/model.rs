@@ -9,6 +9,7 @@ use uuid::Uuid;
 
 use super::manifest::{Manifest, ManifestError};
 use crate::labels::{LabelSet, Selector, SelectorError};
+use crate::util::describe_json as found;
 
 pub const RC_PREFIX: &str = "replication_controllers/";
 pub const RC_LOCK_PREFIX: &str = "lock/replication_controllers/";
@@ -55,6 +56,11 @@ impl RcId {
     /// The mutation lock (node transfers, rolling updates). The name `update` is P2's.
     pub fn mutation_lock_key(&self) -> String {
         format!("{RC_LOCK_PREFIX}{self}/update")
+    }
+
+    /// The value a node transfer writes into the mutation lock it holds.
+    pub fn node_transfer_holder(&self) -> String {
+        format!("rc-node-transfer-{self}")
     }
 
     /// The id from an RC key, if the key is one.
@@ -106,12 +112,23 @@ pub enum AllocationStrategy {
 }
 
 impl AllocationStrategy {
-    pub fn parse(s: &str) -> Result<AllocationStrategy, String> {
+    /// Reads a stored strategy as P2 does: `dynamic_strategy` is dynamic, anything else is
+    /// static (`p2-rctl create --allocation-strategy` writes whatever it is given, `static`
+    /// say, and P2 serves such RCs as static ones).
+    pub fn from_p2(s: &str) -> AllocationStrategy {
         match s {
-            "dynamic_strategy" => Ok(AllocationStrategy::Dynamic),
-            "static_strategy" | "" => Ok(AllocationStrategy::Static),
-            other => Err(format!(
-                "unknown allocation_strategy {other:?}: use \"dynamic_strategy\" or \"static_strategy\""
+            "dynamic_strategy" => AllocationStrategy::Dynamic,
+            _ => AllocationStrategy::Static,
+        }
+    }
+
+    /// Why a stored strategy deserves a warning (P2 reads it as static; so do we), if it does.
+    pub fn unusual(s: &str) -> Option<String> {
+        match s {
+            "dynamic_strategy" | "static_strategy" | "" => None,
+            other => Some(format!(
+                "allocation_strategy {other:?} is neither \"static_strategy\" nor \"dynamic_strategy\"; \
+                 served as static_strategy, as P2 does"
             )),
         }
     }
@@ -166,8 +183,6 @@ pub enum RcProblem {
     BadSelector(SelectorError),
     #[error("field `manifest`: {0}")]
     BadManifest(ManifestError),
-    #[error("field `allocation_strategy`: {0}")]
-    BadStrategy(String),
     #[error("field `pod_labels`: {0}")]
     BadPodLabel(String),
 }
@@ -184,7 +199,6 @@ impl RcProblem {
             RcProblem::NegativeReplicas(_) => "negative_replicas",
             RcProblem::BadSelector(_) => "bad_selector",
             RcProblem::BadManifest(_) => "bad_manifest",
-            RcProblem::BadStrategy(_) => "bad_strategy",
             RcProblem::BadPodLabel(_) => "bad_pod_label",
         }
     }
@@ -199,31 +213,13 @@ pub struct InvalidRc {
     pub problem: RcProblem,
 }
 
-fn found(v: &Value) -> String {
-    let s = v.to_string();
-    if s.len() > 40 {
-        format!(
-            "{}…",
-            &s[..s.char_indices().nth(40).map_or(s.len(), |(i, _)| i)]
-        )
-    } else {
-        s
-    }
-}
-
 impl RawRc {
     /// Decodes a stored record, naming the field that is wrong.
     pub fn from_json(bytes: &[u8]) -> Result<RawRc, RcProblem> {
         let v: Value =
             serde_json::from_slice(bytes).map_err(|e| RcProblem::BadJson(e.to_string()))?;
         let Value::Object(mut m) = v else {
-            return Err(RcProblem::NotAnObject(match v {
-                Value::Array(_) => "an array",
-                Value::String(_) => "a string",
-                Value::Number(_) => "a number",
-                Value::Bool(_) => "a boolean",
-                _ => "null",
-            }));
+            return Err(RcProblem::NotAnObject(crate::util::json_kind(&v)));
         };
         let mut string = |field: &'static str| -> Result<String, RcProblem> {
             match m.remove(field) {
@@ -349,8 +345,7 @@ impl Rc {
         }
         let node_selector = Selector::parse(&raw.node_selector).map_err(RcProblem::BadSelector)?;
         let manifest = Manifest::parse(&raw.manifest).map_err(RcProblem::BadManifest)?;
-        let strategy =
-            AllocationStrategy::parse(&raw.allocation_strategy).map_err(RcProblem::BadStrategy)?;
+        let strategy = AllocationStrategy::from_p2(&raw.allocation_strategy);
         let pod_labels = raw.pod_labels.clone().unwrap_or_default();
         for k in pod_labels.keys() {
             if k.is_empty() {
@@ -506,10 +501,6 @@ mod tests {
             RcProblem::BadManifest(ManifestError::MissingId)
         ));
         assert!(matches!(
-            bad(&rec.replace("dynamic_strategy", "fancy")),
-            RcProblem::BadStrategy(_)
-        ));
-        assert!(matches!(
             bad(&rec.replace(ID, "6ba7b810-9dad-11d1-80b4-00c04fd430c9")),
             RcProblem::IdMismatch { .. }
         ));
@@ -531,6 +522,28 @@ mod tests {
             Rc::from_kv(&upper, rec.as_bytes(), 1).unwrap_err().problem,
             RcProblem::BadKey(_)
         ));
+    }
+
+    #[test]
+    fn any_strategy_but_dynamic_is_static_as_in_p2() {
+        // `p2-rctl create --allocation-strategy static` writes "static" verbatim.
+        for s in ["static", "fancy", "STATIC_STRATEGY"] {
+            let rc = Rc::from_kv(
+                &key(),
+                p2_record().replace("dynamic_strategy", s).as_bytes(),
+                1,
+            )
+            .unwrap();
+            assert_eq!(rc.strategy, AllocationStrategy::Static, "{s}");
+            assert!(AllocationStrategy::unusual(s).is_some());
+            assert!(
+                String::from_utf8(rc.raw.to_json())
+                    .unwrap()
+                    .contains(&format!("\"{s}\"")),
+                "kept as written"
+            );
+        }
+        assert!(AllocationStrategy::unusual("static_strategy").is_none());
     }
 
     #[test]

@@ -10,8 +10,6 @@ use std::sync::Arc;
 
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
-use tokio::sync::watch;
-use tokio::task::JoinHandle;
 
 use super::model::{
     AllocationStrategy, InvalidRc, RC_LOCK_PREFIX, RC_PREFIX, RawRc, Rc, RcId, RcProblem,
@@ -134,6 +132,24 @@ pub struct LockHolders {
     /// Session and value of the ownership lock, if held.
     pub ownership: Option<(String, String)>,
     pub mutation: Option<(String, String)>,
+    /// The mutation lock key's `ModifyIndex` while the key exists (held or not): taking the
+    /// lock only at that index (or only while absent) is how one session's two users of the
+    /// lock (a node transfer, a rolling update) keep from taking it from each other.
+    pub mutation_index: Option<u64>,
+}
+
+/// The RC lock tree as a farm's tasks see it: who holds what, at which index.
+#[derive(Debug, Clone, Default)]
+pub struct LockView {
+    pub index: u64,
+    pub holders: BTreeMap<RcId, LockHolders>,
+}
+
+impl LockView {
+    /// Session and value of an RC's mutation lock, if held.
+    pub fn mutation(&self, id: RcId) -> Option<&(String, String)> {
+        self.holders.get(&id).and_then(|h| h.mutation.as_ref())
+    }
 }
 
 /// Reads and writes RCs.
@@ -263,7 +279,7 @@ impl RcStore {
 
     /// Watches the whole RC tree with one blocking query.
     pub fn watch(&self, config: WatchConfig) -> RcWatch {
-        RcWatch::spawn(&self.consul, config)
+        RcWatch::spawn(&self.consul, RC_PREFIX, config, parse_listing)
     }
 
     /// Reads, changes and writes back an RC with a CAS, and its audit record, in one
@@ -355,6 +371,24 @@ impl RcStore {
             id,
             attempts: self.retries,
         })
+    }
+
+    /// The op that rewrites `rc` with `mutations` applied, CAS on the version read, for a
+    /// transaction of someone else's (a rolling update's step). `change_id` names the audit
+    /// record of the transaction, so the owning farm knows the change is recorded already.
+    pub fn rewrite_op(
+        rc: &Rc,
+        mutations: &[Mutation],
+        change_id: &str,
+    ) -> Result<TxnOp, RcStoreError> {
+        let mut raw = rc.raw.clone();
+        for m in mutations {
+            m.apply(&mut raw);
+        }
+        raw.extra
+            .insert(super::CHANGE_MARKER.to_string(), json!(change_id));
+        let new = Rc::from_raw(rc.id, raw, rc.modify_index).map_err(RcStoreError::BadChange)?;
+        Ok(TxnOp::cas(rc.id.key(), new.raw.to_json(), rc.modify_index))
     }
 
     /// Deletes an RC and its labels. Refused while it still wants replicas, unless forced:
@@ -452,21 +486,84 @@ impl RcStore {
         self.release(&id.ownership_lock_key(), session).await
     }
 
-    /// Takes the mutation lock (node transfers; P2's rolling updates hold it too).
+    /// Takes the mutation lock for `holder` (node transfers; rolling updates hold it too),
+    /// unless someone else has it: another session, or this same session for another holder
+    /// (a farm's node transfer and its rolling update share the farm's session). `true` if
+    /// `holder` holds it now.
     pub async fn acquire_mutation(
         &self,
         id: RcId,
         session: &str,
         holder: &str,
     ) -> Result<bool, RcStoreError> {
-        Ok(self
+        let key = id.mutation_lock_key();
+        let (entry, _) = self.consul.kv_get(&key, &QueryOptions::default()).await?;
+        let seen = match &entry {
+            Some(e) if e.session.is_some() => {
+                return Ok(
+                    e.session.as_deref() == Some(session) && e.value_bytes() == holder.as_bytes()
+                );
+            }
+            Some(e) => Some(e.modify_index),
+            None => None,
+        };
+        match self
             .consul
-            .kv_acquire(&id.mutation_lock_key(), holder.as_bytes(), session, None)
-            .await?)
+            .txn(&Self::mutation_lock_ops(id, session, holder, seen))
+            .await
+        {
+            Ok(_) => Ok(true),
+            Err(ConsulError::Conflict(_)) => Ok(false),
+            Err(e) => Err(e.into()),
+        }
     }
 
-    pub async fn release_mutation(&self, id: RcId, session: &str) -> Result<bool, RcStoreError> {
-        self.release(&id.mutation_lock_key(), session).await
+    /// Transaction ops that take the mutation lock for `holder` only if the key is as last
+    /// seen: free at index `seen`, or absent (`None`). A plain lock op would succeed over the
+    /// same session's other holder.
+    pub fn mutation_lock_ops(
+        id: RcId,
+        session: &str,
+        holder: &str,
+        seen: Option<u64>,
+    ) -> Vec<TxnOp> {
+        let key = id.mutation_lock_key();
+        let guard = match seen {
+            Some(index) => TxnOp::check_index(key.clone(), index),
+            // Create-only: fails if the key appeared meanwhile.
+            None => TxnOp::cas(key.clone(), holder.as_bytes().to_vec(), 0),
+        };
+        vec![guard, TxnOp::lock(key, holder.as_bytes().to_vec(), session)]
+    }
+
+    /// Gives the mutation lock up if `session` holds it for `holder` (and not for another of
+    /// its users). `true` if it was released.
+    pub async fn release_mutation(
+        &self,
+        id: RcId,
+        session: &str,
+        holder: &str,
+    ) -> Result<bool, RcStoreError> {
+        let key = id.mutation_lock_key();
+        let (entry, _) = self.consul.kv_get(&key, &QueryOptions::default()).await?;
+        let Some(e) = entry.filter(|e| {
+            e.session.as_deref() == Some(session) && e.value_bytes() == holder.as_bytes()
+        }) else {
+            return Ok(false);
+        };
+        match self
+            .consul
+            .txn(&[
+                TxnOp::check_session(key.clone(), session),
+                TxnOp::check_index(key.clone(), e.modify_index),
+                TxnOp::delete(key),
+            ])
+            .await
+        {
+            Ok(_) => Ok(true),
+            Err(ConsulError::Conflict(_)) => Ok(false),
+            Err(e) => Err(e.into()),
+        }
     }
 
     async fn release(&self, key: &str, session: &str) -> Result<bool, RcStoreError> {
@@ -515,7 +612,10 @@ pub fn parse_locks(entries: &[KvPair]) -> (BTreeMap<RcId, LockHolders>, Vec<Stri
         let entry = out.entry(id).or_default();
         match suffix {
             None => entry.ownership = holder,
-            Some("update") => entry.mutation = holder,
+            Some("update") => {
+                entry.mutation = holder;
+                entry.mutation_index = Some(e.modify_index);
+            }
             // P2's other locks (update_creation, node_transfer) are not ours to interpret.
             Some("update_creation" | "node_transfer") => {}
             Some(_) => garbage.push(e.key.clone()),
@@ -525,55 +625,7 @@ pub fn parse_locks(entries: &[KvPair]) -> (BTreeMap<RcId, LockHolders>, Vec<Stri
 }
 
 /// The RC tree, watched: every change yields a new listing, parsed incrementally.
-pub struct RcWatch {
-    rx: watch::Receiver<Option<Arc<RcListing>>>,
-    task: JoinHandle<()>,
-    stats: Arc<crate::consul::WatchStats>,
-}
-
-impl Drop for RcWatch {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
-}
-
-impl RcWatch {
-    fn spawn(consul: &Consul, config: WatchConfig) -> RcWatch {
-        let watch = consul.watch_prefix(RC_PREFIX, config);
-        let stats = watch.stats().clone();
-        let (tx, rx) = watch::channel(None);
-        let task = tokio::spawn(async move {
-            let mut src = watch.subscribe();
-            let mut prev: Option<Arc<RcListing>> = None;
-            loop {
-                let snap = src.borrow_and_update().clone();
-                if let Some(s) = snap {
-                    let listing = Arc::new(parse_listing(s.index, &s.value, prev.as_deref()));
-                    prev = Some(listing.clone());
-                    if tx.send(Some(listing)).is_err() {
-                        return;
-                    }
-                }
-                if src.changed().await.is_err() {
-                    return;
-                }
-            }
-        });
-        RcWatch { rx, task, stats }
-    }
-
-    pub fn subscribe(&self) -> watch::Receiver<Option<Arc<RcListing>>> {
-        self.rx.clone()
-    }
-
-    pub fn latest(&self) -> Option<Arc<RcListing>> {
-        self.rx.borrow().clone()
-    }
-
-    pub fn stats(&self) -> &Arc<crate::consul::WatchStats> {
-        &self.stats
-    }
-}
+pub type RcWatch = crate::consul::DerivedWatch<RcListing>;
 
 /// Parses a snapshot of the RC tree, reusing the previous listing's parse of unchanged keys.
 pub fn parse_listing(index: u64, entries: &[KvPair], prev: Option<&RcListing>) -> RcListing {

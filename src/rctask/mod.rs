@@ -12,5 +12,5 @@ mod writes;
 
 pub use intents::{IntentState, IntentView, intent_key};
 pub use plan::{Action, Observed, Plan, Transfer, plan};
-pub use status::{Condition, FarmStatus, RcStatus, StatusRegistry};
+pub use status::{Condition, FarmStatus, RcStatus, StatusRegistry, set_condition};
 pub use worker::{RcState, TaskConfig, TaskContext, TaskEvent, TaskHandle, spawn};

@@ -38,6 +38,13 @@ pub struct Observed<'a> {
     /// Current nodes whose intent is missing or differs from the manifest.
     pub bad_intents: BTreeSet<NodeName>,
     pub transfer: Option<Transfer>,
+    /// Nodes to take first when growing: where the old RC of a rolling update this RC is the
+    /// new side of runs its pods (unhealthy ones first), so each new pod replaces an old one
+    /// in place, as the roll's arithmetic assumes.
+    pub takeover: Vec<NodeName>,
+    /// Nodes where another RC runs a pod of this pod id. Never scheduled on (the two RCs
+    /// would overwrite each other's intent), except by takeover.
+    pub occupied: BTreeSet<NodeName>,
     /// The scheduler was already asked for nodes in this pass and gave what it could.
     pub allocation_exhausted: bool,
     /// Another session holds the mutation lock (a rolling update, say): no transfer now.
@@ -157,13 +164,23 @@ pub fn plan(o: &Observed<'_>) -> Plan {
         p.actions.push(Action::Unschedule(victims));
     } else if n < desired {
         let need = desired - n;
-        let candidates: Vec<NodeName> = o
-            .eligible
+        let mut candidates: Vec<NodeName> = o
+            .takeover
             .iter()
-            .filter(|e| !o.current.contains_key(*e))
+            .filter(|t| !o.current.contains_key(*t) && o.eligible.contains(t))
             .take(need)
             .cloned()
             .collect();
+        let taken: BTreeSet<NodeName> = candidates.iter().cloned().collect();
+        candidates.extend(
+            o.eligible
+                .iter()
+                .filter(|e| {
+                    !o.current.contains_key(*e) && !o.occupied.contains(*e) && !taken.contains(*e)
+                })
+                .take(need - candidates.len())
+                .cloned(),
+        );
         if candidates.len() >= need {
             p.actions
                 .push(Action::Schedule(candidates[..need].to_vec()));
@@ -198,7 +215,7 @@ pub fn plan(o: &Observed<'_>) -> Plan {
         let target = o
             .eligible
             .iter()
-            .find(|e| !o.current.contains_key(*e))
+            .find(|e| !o.current.contains_key(*e) && !o.occupied.contains(*e))
             .cloned();
         if o.mutation_locked_elsewhere {
             p.waiting = Some(format!(
@@ -290,6 +307,8 @@ mod tests {
             health_in_use: false,
             bad_intents: BTreeSet::new(),
             transfer: None,
+            takeover: Vec::new(),
+            occupied: BTreeSet::new(),
             allocation_exhausted: false,
             mutation_locked_elsewhere: false,
             now: t0(),
@@ -486,5 +505,35 @@ mod tests {
         o.rc = &r;
         o.health_in_use = false;
         assert_eq!(plan(&o).actions, [Action::CompleteTransfer]);
+    }
+
+    #[test]
+    fn growing_takes_over_the_rolled_rcs_nodes_first_and_never_another_rcs_pod() {
+        let r = rc(2, "static_strategy", false);
+        let mut o = observed(&r, &[], &["a", "b", "c", "d"]);
+        // The old RC of a roll runs on c and d; another RC with this pod id on a.
+        o.takeover = vec!["d".into(), "c".into()];
+        o.occupied = nodes(&["a", "c", "d"]);
+        assert_eq!(
+            plan(&o).actions,
+            vec![Action::Schedule(vec!["d".into(), "c".into()])],
+            "takeover nodes in the order given (unhealthy first)"
+        );
+        let r3 = rc(3, "static_strategy", false);
+        let mut o = observed(&r3, &[], &["a", "b", "c", "d"]);
+        o.takeover = vec!["c".into()];
+        o.occupied = nodes(&["a", "c"]);
+        assert_eq!(
+            plan(&o).actions,
+            vec![Action::Schedule(vec!["c".into(), "b".into(), "d".into()])],
+            "then eligible nodes no other RC's pod of this id is on"
+        );
+        // A takeover node that is not eligible for this RC is not taken.
+        let mut o = observed(&r, &[], &["a", "b"]);
+        o.takeover = vec!["z".into()];
+        assert_eq!(
+            plan(&o).actions,
+            vec![Action::Schedule(vec!["a".into(), "b".into()])]
+        );
     }
 }

@@ -8,6 +8,20 @@ use crate::audit::{AuditRecord, events};
 use crate::rc::{CHANGE_MARKER, InvalidRc, Rc};
 
 impl Worker {
+    /// Warns once per version about what P2 serves but nobody should write: a strategy P2
+    /// reads as static. The RC is served all the same.
+    pub(super) fn warn_unusual(&mut self, rc: &Rc) {
+        if self.warned == Some(rc.modify_index) {
+            return;
+        }
+        self.warned = Some(rc.modify_index);
+        if let Some(why) = crate::rc::AllocationStrategy::unusual(&rc.raw.allocation_strategy) {
+            tracing::warn!(%why, "RC record has an unusual field; serving it as P2 would");
+            metrics::counter!("rcfarm_rc_warnings_total", "kind" => "allocation_strategy")
+                .increment(1);
+        }
+    }
+
     /// Reports an invalid record once per version: log, metric, status, audit event.
     pub(super) async fn report_invalid(&mut self, inv: &InvalidRc) -> Result<(), TaskError> {
         self.ctx.status.update_rc(self.id, &self.ctx.farm_id, |s| {

@@ -20,6 +20,21 @@ pub struct Condition {
     pub since: DateTime<Utc>,
 }
 
+/// Sets (or with `None` clears) the condition `kind`, keeping its `since` while it stays.
+pub fn set_condition(conditions: &mut Vec<Condition>, kind: &str, message: Option<String>) {
+    match message {
+        None => conditions.retain(|c| c.kind != kind),
+        Some(message) => match conditions.iter_mut().find(|c| c.kind == kind) {
+            Some(c) => c.message = message,
+            None => conditions.push(Condition {
+                kind: kind.to_string(),
+                message,
+                since: Utc::now(),
+            }),
+        },
+    }
+}
+
 /// One RC as its owning farm sees it.
 #[derive(Debug, Clone, Serialize)]
 pub struct RcStatus {
@@ -59,17 +74,7 @@ impl RcStatus {
 
     /// Sets (or with `None` clears) a condition, keeping its `since` while it stays.
     pub fn set_condition(&mut self, kind: &str, message: Option<String>) {
-        match message {
-            None => self.conditions.retain(|c| c.kind != kind),
-            Some(message) => match self.conditions.iter_mut().find(|c| c.kind == kind) {
-                Some(c) => c.message = message,
-                None => self.conditions.push(Condition {
-                    kind: kind.to_string(),
-                    message,
-                    since: Utc::now(),
-                }),
-            },
-        }
+        set_condition(&mut self.conditions, kind, message);
     }
 
     pub fn has_condition(&self, kind: &str) -> bool {
@@ -88,6 +93,8 @@ pub struct FarmStatus {
     pub live_farms: Vec<String>,
     pub matching_rcs: usize,
     pub invalid_rcs: usize,
+    pub owned_rolls: usize,
+    pub invalid_rolls: usize,
     pub synced: bool,
     pub session_losses: u64,
 }

@@ -88,11 +88,7 @@ impl Worker {
         };
         let store = RcStore::new(self.ctx.consul.clone());
         if !store
-            .acquire_mutation(
-                self.id,
-                &self.session,
-                &format!("rc-node-transfer-{}", self.id),
-            )
+            .acquire_mutation(self.id, &self.session, &self.id.node_transfer_holder())
             .await
             .map_err(|e| TaskError::Other(e.to_string()))?
         {
@@ -147,7 +143,9 @@ impl Worker {
                 Err(e)
             }
             Err(e) => {
-                let _ = store.release_mutation(self.id, &self.session).await;
+                let _ = store
+                    .release_mutation(self.id, &self.session, &self.id.node_transfer_holder())
+                    .await;
                 if allocated {
                     self.deallocate(rc, std::slice::from_ref(&new)).await;
                 }
@@ -168,14 +166,9 @@ impl Worker {
         };
         let store = RcStore::new(self.ctx.consul.clone());
         // A transfer resumed after a farm change needs the mutation lock again.
-        let held = self.ctx.mutation_locks.borrow().get(&self.id).cloned();
-        if held.as_deref() != Some(self.session.as_str())
+        if !self.holds_mutation_lock()
             && !store
-                .acquire_mutation(
-                    self.id,
-                    &self.session,
-                    &format!("rc-node-transfer-{}", self.id),
-                )
+                .acquire_mutation(self.id, &self.session, &self.id.node_transfer_holder())
                 .await
                 .map_err(|e| TaskError::Other(e.to_string()))?
         {
@@ -218,7 +211,9 @@ impl Worker {
         }
         self.ctx.intents.remove(drop_node, rc.pod_id());
         self.transfer = None;
-        let _ = store.release_mutation(self.id, &self.session).await;
+        let _ = store
+            .release_mutation(self.id, &self.session, &self.id.node_transfer_holder())
+            .await;
         self.await_own_write(idx).await?;
         self.deallocate(rc, std::slice::from_ref(drop_node)).await;
         Ok(Applied::Done)

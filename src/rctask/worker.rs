@@ -19,7 +19,7 @@ use super::writes::Applied;
 use crate::consul::{Consul, ConsulError};
 use crate::health::HealthCache;
 use crate::labels::{LabelCache, Selector, split_pod_label_id};
-use crate::rc::{DesiredState, InvalidRc, RC_ID_LABEL, Rc, RcId, RcStore};
+use crate::rc::{DesiredState, InvalidRc, LockView, POD_ID_LABEL, RC_ID_LABEL, Rc, RcId, RcStore};
 use crate::scheduler::{NodeName, NodeSet, Scheduler, SchedulerError};
 use crate::util::{Backoff, jitter_half};
 
@@ -53,7 +53,10 @@ pub struct TaskContext {
     pub intents: Arc<IntentView>,
     pub status: Arc<StatusRegistry>,
     /// Sessions holding each RC's mutation lock, from the farm's watch of the lock tree.
-    pub mutation_locks: watch::Receiver<Arc<BTreeMap<RcId, String>>>,
+    /// The RC lock tree, from the farm's watch (who holds each RC's mutation lock).
+    pub locks: watch::Receiver<Arc<LockView>>,
+    /// Rolling updates in progress: new RC → old RC.
+    pub rolls: watch::Receiver<Arc<BTreeMap<RcId, RcId>>>,
     pub config: TaskConfig,
 }
 
@@ -122,6 +125,7 @@ pub fn spawn(
             unmet: None,
             invalid_reported: None,
             rejected_reported: None,
+            warned: None,
             last_seen: None,
             pending_dealloc: BTreeSet::new(),
             backoff: Backoff::new(Duration::from_millis(200), Duration::from_secs(30)),
@@ -154,6 +158,8 @@ pub(super) struct Worker {
     /// The `ModifyIndex` of the RC version whose writes Consul refused as too large or
     /// malformed (a huge manifest), last reported.
     pub(super) rejected_reported: Option<u64>,
+    /// The RC version whose unusual (but served) fields were last warned about.
+    pub(super) warned: Option<u64>,
     /// The desired state last seen, its index and change marker, to notice direct KV writes.
     pub(super) last_seen: Option<(u64, DesiredState, Option<String>)>,
     /// Nodes to give back to the scheduler (a deallocation that failed is retried).
@@ -292,6 +298,7 @@ impl Worker {
             s.set_condition("Invalid", None)
         });
         self.invalid_reported = None;
+        self.warn_unusual(rc);
         self.notice_changes(rc).await?;
         self.load_transfer().await?;
         if let Some(node) = self.unconfirmed_alloc.take()
@@ -299,12 +306,10 @@ impl Worker {
         {
             self.deallocate(rc, std::slice::from_ref(&node)).await;
         }
-        if self.transfer.is_none()
-            && self.ctx.mutation_locks.borrow().get(&self.id) == Some(&self.session)
-        {
+        if self.transfer.is_none() && self.holds_mutation_lock() {
             // Left over from a transfer whose release was lost: it would block rolling updates.
             RcStore::new(self.ctx.consul.clone())
-                .release_mutation(self.id, &self.session)
+                .release_mutation(self.id, &self.session, &self.id.node_transfer_holder())
                 .await
                 .map_err(|e| TaskError::Other(e.to_string()))?;
         }
@@ -380,9 +385,9 @@ impl Worker {
             self.ctx
                 .intents
                 .bad(rc.pod_id(), rc.manifest.digest(), current.keys().cloned());
-        let held_by = self.ctx.mutation_locks.borrow().get(&self.id).cloned();
-        let locked_elsewhere =
-            mutation_locked_elsewhere || held_by.is_some_and(|s| s != self.session);
+        let (takeover, occupied) = self.neighbours(rc);
+        let locked_elsewhere = mutation_locked_elsewhere
+            || (self.ctx.locks.borrow().mutation(self.id).is_some() && !self.holds_mutation_lock());
         Ok(Observed {
             rc,
             current,
@@ -391,6 +396,8 @@ impl Worker {
             health_in_use,
             bad_intents,
             transfer: self.transfer.clone(),
+            takeover,
+            occupied,
             allocation_exhausted,
             mutation_locked_elsewhere: locked_elsewhere,
             now: Utc::now(),
@@ -430,5 +437,62 @@ impl Worker {
                     .filter(|_| !rc.disabled && self.transfer.is_none()),
             );
         });
+    }
+
+    /// Whether this task's node transfer holds the RC's mutation lock (per the farm's view).
+    /// The farm's session may hold it for a rolling update instead: that is someone else.
+    pub(super) fn holds_mutation_lock(&self) -> bool {
+        self.ctx
+            .locks
+            .borrow()
+            .mutation(self.id)
+            .is_some_and(|(s, v)| *s == self.session && *v == self.id.node_transfer_holder())
+    }
+
+    /// Where other RCs run this RC's pod id: the nodes of the rolling update's old RC to take
+    /// over (unhealthy pods first, then by name), and the nodes to keep off.
+    fn neighbours(&self, rc: &Rc) -> (Vec<NodeName>, BTreeSet<NodeName>) {
+        let me = self.id.to_string();
+        let mut occupied = BTreeSet::new();
+        for id in self
+            .ctx
+            .pods
+            .matches(&Selector::from_equalities([(POD_ID_LABEL, rc.pod_id())]))
+        {
+            let Some((node, _)) = split_pod_label_id(&id) else {
+                continue;
+            };
+            if self
+                .ctx
+                .pods
+                .get(&id)
+                .is_some_and(|l| l.get(RC_ID_LABEL) != Some(&me))
+            {
+                occupied.insert(NodeName::from(node));
+            }
+        }
+        let Some(old) = self.ctx.rolls.borrow().get(&self.id).copied() else {
+            return (Vec::new(), occupied);
+        };
+        let mut takeover: Vec<(bool, NodeName)> = self
+            .ctx
+            .pods
+            .matches(&Selector::from_equalities([(
+                RC_ID_LABEL,
+                old.to_string().as_str(),
+            )]))
+            .iter()
+            .filter_map(|id| split_pod_label_id(id))
+            .map(|(node, pod)| {
+                let healthy = self
+                    .ctx
+                    .health
+                    .status(pod, node)
+                    .is_some_and(|h| h.is_passing());
+                (healthy, NodeName::from(node))
+            })
+            .collect();
+        takeover.sort();
+        (takeover.into_iter().map(|(_, n)| n).collect(), occupied)
     }
 }

@@ -59,12 +59,7 @@ impl Worker {
         all.extend(ops);
         all.extend(audits.iter().map(AuditRecord::txn_op));
         match self.ctx.consul.txn(&all).await {
-            Ok(resp) => Ok(resp
-                .results
-                .iter()
-                .map(|r| r.modify_index)
-                .max()
-                .unwrap_or(0)),
+            Ok(resp) => Ok(resp.commit_index()),
             Err(e)
                 if e.txn_failures().any(|(i, f)| {
                     i == 0 && matches!(f, TxnFailure::SessionMismatch | TxnFailure::KeyMissing)

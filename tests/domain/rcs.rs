@@ -441,6 +441,26 @@ async fn ownership_and_mutation_locks() {
         store.acquire_ownership(id, &b, "farm-b").await.unwrap(),
         "no lock-delay after an explicit release"
     );
-    assert!(store.release_mutation(id, &b).await.unwrap());
+    // One session, two users of the mutation lock (a node transfer, a rolling update): neither
+    // takes it from the other, nor releases it for the other.
+    assert!(
+        store.acquire_mutation(id, &b, "transfer").await.unwrap(),
+        "held already"
+    );
+    assert!(!store.acquire_mutation(id, &b, "roll").await.unwrap());
+    assert!(!store.release_mutation(id, &b, "roll").await.unwrap());
+    assert!(
+        !store.acquire_mutation(id, &a, "transfer").await.unwrap(),
+        "another session"
+    );
+    assert!(store.release_mutation(id, &b, "transfer").await.unwrap());
+    assert!(store.acquire_mutation(id, &b, "roll").await.unwrap());
+    assert!(store.release_mutation(id, &b, "roll").await.unwrap());
+    // A free key left behind (a lock released without deleting it) is taken too.
+    c.kv_put(&id.mutation_lock_key(), b"", None).await.unwrap();
+    assert!(store.acquire_mutation(id, &a, "roll").await.unwrap());
+    let (holders, _) = store.lock_holders().await.unwrap();
+    assert_eq!(holders[&id].mutation, Some((a.clone(), "roll".to_string())));
+    assert!(holders[&id].mutation_index.is_some());
     let _unused: LabelSet = LabelSet::new();
 }

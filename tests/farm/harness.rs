@@ -13,6 +13,7 @@ use rcfarm::invariants::Observer;
 use rcfarm::labels::{LabelSet, LabelStore, LabelType, parse_labels, split_pod_label_id};
 use rcfarm::rc::{RcId, RcStore};
 use rcfarm::server::{EmbeddedServer, LoggedCommit, ServerConfig};
+use rcfarm::simulator::{NodeSimulator, SimConfig};
 use serde_json::Value;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
@@ -379,6 +380,11 @@ impl Cluster {
     /// above its desired count +1 during a transfer). `unfenced_ok` exempts the test's own
     /// direct writes. Returns the number of fenced scheduling commits checked.
     pub fn check_invariants(&self, unfenced_ok: impl Fn(&LoggedCommit) -> bool) -> usize {
+        self.observe(unfenced_ok).fenced_writes as usize
+    }
+
+    /// Like [`Cluster::check_invariants`], returning the observer (its roll figures).
+    pub fn observe(&self, unfenced_ok: impl Fn(&LoggedCommit) -> bool) -> Observer {
         let mut o = Observer::default();
         for c in self.server.commit_log() {
             let before = o.violations.len();
@@ -399,7 +405,61 @@ impl Cluster {
             "{} broken promises, first: {shown:#?}",
             o.violations.len()
         );
-        o.fenced_writes as usize
+        o
+    }
+
+    /// Plays P2's preparer for `node-00` … `node-<n-1>` (the nodes [`nodes`] labels) in this
+    /// process, until the returned token is cancelled.
+    pub fn simulate(&self, n: usize, unhealthy_rate: f64) -> tokio_util::sync::CancellationToken {
+        let config = SimConfig {
+            nodes: (0..n).map(|i| format!("node-{i:02}")).collect(),
+            startup: Duration::from_millis(300),
+            unhealthy_rate,
+            ..SimConfig::default()
+        };
+        let sim = NodeSimulator::new(self.consul.clone(), config).unwrap();
+        let stop = tokio_util::sync::CancellationToken::new();
+        tokio::spawn(sim.run(stop.clone()));
+        stop
+    }
+
+    /// A P2 manifest for `pod_id`, version `v` (the same pod id, another artifact).
+    pub fn manifest(pod_id: &str, v: u32) -> String {
+        format!(
+            "id: {pod_id}\nlaunchables:\n  app:\n    launchable_type: hoist\n    location: https://example.com/{pod_id}-{v}.tar.gz\n"
+        )
+    }
+
+    /// Whether every pod of `rc` runs its manifest and passes its health check.
+    pub async fn all_up(&self, rc: RcId, replicas: usize) -> bool {
+        let Some(r) = RcStore::new(self.consul.clone())
+            .get(rc)
+            .await
+            .ok()
+            .flatten()
+        else {
+            return false;
+        };
+        let Some(nodes) = self.placements().await.get(&rc).cloned() else {
+            return replicas == 0;
+        };
+        if nodes.len() != replicas {
+            return false;
+        }
+        let mut keys = Vec::new();
+        for n in &nodes {
+            keys.push(format!("reality/{n}/{}", r.pod_id()));
+            keys.push(format!("health/{}/{n}", r.pod_id()));
+        }
+        let found = self.consul.read_keys(&keys).await.unwrap();
+        nodes.iter().all(|n| {
+            rcfarm::roll::runs(found.get(&format!("reality/{n}/{}", r.pod_id()))).as_deref()
+                == Some(r.manifest.digest())
+                && found
+                    .get(&format!("health/{}/{n}", r.pod_id()))
+                    .and_then(|kv| rcfarm::health::parse_health(kv.value_bytes()).ok())
+                    .is_some_and(|h| h.is_passing())
+        })
     }
 }
 

@@ -10,4 +10,5 @@ mod chaos;
 mod converge;
 mod failover;
 mod harness;
+mod rolls;
 mod trouble;

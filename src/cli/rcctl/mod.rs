@@ -6,6 +6,7 @@ mod audit;
 mod node;
 mod output;
 mod rc;
+mod roll;
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -46,6 +47,10 @@ enum Command {
     /// Replication controllers.
     #[command(subcommand)]
     Rc(RcCommand),
+    /// Rolling updates: move an RC's replicas onto a new manifest without dropping below a
+    /// minimum of healthy pods.
+    #[command(subcommand)]
+    Roll(roll::RollCommand),
     /// Node labels.
     #[command(subcommand)]
     Node(NodeCommand),
@@ -183,21 +188,11 @@ impl Ctx {
     /// (`Unmet`, `Waiting`, errors) when its HTTP API answers.
     pub async fn overview(&self) -> Result<Overview, CliError> {
         let mut ov = Overview::load(&self.consul).await.map_err(consul_failed)?;
-        crate::consul::init_tls();
-        let Ok(http) = reqwest::Client::builder()
-            .timeout(Duration::from_secs(2))
-            .build()
-        else {
-            return Ok(ov);
-        };
         for farm in ov.farms.clone() {
             let Some(base) = farm.http.as_deref() else {
                 continue;
             };
-            let Ok(resp) = http.get(format!("{base}/v1/rcs")).send().await else {
-                continue;
-            };
-            let Ok(body) = resp.json::<serde_json::Value>().await else {
+            let Some(body) = self.farm_get(&format!("{base}/v1/rcs")).await else {
                 continue;
             };
             for remote in body["rcs"].as_array().into_iter().flatten() {
@@ -216,6 +211,27 @@ impl Ctx {
             }
         }
         Ok(ov)
+    }
+
+    /// The live farms (as the registry in Consul lists them).
+    pub async fn overview_farms(&self) -> Result<Vec<crate::farm::registry::FarmInfo>, CliError> {
+        let (entries, _) = self
+            .consul
+            .kv_list(crate::farm::registry::FARMS_PREFIX, &Default::default())
+            .await
+            .map_err(consul_failed)?;
+        Ok(crate::farm::registry::live_farms(&entries))
+    }
+
+    /// A farm's JSON answer, if it answers within 2 s (a farm's own view is a bonus: its
+    /// absence never fails a command).
+    pub async fn farm_get(&self, url: &str) -> Option<serde_json::Value> {
+        crate::consul::init_tls();
+        let http = reqwest::Client::builder()
+            .timeout(Duration::from_secs(2))
+            .build()
+            .ok()?;
+        http.get(url).send().await.ok()?.json().await.ok()
     }
 }
 
@@ -249,6 +265,7 @@ pub async fn run(cli: RcctlCli) -> Result<(), CliError> {
     };
     match cli.command {
         Command::Rc(c) => rc::run(&ctx, c).await,
+        Command::Roll(c) => roll::run(&ctx, c).await,
         Command::Node(c) => node::run(&ctx, c).await,
         Command::Audit(a) => audit::run(&ctx, a).await,
         Command::Farms => rc::farms(&ctx).await,

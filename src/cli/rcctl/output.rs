@@ -60,23 +60,7 @@ impl Table {
     }
 }
 
-/// Parses `key=value` arguments.
-pub fn parse_pairs(args: &[String], what: &str) -> Result<crate::labels::LabelSet, CliError> {
-    let mut out = crate::labels::LabelSet::new();
-    for a in args {
-        let (k, v) = a.split_once('=').ok_or_else(|| {
-            CliError::Usage(format!(
-                "{what} {a:?}: expected KEY=VALUE, e.g. team=payments"
-            ))
-        })?;
-        crate::labels::selector::validate_key(k)
-            .map_err(|e| CliError::Usage(format!("{what} {a:?}: {e}")))?;
-        crate::labels::selector::validate_value(v)
-            .map_err(|e| CliError::Usage(format!("{what} {a:?}: {e}")))?;
-        out.insert(k.to_string(), v.to_string());
-    }
-    Ok(out)
-}
+pub use crate::cli::parse_pairs;
 
 /// Prints the Consul transaction a write would send (for `--dry-run`).
 pub fn print_txn(ops: &[crate::consul::TxnOp]) -> Result<(), CliError> {

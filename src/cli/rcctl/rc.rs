@@ -30,7 +30,7 @@ impl From<StrategyArg> for AllocationStrategy {
 
 use super::rc_actor as actor;
 
-fn read_manifest(path: &Path) -> Result<String, CliError> {
+pub(super) fn read_manifest(path: &Path) -> Result<String, CliError> {
     let mut text = String::new();
     if path.as_os_str() == "-" {
         std::io::stdin().read_to_string(&mut text).map_err(|e| {
@@ -46,7 +46,7 @@ fn read_manifest(path: &Path) -> Result<String, CliError> {
     Ok(text)
 }
 
-fn parse_id(id: &str) -> Result<RcId, CliError> {
+pub(super) fn parse_id(id: &str) -> Result<RcId, CliError> {
     RcId::parse(id)
         .map_err(|e| CliError::Usage(format!("RC id {e}; list them with `rcctl rc list`")))
 }

@@ -1,0 +1,460 @@
+//! `rcctl roll …`: rolling updates.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use clap::Subcommand;
+
+use super::output::{Table, json, print_txn};
+use super::rc::{parse_id, read_manifest};
+use super::{Ctx, DryRun, consul_failed, rc_actor};
+use crate::cli::{CliError, parse_duration_flag};
+use crate::labels::LabelSet;
+use crate::overview::RollOverview;
+use crate::rc::RcId;
+use crate::roll::{NewRoll, RollStore, RollStoreError, StartRoll, Update, WrittenRoll};
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum RollCommand {
+    /// Roll an RC onto a new manifest: a new RC like it (its selector, pod labels, strategy
+    /// and RC labels) with the manifest and no replicas, and the roll to it, in one
+    /// transaction. Prints the roll's id (the new RC's).
+    Start {
+        /// The RC to roll from.
+        rc: String,
+        /// The new pod manifest (YAML or JSON; `-` reads standard input).
+        #[arg(short = 'f', long = "manifest")]
+        manifest: PathBuf,
+        #[command(flatten)]
+        opts: RollOpts,
+        #[command(flatten)]
+        wait: WaitOpts,
+        #[command(flatten)]
+        dry: DryRun,
+    },
+    /// Roll from one existing RC to another (as `p2-rctl schedule-update`). Prints the roll's
+    /// id (the new RC's).
+    Create {
+        /// The RC giving its replicas up (deleted at the end unless --leave-old).
+        #[arg(long)]
+        old: String,
+        /// The RC taking them.
+        #[arg(long)]
+        new: String,
+        #[command(flatten)]
+        opts: RollOpts,
+        #[command(flatten)]
+        wait: WaitOpts,
+        #[command(flatten)]
+        dry: DryRun,
+    },
+    /// Rolling updates: old → new, their pods, progress, owner farm.
+    List,
+    /// One rolling update: both RCs' desired, current and healthy pods, and what it waits for.
+    Show { id: String },
+    /// Delete a rolling update and leave both RCs as they are (the old RC stays disabled if
+    /// the roll started: `rcctl rc enable` it to let it act again).
+    Abort {
+        id: String,
+        #[command(flatten)]
+        dry: DryRun,
+    },
+}
+
+/// The roll's numbers.
+#[derive(Debug, Clone, clap::Args)]
+pub(crate) struct RollOpts {
+    /// Replicas the new RC ends with (`roll start`: the old RC's count by default).
+    #[arg(long)]
+    desired: Option<u64>,
+    /// Healthy replicas (old and new together) never to go below; must be below --desired
+    /// (`roll start`: one below it by default, so pods are replaced one at a time).
+    #[arg(long)]
+    minimum: Option<u64>,
+    /// Pause before each step once it is safe, so new pods prove themselves.
+    #[arg(long, default_value = "0s", value_parser = parse_duration_flag)]
+    roll_delay: Duration,
+    /// Keep the old RC at the end (it stays disabled, with what replicas it has left).
+    #[arg(long)]
+    leave_old: bool,
+}
+
+/// `--wait`.
+#[derive(Debug, Clone, Copy, clap::Args)]
+pub(crate) struct WaitOpts {
+    /// Follow the roll until it completes, showing its progress.
+    #[arg(long)]
+    wait: bool,
+    /// Give up waiting after this long (exit 1; the roll goes on).
+    #[arg(long, default_value = "30m", value_parser = parse_duration_flag)]
+    timeout: Duration,
+}
+
+fn roll_failed(e: RollStoreError) -> CliError {
+    match e {
+        RollStoreError::Consul(c) => consul_failed(c),
+        RollStoreError::Refused(why) => {
+            CliError::Usage(format!("refusing the rolling update: {why}"))
+        }
+        RollStoreError::Rc(e) => CliError::Failed(e.to_string()),
+        other => CliError::Failed(other.to_string()),
+    }
+}
+
+pub(crate) async fn run(ctx: &Ctx, cmd: RollCommand) -> Result<(), CliError> {
+    let store = RollStore::new(ctx.consul.clone());
+    match cmd {
+        RollCommand::Start {
+            rc,
+            manifest,
+            opts,
+            wait,
+            dry,
+        } => {
+            let old = parse_id(&rc)?;
+            let manifest = read_manifest(&manifest)?;
+            let w = store
+                .start(
+                    StartRoll {
+                        old_rc: old,
+                        manifest,
+                        desired: opts.desired,
+                        minimum: opts.minimum,
+                        leave_old: opts.leave_old,
+                        roll_delay: opts.roll_delay,
+                    },
+                    &rc_actor(),
+                    dry.dry_run,
+                )
+                .await
+                .map_err(roll_failed)?;
+            created(ctx, w, wait).await
+        }
+        RollCommand::Create {
+            old,
+            new,
+            opts,
+            wait,
+            dry,
+        } => {
+            let (Some(desired), Some(minimum)) = (opts.desired, opts.minimum) else {
+                return Err(CliError::Usage(
+                    "roll create needs --desired N and --minimum M (the minimum below the desired count)".into(),
+                ));
+            };
+            let update = Update {
+                old_rc: parse_id(&old)?,
+                new_rc: parse_id(&new)?,
+                desired_replicas: desired,
+                minimum_replicas: minimum,
+                leave_old: opts.leave_old,
+                roll_delay: opts.roll_delay,
+            };
+            let w = store
+                .create(
+                    NewRoll {
+                        update,
+                        labels: LabelSet::new(),
+                    },
+                    &rc_actor(),
+                    dry.dry_run,
+                )
+                .await
+                .map_err(roll_failed)?;
+            created(ctx, w, wait).await
+        }
+        RollCommand::List => list(ctx).await,
+        RollCommand::Show { id } => show(ctx, &id).await,
+        RollCommand::Abort { id, dry } => {
+            let id = parse_id(&id)?;
+            let w = store
+                .abort(id, &rc_actor(), dry.dry_run)
+                .await
+                .map_err(roll_failed)?;
+            if !w.committed {
+                return print_txn(&w.ops);
+            }
+            if ctx.json {
+                return json(&serde_json::json!({"aborted": id.to_string()}));
+            }
+            println!(
+                "rolling update {id} aborted; both RCs are left as they are (the old RC {} stays disabled if the roll had started: `rcctl rc enable {}` to let it act again)",
+                w.update.old_rc, w.update.old_rc
+            );
+            Ok(())
+        }
+    }
+}
+
+async fn created(ctx: &Ctx, w: WrittenRoll, wait: WaitOpts) -> Result<(), CliError> {
+    if !w.committed {
+        return print_txn(&w.ops);
+    }
+    let id = w.update.id();
+    if ctx.json && !wait.wait {
+        return json(&serde_json::json!({
+            "id": id.to_string(),
+            "old_rc": w.update.old_rc.to_string(),
+            "new_rc": w.update.new_rc.to_string(),
+            "desired_replicas": w.update.desired_replicas,
+            "minimum_replicas": w.update.minimum_replicas,
+        }));
+    }
+    println!("{id}");
+    if wait.wait {
+        follow(ctx, id, &w.update, wait.timeout).await?;
+    }
+    Ok(())
+}
+
+/// The rolls, with what each owning farm says about the ones it carries out.
+async fn load(ctx: &Ctx) -> Result<Vec<RollOverview>, CliError> {
+    let mut rolls = crate::overview::load_rolls(&ctx.consul)
+        .await
+        .map_err(consul_failed)?;
+    let farms = ctx.overview_farms().await?;
+    for f in farms {
+        let Some(base) = f.http.as_deref() else {
+            continue;
+        };
+        if !rolls
+            .iter()
+            .any(|r| r.owner_session.as_deref() == Some(f.session.as_str()))
+        {
+            continue;
+        }
+        let Some(body) = ctx.farm_get(&format!("{base}/v1/rolls")).await else {
+            continue;
+        };
+        for remote in body["rolls"].as_array().into_iter().flatten() {
+            let Ok(theirs) = serde_json::from_value::<RemoteRoll>(remote.clone()) else {
+                continue;
+            };
+            if let Some(r) = rolls.iter_mut().find(|r| {
+                r.id == theirs.id && r.owner_session.as_deref() == Some(f.session.as_str())
+            }) {
+                r.waiting = theirs.waiting;
+                r.steps = theirs.steps;
+                for c in theirs.conditions {
+                    if !r.conditions.contains(&c) {
+                        r.conditions.push(c);
+                    }
+                }
+            }
+        }
+    }
+    Ok(rolls)
+}
+
+/// The parts of a farm's `/v1/rolls` entry that only the owner knows.
+#[derive(serde::Deserialize)]
+struct RemoteRoll {
+    id: String,
+    waiting: Option<String>,
+    steps: Option<u64>,
+    #[serde(default)]
+    conditions: Vec<String>,
+}
+
+/// `[#####-----] 50%`.
+pub(crate) fn bar(progress: f64) -> String {
+    let filled = (progress.clamp(0.0, 1.0) * 20.0).round() as usize;
+    format!(
+        "[{}{}] {:>3.0}%",
+        "#".repeat(filled),
+        "-".repeat(20 - filled),
+        progress * 100.0
+    )
+}
+
+fn counts(c: &Option<crate::roll::RcCounts>) -> String {
+    match c {
+        Some(c) => format!("{}/{}/{}", c.desired, c.current, c.healthy),
+        None => "-".into(),
+    }
+}
+
+async fn list(ctx: &Ctx) -> Result<(), CliError> {
+    let rolls = load(ctx).await?;
+    if ctx.json {
+        return json(&serde_json::json!({"rolls": rolls}));
+    }
+    if rolls.is_empty() {
+        println!("no rolling updates (start one: rcctl roll start RC -f new-manifest.yaml)");
+        return Ok(());
+    }
+    let mut t = Table::new(&[
+        "ID",
+        "POD",
+        "OLD D/C/H",
+        "NEW D/C/H",
+        "TARGET/MIN",
+        "PROGRESS",
+        "OWNER",
+        "STATE",
+    ]);
+    for r in &rolls {
+        t.row(vec![
+            r.id.clone(),
+            r.pod_id.clone().unwrap_or_else(|| "-".into()),
+            counts(&r.old),
+            counts(&r.new),
+            format!("{}/{}", r.desired_replicas, r.minimum_replicas),
+            bar(r.progress),
+            r.owner_farm.clone().unwrap_or_else(|| "-".into()),
+            state(r),
+        ]);
+    }
+    t.print();
+    println!("(D/C/H: desired, current, healthy pods)");
+    Ok(())
+}
+
+fn state(r: &RollOverview) -> String {
+    let mut parts = r.conditions.clone();
+    if let Some(w) = &r.waiting {
+        parts.push(format!("waiting: {w}"));
+    }
+    if parts.is_empty() {
+        "rolling".into()
+    } else {
+        parts.join("; ")
+    }
+}
+
+async fn show(ctx: &Ctx, id: &str) -> Result<(), CliError> {
+    let id = parse_id(id)?;
+    let rolls = load(ctx).await?;
+    let Some(r) = rolls.iter().find(|r| r.id == id.to_string()) else {
+        return Err(CliError::Failed(format!(
+            "rolling update {id} does not exist (see `rcctl roll list`; a completed roll is gone, its record is in `rcctl audit --type ROLLING_UPDATE_COMPLETION`)"
+        )));
+    };
+    if ctx.json {
+        return json(r);
+    }
+    let rc = |x: &Option<String>| x.clone().unwrap_or_else(|| "-".into());
+    println!("Rolling update  {}", r.id);
+    println!("Pod             {}", rc(&r.pod_id));
+    println!("Old RC          {}", rc(&r.old_rc));
+    println!("New RC          {}", rc(&r.new_rc));
+    println!(
+        "Target          {} replicas, at least {} healthy throughout{}{}",
+        r.desired_replicas,
+        r.minimum_replicas,
+        if r.roll_delay != "0s" {
+            format!(", {} between steps", r.roll_delay)
+        } else {
+            String::new()
+        },
+        if r.leave_old {
+            ", old RC kept at the end"
+        } else {
+            ", old RC deleted at the end"
+        }
+    );
+    let mut t = Table::new(&["RC", "DESIRED", "CURRENT", "REAL", "HEALTHY"]);
+    for (name, c) in [("old", &r.old), ("new", &r.new)] {
+        match c {
+            Some(c) => t.row(vec![
+                format!("{name}{}", if c.disabled { " (disabled)" } else { "" }),
+                c.desired.to_string(),
+                c.current.to_string(),
+                c.real.to_string(),
+                c.healthy.to_string(),
+            ]),
+            None => t.row(vec![
+                name.into(),
+                "-".into(),
+                "-".into(),
+                "-".into(),
+                "-".into(),
+            ]),
+        }
+    }
+    t.print();
+    println!("(real: pods whose node runs the RC's manifest, per reality/)");
+    println!("Progress        {}", bar(r.progress));
+    if let Some(s) = r.steps {
+        println!("Steps           {s} (by the farm carrying it out)");
+    }
+    println!(
+        "Owner           {}",
+        r.owner_farm
+            .clone()
+            .unwrap_or_else(|| "none (no farm has claimed it yet)".into())
+    );
+    if let Some(w) = &r.waiting {
+        println!("Waiting for     {w}");
+    }
+    for c in &r.conditions {
+        println!("Condition       {c}");
+    }
+    Ok(())
+}
+
+/// Shows the roll's progress until its record is gone, then how it ended.
+async fn follow(ctx: &Ctx, id: RcId, u: &Update, timeout: Duration) -> Result<(), CliError> {
+    let started = Instant::now();
+    let mut last = String::new();
+    loop {
+        let rolls = load(ctx).await?;
+        let Some(r) = rolls.iter().find(|r| r.id == id.to_string()) else {
+            return finished(ctx, id, u, started).await;
+        };
+        let line = format!(
+            "{} old {} new {}{}",
+            bar(r.progress),
+            counts(&r.old),
+            counts(&r.new),
+            match state(r).as_str() {
+                "rolling" => String::new(),
+                s => format!("  {s}"),
+            }
+        );
+        if line != last {
+            eprintln!("  {line}");
+            last = line;
+        }
+        if started.elapsed() >= timeout {
+            return Err(CliError::Failed(format!(
+                "the rolling update is not done after {}s (it goes on): see `rcctl roll show {id}`",
+                timeout.as_secs()
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+/// How a followed roll ended: complete (the new RC has its replicas; the old RC is gone
+/// unless kept), or aborted.
+async fn finished(ctx: &Ctx, id: RcId, u: &Update, started: Instant) -> Result<(), CliError> {
+    let store = crate::rc::RcStore::new(ctx.consul.clone());
+    let new = store.get(u.new_rc).await.ok().flatten();
+    let old = store.get(u.old_rc).await.ok().flatten();
+    let complete = new
+        .as_ref()
+        .is_some_and(|n| n.replicas_desired >= u.desired_replicas)
+        && (u.leave_old || old.is_none());
+    if ctx.json {
+        return json(
+            &serde_json::json!({"id": id.to_string(), "complete": complete, "seconds": started.elapsed().as_secs_f64()}),
+        );
+    }
+    if complete {
+        eprintln!(
+            "rolling update complete in {:.1}s{}",
+            started.elapsed().as_secs_f64(),
+            if u.leave_old {
+                ""
+            } else {
+                "; the old RC is deleted"
+            }
+        );
+        Ok(())
+    } else {
+        Err(CliError::Failed(format!(
+            "rolling update {id} ended without completing (aborted?): see `rcctl audit --type ROLLING_UPDATE_COMPLETION`"
+        )))
+    }
+}

@@ -1,0 +1,32 @@
+//! Rolling updates: P2's roll farm (`pkg/roll`), the other half of `p2-rctl-server`. A roll
+//! moves replicas from an old RC to a new one (a new manifest, usually) in steps that never
+//! take healthy pods below a minimum, then deletes the old RC.
+//!
+//! - [`record`]: P2's `Update` record at `rolls/<new-rc-id>`, byte for byte.
+//! - [`store`]: list, watch, create (P2's `update_creation` protocol), start, abort.
+//! - [`plan`]: the pure planner (P2's algorithm) from observed counts to the next action.
+//! - [`worker`]: the task that carries a claimed roll out in fenced transactions.
+//! - [`status`]: what a farm reports about the rolls it carries out.
+
+pub mod plan;
+pub mod record;
+pub mod status;
+pub mod store;
+pub mod worker;
+
+pub use plan::{
+    LockState, RcCounts, RollAction, RollObserved, RollPlan, WaitKind, plan, roll_algorithm,
+};
+pub use record::{
+    InvalidRoll, ROLL_LOCK_PREFIX, ROLL_PREFIX, Roll, RollId, RollProblem, Update, roll_key,
+    roll_lock_key,
+};
+pub use status::{RollStatus, RollStatusRegistry};
+pub use store::{
+    NewRoll, RollListing, RollStore, RollStoreError, RollWatch, StartRoll, WrittenRoll,
+    update_creation_key,
+};
+pub use worker::{
+    ROLL_HOLDER_PREFIX, RollConfig, RollContext, RollEvent, RollHandle, RollState, reality_key,
+    roll_holder, runs, spawn,
+};

@@ -1,0 +1,562 @@
+//! What a rolling update should do next, decided from what is observed. Pure: no I/O, the
+//! clock is an input, so every decision is unit-tested (the RC task's `plan` is the model).
+//!
+//! The algorithm is P2's (`pkg/roll/run_update.go`): the old RC is disabled and the new one
+//! enabled, then replicas move from the old RC to the new in steps. The new RC's pods replace
+//! the old ones in place (same node, same pod id), so a step assumes each pod it adds takes an
+//! old one down: it never moves more than the healthy pods above the minimum allow. Only pods
+//! that run the RC's own manifest (per `reality/`) and pass their health check count.
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+
+use super::record::Update;
+use crate::health::HealthStatus;
+
+/// One RC of the roll as the planner counts it (P2's `rcNodeCounts`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct RcCounts {
+    pub desired: u64,
+    pub disabled: bool,
+    /// Pods labelled with the RC.
+    pub current: u64,
+    /// Current pods whose node runs this RC's manifest (per `reality/`).
+    pub real: u64,
+    /// Real pods that pass their health check.
+    pub healthy: u64,
+    /// Real pods without a health result, plus desired pods not yet scheduled.
+    pub unknown: u64,
+}
+
+impl RcCounts {
+    /// Counts an RC's pods as P2 does: a pod is real when its node runs the RC's manifest
+    /// (`runs`: the digest `reality/` shows), and only real pods' health counts.
+    pub fn count(
+        desired: u64,
+        disabled: bool,
+        manifest_digest: &str,
+        pods: impl IntoIterator<Item = (Option<String>, Option<HealthStatus>)>,
+    ) -> RcCounts {
+        let mut c = RcCounts {
+            desired,
+            disabled,
+            ..Default::default()
+        };
+        for (runs, health) in pods {
+            c.current += 1;
+            if runs.as_deref() != Some(manifest_digest) {
+                continue;
+            }
+            c.real += 1;
+            match health {
+                Some(h) if h.is_passing() => c.healthy += 1,
+                None | Some(HealthStatus::Unknown) => c.unknown += 1,
+                Some(_) => {}
+            }
+        }
+        c.unknown += c.desired.saturating_sub(c.current);
+        c
+    }
+}
+
+/// Who holds one RC's mutation lock.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LockState {
+    /// This roll (this farm's session, with the roll's holder value).
+    Ours,
+    Free,
+    /// Another session, or this farm's session for something else (a node transfer).
+    Elsewhere(String),
+}
+
+/// Everything the planner looks at.
+#[derive(Debug, Clone)]
+pub struct RollObserved<'a> {
+    pub update: &'a Update,
+    /// `Err` says why the RC cannot be used (missing, invalid).
+    pub old: Result<RcCounts, String>,
+    pub new: Result<RcCounts, String>,
+    pub old_lock: LockState,
+    pub new_lock: LockState,
+    /// Another roll that shares an RC with this one and goes first.
+    pub conflict: Option<String>,
+    pub now: DateTime<Utc>,
+    /// Since when a step has been possible without interruption (kept by the worker; the roll
+    /// delay counts from there, as P2 sleeps `RollDelay` once a step is safe).
+    pub ready_since: Option<DateTime<Utc>>,
+}
+
+/// One step, applied as one fenced transaction.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RollAction {
+    /// Take both RCs' mutation locks (no node transfers, no other roll, during the roll).
+    Lock,
+    /// Disable the old RC (the new one replaces its pods in place) and enable the new one.
+    Start { disable_old: bool, enable_new: bool },
+    /// Move replicas: the new RC's count rises by `add`, the old one's falls by `remove`.
+    Step { add: u64, remove: u64 },
+    /// The new RC is complete but the old one still has pods it did not hand over: scale it
+    /// to 0 and enable it so it removes them.
+    RetireOld,
+    /// Delete the roll (and the old RC, unless `LeaveOld`).
+    Complete,
+}
+
+/// Why a roll waits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WaitKind {
+    /// An RC of the roll is missing or invalid, or another roll goes first.
+    Blocked,
+    /// Another session holds a mutation lock.
+    Lock,
+    /// Pods must pass their health checks (or reach reality) before the next step.
+    Health,
+    /// Healthy pods can never exceed the minimum as things are: no step is possible until
+    /// the minimum is lowered or capacity added.
+    MinimumUnreachable,
+    /// The roll delay runs.
+    Delay,
+    /// Pods must come or go (a disabled new RC settling, the old RC removing leftovers).
+    Pods,
+}
+
+impl WaitKind {
+    /// Waits that cannot end by themselves: alerted at once, not after the stall timeout.
+    pub fn is_stuck(self) -> bool {
+        matches!(self, WaitKind::Blocked | WaitKind::MinimumUnreachable)
+    }
+}
+
+/// What the roll does next, or why it waits.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RollPlan {
+    pub action: Option<RollAction>,
+    pub waiting: Option<(WaitKind, String)>,
+    /// A replica step is safe now (the roll delay may still hold it back).
+    pub step_ready: bool,
+}
+
+impl RollPlan {
+    fn act(a: RollAction) -> RollPlan {
+        RollPlan {
+            action: Some(a),
+            waiting: None,
+            step_ready: false,
+        }
+    }
+
+    fn wait(kind: WaitKind, why: impl Into<String>) -> RollPlan {
+        RollPlan {
+            action: None,
+            waiting: Some((kind, why.into())),
+            step_ready: false,
+        }
+    }
+}
+
+/// Decides the next step.
+pub fn plan(o: &RollObserved<'_>) -> RollPlan {
+    let u = o.update;
+    if let Some(c) = &o.conflict {
+        return RollPlan::wait(WaitKind::Blocked, c.clone());
+    }
+    let old = match &o.old {
+        Ok(c) => *c,
+        Err(why) => {
+            return RollPlan::wait(WaitKind::Blocked, format!("old RC {}: {why}", u.old_rc));
+        }
+    };
+    let new = match &o.new {
+        Ok(c) => *c,
+        Err(why) => {
+            return RollPlan::wait(WaitKind::Blocked, format!("new RC {}: {why}", u.new_rc));
+        }
+    };
+    for (which, id, lock) in [
+        ("old", u.old_rc, &o.old_lock),
+        ("new", u.new_rc, &o.new_lock),
+    ] {
+        if let LockState::Elsewhere(holder) = lock {
+            return RollPlan::wait(
+                WaitKind::Lock,
+                format!("the mutation lock of the {which} RC {id} is held by {holder}"),
+            );
+        }
+    }
+    if o.old_lock != LockState::Ours || o.new_lock != LockState::Ours {
+        return RollPlan::act(RollAction::Lock);
+    }
+
+    // Done? (Checked before starting: a roll resumed at its end must not disable an old RC
+    // that is removing its last pods.)
+    let target = u.desired_replicas;
+    if new.desired >= target {
+        if new.disabled {
+            return RollPlan::act(RollAction::Start {
+                disable_old: false,
+                enable_new: true,
+            });
+        }
+        if new.healthy < target {
+            return RollPlan::wait(
+                WaitKind::Health,
+                format!(
+                    "{} of {target} new pods healthy; waiting for the rest to pass their health checks",
+                    new.healthy
+                ),
+            );
+        }
+        if u.leave_old || old.current == 0 {
+            return RollPlan::act(RollAction::Complete);
+        }
+        if old.desired > 0 || old.disabled {
+            return RollPlan::act(RollAction::RetireOld);
+        }
+        return RollPlan::wait(
+            WaitKind::Pods,
+            format!(
+                "waiting for the old RC to remove its {} remaining pods",
+                old.current
+            ),
+        );
+    }
+
+    if !old.disabled || new.disabled {
+        // P2's guard: enabling a disabled RC that has more pods than it wants would make it
+        // remove one at once.
+        if new.disabled && new.current != new.desired {
+            return RollPlan::wait(
+                WaitKind::Pods,
+                format!(
+                    "the new RC is disabled with {} pods but wants {}; waiting for them to match before enabling it",
+                    new.current, new.desired
+                ),
+            );
+        }
+        return RollPlan::act(RollAction::Start {
+            disable_old: !old.disabled,
+            enable_new: new.disabled,
+        });
+    }
+
+    // The old RC may not have removed a pod it no longer wants yet: count no more healthy old
+    // pods than it desires, or the minimum could be broken.
+    let old_healthy = old.healthy.min(old.desired);
+    let (remove, add) = roll_algorithm(
+        old_healthy,
+        new.healthy,
+        old.desired,
+        new.desired,
+        target,
+        u.minimum_replicas,
+    );
+    if add == 0 && remove == 0 {
+        let min = u.minimum_replicas;
+        let healthy = old_healthy + new.healthy;
+        let settled = old.unknown == 0
+            && new.unknown == 0
+            && old.healthy == old.current
+            && new.healthy == new.current
+            && old.current >= old.desired
+            && new.current >= new.desired;
+        return if settled {
+            RollPlan::wait(
+                WaitKind::MinimumUnreachable,
+                format!(
+                    "cannot take a pod down: the minimum is {min} and only {healthy} pods are healthy \
+                     ({old_healthy} old + {} new), all of them settled; lower the roll's minimum or add capacity",
+                    new.healthy
+                ),
+            )
+        } else {
+            RollPlan::wait(
+                WaitKind::Health,
+                format!(
+                    "waiting for health: {old_healthy} old + {} new pods healthy, the minimum is {min} \
+                     ({} old and {} new pods not healthy or not yet running their manifest)",
+                    new.healthy,
+                    old.current.saturating_sub(old.healthy),
+                    new.current.saturating_sub(new.healthy)
+                        + new.desired.saturating_sub(new.current)
+                ),
+            )
+        };
+    }
+    if new.desired > 0 && !u.roll_delay.is_zero() {
+        let ready_for = o
+            .ready_since
+            .map(|t| (o.now - t).to_std().unwrap_or(Duration::ZERO))
+            .unwrap_or(Duration::ZERO);
+        if ready_for < u.roll_delay {
+            return RollPlan {
+                action: None,
+                waiting: Some((
+                    WaitKind::Delay,
+                    format!(
+                        "roll delay: next step (+{add} new, -{remove} old) in {:.1}s",
+                        (u.roll_delay - ready_for).as_secs_f64()
+                    ),
+                )),
+                step_ready: true,
+            };
+        }
+    }
+    RollPlan {
+        action: Some(RollAction::Step { add, remove }),
+        waiting: None,
+        step_ready: true,
+    }
+}
+
+/// P2's `rollAlgorithm`: how many replicas to remove from the old RC and add to the new one,
+/// given the healthy pods of each, their desired counts, the roll's target and its minimum.
+/// Both zero when the roll is done, or when taking a pod down could break the minimum.
+pub fn roll_algorithm(
+    old_healthy: u64,
+    new_healthy: u64,
+    old_desired: u64,
+    new_desired: u64,
+    target: u64,
+    min_healthy: u64,
+) -> (u64, u64) {
+    let (old, new) = (old_healthy as i64, new_healthy as i64);
+    let (old_desired, new_desired) = (old_desired as i64, new_desired as i64);
+    let (target, min) = (target as i64, min_healthy as i64);
+    // Healthy pods above the minimum: how many may go down at once.
+    let mut headroom = old + new - min;
+    // Growing capacity schedules pods that replace nothing: they add headroom.
+    let mut increase = target - (old_desired + new_desired);
+    if increase > 0 {
+        headroom += increase;
+    } else {
+        increase = 0;
+    }
+    let remaining = target - new_desired;
+    if remaining <= 0 {
+        return (0, 0);
+    }
+    if new >= min {
+        // The new pods alone satisfy the minimum.
+        return ((remaining - increase).max(0) as u64, remaining as u64);
+    }
+    if headroom <= 0 {
+        return (0, 0);
+    }
+    let add = remaining.min(headroom);
+    ((add - increase).max(0) as u64, add as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rc::RcId;
+
+    /// P2's `uniformRollAlgorithm`: old + new desired equal the target (P2 lets the old
+    /// count go negative when new exceeds the target; counts here floor at 0).
+    fn uniform(old: u64, new: u64, want: u64, need: u64) -> u64 {
+        let (remove, add) = roll_algorithm(old, new, want.saturating_sub(new), new, want, need);
+        assert_eq!(remove, add);
+        add
+    }
+
+    #[test]
+    fn p2s_roll_algorithm_cases() {
+        // Cases of P2's update_test.go, as data.
+        assert_eq!(uniform(1, 1, 3, 4), 0, "below minimum");
+        assert_eq!(uniform(1, 1, 2, 4), 0, "at minimum");
+        assert_eq!(uniform(1, 4, 3, 4), 0, "done");
+        assert_eq!(
+            uniform(2, 2, 6, 3),
+            1,
+            "schedule the difference above the minimum"
+        );
+        assert_eq!(
+            uniform(1, 3, 6, 3),
+            3,
+            "minimum satisfied by new: all the rest"
+        );
+        assert_eq!(uniform(3, 0, 6, 0), 6, "no minimum");
+        assert_eq!(
+            roll_algorithm(1, 1, 1, 2, 3, 1),
+            (1, 1),
+            "does not exceed the target"
+        );
+        let same = |o, n, f, need| roll_algorithm(o, n, o, n, f, need);
+        assert_eq!(same(0, 0, 3, 2), (0, 1), "capacity from zero");
+        assert_eq!(same(0, 1, 3, 2), (0, 1));
+        assert_eq!(same(0, 2, 3, 2), (0, 1));
+        assert_eq!(same(0, 0, 3, 0), (0, 3));
+        assert_eq!(same(3, 0, 4, 2), (1, 2), "growing with existing nodes");
+        assert_eq!(same(3, 0, 4, 3), (0, 1), "growing with no headroom");
+    }
+
+    fn update(desired: u64, minimum: u64) -> Update {
+        Update {
+            old_rc: RcId::new(),
+            new_rc: RcId::new(),
+            desired_replicas: desired,
+            minimum_replicas: minimum,
+            leave_old: false,
+            roll_delay: Duration::ZERO,
+        }
+    }
+
+    fn counts(desired: u64, current: u64, healthy: u64, disabled: bool) -> RcCounts {
+        RcCounts {
+            desired,
+            disabled,
+            current,
+            real: healthy,
+            healthy,
+            unknown: desired.saturating_sub(current),
+        }
+    }
+
+    fn observe(u: &Update, old: RcCounts, new: RcCounts) -> RollObserved<'_> {
+        RollObserved {
+            update: u,
+            old: Ok(old),
+            new: Ok(new),
+            old_lock: LockState::Ours,
+            new_lock: LockState::Ours,
+            conflict: None,
+            now: Utc::now(),
+            ready_since: None,
+        }
+    }
+
+    #[test]
+    fn locks_then_starts_then_steps() {
+        let u = update(3, 2);
+        let old = counts(3, 3, 3, false);
+        let new = counts(0, 0, 0, false);
+        let mut o = observe(&u, old, new);
+        o.old_lock = LockState::Free;
+        assert_eq!(plan(&o).action, Some(RollAction::Lock));
+        o.new_lock = LockState::Elsewhere("session s (p2-rctl)".into());
+        let p = plan(&o);
+        assert_eq!(p.action, None);
+        assert_eq!(p.waiting.unwrap().0, WaitKind::Lock);
+        let o = observe(&u, old, new);
+        assert_eq!(
+            plan(&o).action,
+            Some(RollAction::Start {
+                disable_old: true,
+                enable_new: false
+            })
+        );
+        let o = observe(&u, counts(3, 3, 3, true), new);
+        assert_eq!(
+            plan(&o).action,
+            Some(RollAction::Step { add: 1, remove: 1 })
+        );
+    }
+
+    #[test]
+    fn waits_for_health_and_alerts_when_the_minimum_is_unreachable() {
+        let u = update(3, 2);
+        // One step made, the new pod not healthy yet: 2 old healthy = minimum.
+        let o = observe(&u, counts(2, 2, 2, true), counts(1, 1, 0, false));
+        let p = plan(&o);
+        assert_eq!(p.action, None);
+        assert_eq!(p.waiting.as_ref().unwrap().0, WaitKind::Health);
+        // Minimum 3 of 3: nothing can ever go down.
+        let u = update(3, 3);
+        let o = observe(&u, counts(3, 3, 3, true), counts(0, 0, 0, false));
+        let p = plan(&o);
+        assert_eq!(p.waiting.as_ref().unwrap().0, WaitKind::MinimumUnreachable);
+        assert!(p.waiting.unwrap().0.is_stuck());
+    }
+
+    #[test]
+    fn completes_only_when_the_new_rc_is_healthy_and_retires_leftovers() {
+        let u = update(3, 2);
+        let o = observe(&u, counts(0, 0, 0, true), counts(3, 3, 2, false));
+        assert_eq!(plan(&o).waiting.unwrap().0, WaitKind::Health);
+        let o = observe(&u, counts(0, 0, 0, true), counts(3, 3, 3, false));
+        assert_eq!(plan(&o).action, Some(RollAction::Complete));
+        // The new RC placed a pod elsewhere: the old one kept a pod; it must go first.
+        let o = observe(&u, counts(0, 1, 1, true), counts(3, 3, 3, false));
+        assert_eq!(plan(&o).action, Some(RollAction::RetireOld));
+        let o = observe(&u, counts(0, 1, 1, false), counts(3, 3, 3, false));
+        assert_eq!(plan(&o).waiting.unwrap().0, WaitKind::Pods);
+        let leave = Update {
+            leave_old: true,
+            ..u
+        };
+        let o = observe(&leave, counts(0, 1, 1, true), counts(3, 3, 3, false));
+        assert_eq!(plan(&o).action, Some(RollAction::Complete));
+    }
+
+    #[test]
+    fn a_resumed_roll_at_its_end_does_not_disable_the_retiring_old_rc() {
+        let u = update(2, 1);
+        let o = observe(&u, counts(0, 1, 1, false), counts(2, 2, 2, false));
+        assert_ne!(
+            plan(&o).action,
+            Some(RollAction::Start {
+                disable_old: true,
+                enable_new: false
+            })
+        );
+    }
+
+    #[test]
+    fn a_disabled_new_rc_is_enabled_only_when_settled() {
+        let u = update(3, 1);
+        let o = observe(&u, counts(3, 3, 3, true), counts(1, 2, 2, true));
+        assert_eq!(plan(&o).waiting.unwrap().0, WaitKind::Pods);
+        let o = observe(&u, counts(3, 3, 3, true), counts(1, 1, 1, true));
+        assert_eq!(
+            plan(&o).action,
+            Some(RollAction::Start {
+                disable_old: false,
+                enable_new: true
+            })
+        );
+    }
+
+    #[test]
+    fn roll_delay_holds_a_ready_step_back() {
+        let u = Update {
+            roll_delay: Duration::from_secs(10),
+            ..update(3, 1)
+        };
+        let now = Utc::now();
+        let mut o = observe(&u, counts(2, 2, 2, true), counts(1, 1, 1, false));
+        o.now = now;
+        let p = plan(&o);
+        assert!(p.step_ready);
+        assert_eq!(p.waiting.unwrap().0, WaitKind::Delay);
+        o.ready_since = Some(now - chrono::Duration::seconds(11));
+        assert!(matches!(plan(&o).action, Some(RollAction::Step { .. })));
+        // No delay before the first step (nothing new to prove yet), as in P2.
+        let o = observe(&u, counts(3, 3, 3, true), counts(0, 0, 0, false));
+        assert!(matches!(plan(&o).action, Some(RollAction::Step { .. })));
+    }
+
+    #[test]
+    fn old_pods_above_the_old_desire_are_not_counted() {
+        // The old RC wants 1 but still shows 3 healthy: count 1, or two could go at once.
+        let u = update(3, 2);
+        let o = observe(&u, counts(1, 3, 3, true), counts(2, 2, 1, false));
+        // 1 old + 1 new healthy = 2 = minimum: wait.
+        assert_eq!(plan(&o).action, None);
+    }
+
+    #[test]
+    fn missing_rcs_and_conflicts_block() {
+        let u = update(3, 2);
+        let mut o = observe(&u, counts(3, 3, 3, false), counts(0, 0, 0, false));
+        o.old = Err("does not exist".into());
+        let p = plan(&o);
+        assert_eq!(p.waiting.as_ref().unwrap().0, WaitKind::Blocked);
+        assert!(p.waiting.unwrap().1.contains("does not exist"));
+        let mut o = observe(&u, counts(3, 3, 3, false), counts(0, 0, 0, false));
+        o.conflict = Some("shares RC x with roll y".into());
+        assert_eq!(plan(&o).waiting.unwrap().0, WaitKind::Blocked);
+    }
+}

@@ -1,0 +1,798 @@
+//! The roll task: one per claimed rolling update. It observes both RCs (their records from the
+//! farm's RC watch, their pods, health, and what `reality/` says runs on those pods' nodes),
+//! plans with the pure [`plan`], and applies each step as one transaction fenced by the roll's
+//! lock, guarded by the versions it planned against, with its audit record.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use serde_json::{Value, json};
+use tokio::sync::{Notify, mpsc, watch};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+use super::plan::{LockState, RcCounts, RollAction, RollObserved, RollPlan, WaitKind, plan};
+use super::record::{InvalidRoll, Roll, RollId, roll_key, roll_lock_key};
+use super::status::RollStatusRegistry;
+use super::store::completion_details;
+use crate::audit::{AuditRecord, events};
+use crate::consul::{Consul, ConsulError, KvPair, TxnFailure, TxnOp};
+use crate::health::HealthCache;
+use crate::labels::{LabelCache, LabelStore, LabelType, Selector, split_pod_label_id};
+use crate::rc::{LockView, Mutation, RC_ID_LABEL, Rc, RcId, RcListing, RcStore};
+use crate::rctask::IntentState;
+use crate::util::{Backoff, format_go_duration};
+
+/// `reality/<node>/<pod-id>`: what the node agent runs (P2's preparer writes it).
+pub fn reality_key(node: &str, pod_id: &str) -> String {
+    format!("reality/{node}/{pod_id}")
+}
+
+/// What the values of the mutation locks a roll holds begin with.
+pub const ROLL_HOLDER_PREFIX: &str = "rcfarm-roll:";
+
+/// The digest of the manifest a `reality/` entry says runs, if it parses.
+pub fn runs(entry: Option<&KvPair>) -> Option<String> {
+    match IntentState::from_value(entry.map(KvPair::value_bytes)) {
+        IntentState::Digest(d) => Some(d),
+        _ => None,
+    }
+}
+
+/// The value a roll writes into the mutation locks it holds.
+pub fn roll_holder(id: RollId) -> String {
+    format!("{ROLL_HOLDER_PREFIX}{id}")
+}
+
+/// Tunables of roll tasks.
+#[derive(Debug, Clone)]
+pub struct RollConfig {
+    /// A roll that has not moved for this long is reported stalled (once).
+    pub stall_after: Duration,
+    /// Look again this often while waiting, even if nothing changed (`reality/` is not
+    /// watched).
+    pub resync: Duration,
+    pub error_backoff_max: Duration,
+}
+
+impl Default for RollConfig {
+    fn default() -> Self {
+        Self {
+            stall_after: Duration::from_secs(300),
+            resync: Duration::from_secs(5),
+            error_backoff_max: Duration::from_secs(30),
+        }
+    }
+}
+
+/// What roll tasks of one farm share.
+pub struct RollContext {
+    pub consul: Consul,
+    pub farm_id: String,
+    pub rcs: watch::Receiver<Option<Arc<RcListing>>>,
+    pub locks: watch::Receiver<Arc<LockView>>,
+    pub pods: Arc<LabelCache>,
+    pub health: Arc<HealthCache>,
+    pub status: Arc<RollStatusRegistry>,
+    pub config: RollConfig,
+}
+
+/// The roll as the farm last saw it.
+#[derive(Debug, Clone)]
+pub enum RollState {
+    Valid {
+        roll: Arc<Roll>,
+        /// Another roll sharing an RC goes first.
+        conflict: Option<String>,
+    },
+    Invalid(Arc<InvalidRoll>),
+    Deleted,
+}
+
+/// Why a roll task stopped on its own.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RollEvent {
+    /// A write failed its fencing check: the farm no longer holds the roll's lock.
+    Fenced(RollId),
+}
+
+#[derive(Debug, thiserror::Error)]
+enum RollError {
+    #[error("fenced: this farm no longer holds the roll's lock")]
+    Fenced,
+    #[error("{0}; planning again")]
+    Stale(String),
+    #[error(transparent)]
+    Consul(#[from] ConsulError),
+    #[error("{0}")]
+    Other(String),
+}
+
+/// The farm's handle on a roll task.
+pub type RollHandle = crate::task::TaskHandle<RollState>;
+
+/// Starts the task of a roll the farm now holds with `session`.
+pub fn spawn(
+    ctx: Arc<RollContext>,
+    session: String,
+    parent: &CancellationToken,
+    id: RollId,
+    initial: RollState,
+    events: mpsc::UnboundedSender<RollEvent>,
+) -> RollHandle {
+    let span = tracing::info_span!("roll", roll_id = %id, farm_id = %ctx.farm_id);
+    crate::task::spawn(id, initial, parent, move |inbox| {
+        Worker {
+            ctx,
+            session,
+            id,
+            state: inbox.state,
+            wake: inbox.wake,
+            cancel: inbox.cancel,
+            events,
+            invalid_reported: None,
+            ready_since: None,
+            stuck_since: None,
+            alerted: None,
+            lowest_healthy: None,
+            backoff: Backoff::new(Duration::from_millis(200), Duration::from_secs(30)),
+        }
+        .run()
+        .instrument(span)
+    })
+}
+
+struct Worker {
+    ctx: Arc<RollContext>,
+    session: String,
+    id: RollId,
+    state: watch::Receiver<RollState>,
+    wake: Arc<Notify>,
+    cancel: CancellationToken,
+    events: mpsc::UnboundedSender<RollEvent>,
+    invalid_reported: Option<u64>,
+    /// Since when a step has been safe without interruption (the roll delay counts from here).
+    ready_since: Option<DateTime<Utc>>,
+    /// Since when the roll has waited without moving, and what for last.
+    stuck_since: Option<Instant>,
+    /// The stall reason reported, if a stall is reported.
+    alerted: Option<String>,
+    lowest_healthy: Option<u64>,
+    backoff: Backoff,
+}
+
+/// What one look at the roll found.
+struct Observation {
+    planned: RollPlan,
+    old: Option<Arc<Rc>>,
+    new: Option<Arc<Rc>>,
+    old_counts: Option<RcCounts>,
+    new_counts: Option<RcCounts>,
+    /// The mutation lock keys' indexes, for taking them only as seen.
+    mutation_index: (Option<u64>, Option<u64>),
+}
+
+/// How a pass ended.
+enum Outcome {
+    /// Waiting; look again after this long at the latest.
+    Wait(Duration),
+    /// The roll is complete and its record deleted.
+    Done,
+}
+
+impl Worker {
+    async fn run(mut self) {
+        tracing::info!("roll task started");
+        loop {
+            if self.cancel.is_cancelled() {
+                break;
+            }
+            let state = self.state.borrow_and_update().clone();
+            let cancel = self.cancel.clone();
+            let outcome = tokio::select! {
+                _ = cancel.cancelled() => break,
+                o = async {
+                    match &state {
+                        RollState::Deleted => None,
+                        RollState::Invalid(inv) => Some(self.report_invalid(inv).await.map(|_| Outcome::Wait(self.ctx.config.resync * 12))),
+                        RollState::Valid { roll, conflict } => Some(self.pass(roll, conflict.clone()).await),
+                    }
+                } => o,
+            };
+            let delay = match outcome {
+                None => {
+                    tracing::info!("roll record deleted: stopping");
+                    break;
+                }
+                Some(Ok(Outcome::Done)) => break,
+                Some(Ok(Outcome::Wait(d))) => {
+                    self.backoff.reset();
+                    d
+                }
+                Some(Err(RollError::Fenced)) => {
+                    tracing::warn!("lost the roll's lock; stopping without further writes");
+                    let _ = self.events.send(RollEvent::Fenced(self.id));
+                    break;
+                }
+                Some(Err(RollError::Stale(why))) => {
+                    tracing::debug!(%why, "planning again");
+                    Duration::from_millis(100)
+                }
+                Some(Err(e)) => {
+                    let wait = self
+                        .backoff
+                        .next_delay()
+                        .min(self.ctx.config.error_backoff_max);
+                    tracing::warn!(error = %e, retry_in = ?wait, "roll pass failed");
+                    metrics::counter!("rcfarm_roll_pass_errors_total").increment(1);
+                    self.ctx.status.update(self.id, &self.ctx.farm_id, |s| {
+                        s.last_error = Some(e.to_string())
+                    });
+                    wait
+                }
+            };
+            tokio::select! {
+                _ = self.cancel.cancelled() => break,
+                _ = self.state.changed() => {}
+                _ = self.wake.notified() => {}
+                _ = tokio::time::sleep(delay) => {}
+            }
+        }
+        tracing::info!("roll task stopped");
+    }
+
+    /// Reports an invalid record once per version: log, metric, status, audit event. The
+    /// record id is derived from key and version, so a handover does not report it twice.
+    async fn report_invalid(&mut self, inv: &InvalidRoll) -> Result<(), RollError> {
+        self.ctx.status.update(self.id, &self.ctx.farm_id, |s| {
+            s.set_condition("Invalid", Some(inv.problem.to_string()));
+        });
+        if self.invalid_reported == Some(inv.modify_index) {
+            return Ok(());
+        }
+        tracing::warn!(problem = %inv.problem, "rolling update record is invalid; not acting on it until it is fixed or deleted");
+        metrics::counter!("rcfarm_roll_invalid_total", "kind" => inv.problem.kind()).increment(1);
+        let audit = AuditRecord::deterministic(
+            &format!("invalid:{}@{}", inv.key, inv.modify_index),
+            events::ROLL_INVALID,
+            json!({
+                "rolling_update_id": self.id,
+                "key": inv.key,
+                "modify_index": inv.modify_index,
+                "problem": inv.problem.to_string(),
+                "farm_id": self.ctx.farm_id,
+            }),
+        );
+        match self.commit(vec![], vec![audit]).await {
+            Ok(_) => {}
+            Err(RollError::Consul(e)) if AuditRecord::recorded_already(&e, 1) => {}
+            Err(e) => return Err(e),
+        }
+        self.invalid_reported = Some(inv.modify_index);
+        Ok(())
+    }
+
+    /// Plans and applies until the roll waits or is done.
+    async fn pass(&mut self, roll: &Roll, conflict: Option<String>) -> Result<Outcome, RollError> {
+        self.invalid_reported = None;
+        self.ctx.status.update(self.id, &self.ctx.farm_id, |s| {
+            s.set_condition("Invalid", None)
+        });
+        for _ in 0..8 {
+            let o = self.observe(roll, conflict.clone()).await?;
+            self.publish(roll, &o);
+            let Some(action) = o.planned.action.clone() else {
+                let waiting = o.planned.waiting.clone();
+                self.settle_wait(roll, waiting.as_ref()).await?;
+                let delay = match &waiting {
+                    Some((WaitKind::Delay, _)) => {
+                        let waited = self
+                            .ready_since
+                            .map(|t| (Utc::now() - t).to_std().unwrap_or_default())
+                            .unwrap_or_default();
+                        roll.update
+                            .roll_delay
+                            .saturating_sub(waited)
+                            .max(Duration::from_millis(10))
+                    }
+                    _ => self.ctx.config.resync,
+                };
+                return Ok(Outcome::Wait(delay));
+            };
+            tracing::debug!(?action, "applying");
+            let done = matches!(action, RollAction::Complete);
+            self.apply(roll, &o, action).await?;
+            self.progressed();
+            if done {
+                return Ok(Outcome::Done);
+            }
+        }
+        Ok(Outcome::Wait(Duration::ZERO))
+    }
+
+    async fn observe(
+        &mut self,
+        roll: &Roll,
+        conflict: Option<String>,
+    ) -> Result<Observation, RollError> {
+        let u = &roll.update;
+        let listing = self
+            .ctx
+            .rcs
+            .borrow()
+            .clone()
+            .ok_or_else(|| RollError::Other("the RC view is not ready".into()))?;
+        let lookup = |id: RcId| -> Result<Arc<Rc>, String> {
+            if let Some(rc) = listing.rcs.get(&id) {
+                Ok(rc.clone())
+            } else if let Some(inv) = listing.invalid.get(&id.key()) {
+                Err(format!("its record is invalid: {}", inv.problem))
+            } else {
+                Err("does not exist".into())
+            }
+        };
+        let old = lookup(u.old_rc);
+        let new = lookup(u.new_rc);
+        // Pods of both RCs, and what their nodes run.
+        let pods_of = |rc: &Rc| -> Vec<(String, String)> {
+            self.ctx
+                .pods
+                .matches(&Selector::from_equalities([(
+                    RC_ID_LABEL,
+                    rc.id.to_string().as_str(),
+                )]))
+                .iter()
+                .filter_map(|id| {
+                    split_pod_label_id(id).map(|(n, p)| (n.to_string(), p.to_string()))
+                })
+                .collect()
+        };
+        let old_pods = old.as_ref().map(|rc| pods_of(rc)).unwrap_or_default();
+        let new_pods = new.as_ref().map(|rc| pods_of(rc)).unwrap_or_default();
+        let keys: Vec<String> = old_pods
+            .iter()
+            .chain(&new_pods)
+            .map(|(n, p)| reality_key(n, p))
+            .collect::<BTreeSet<_>>()
+            .into_iter()
+            .collect();
+        let reality = if keys.is_empty() {
+            Default::default()
+        } else {
+            self.ctx.consul.read_keys(&keys).await?
+        };
+        let count = |rc: &Rc, pods: &[(String, String)]| -> RcCounts {
+            RcCounts::count(
+                rc.replicas_desired,
+                rc.disabled,
+                rc.manifest.digest(),
+                pods.iter().map(|(node, pod)| {
+                    (
+                        runs(reality.get(&reality_key(node, pod))),
+                        self.ctx.health.status(pod, node),
+                    )
+                }),
+            )
+        };
+        let old_counts = old.as_ref().ok().map(|rc| count(rc, &old_pods));
+        let new_counts = new.as_ref().ok().map(|rc| count(rc, &new_pods));
+        let locks = self.ctx.locks.borrow().clone();
+        let holder = roll_holder(self.id);
+        let lock_state = |id: RcId| match locks.mutation(id) {
+            None => LockState::Free,
+            Some((s, v)) if *s == self.session && *v == holder => LockState::Ours,
+            Some((s, v)) => LockState::Elsewhere(format!("session {s} ({v})")),
+        };
+        let now = Utc::now();
+        let observed = RollObserved {
+            update: u,
+            old: old_counts.ok_or_else(|| old.clone().err().unwrap_or_default()),
+            new: new_counts.ok_or_else(|| new.clone().err().unwrap_or_default()),
+            old_lock: lock_state(u.old_rc),
+            new_lock: lock_state(u.new_rc),
+            conflict,
+            now,
+            ready_since: self.ready_since,
+        };
+        let planned = plan(&observed);
+        if planned.step_ready {
+            self.ready_since.get_or_insert(now);
+        } else {
+            self.ready_since = None;
+        }
+        let mutation_index = (
+            locks.holders.get(&u.old_rc).and_then(|h| h.mutation_index),
+            locks.holders.get(&u.new_rc).and_then(|h| h.mutation_index),
+        );
+        Ok(Observation {
+            planned,
+            old: old.ok(),
+            new: new.ok(),
+            old_counts,
+            new_counts,
+            mutation_index,
+        })
+    }
+
+    fn publish(&mut self, roll: &Roll, o: &Observation) {
+        let u = &roll.update;
+        if let (Some(oc), Some(nc)) = (o.old_counts, o.new_counts) {
+            // Only once the roll has started: before, the old RC's pods are not the roll's.
+            if oc.disabled && !nc.disabled {
+                let healthy = oc.healthy.min(oc.desired) + nc.healthy;
+                self.lowest_healthy = Some(self.lowest_healthy.map_or(healthy, |l| l.min(healthy)));
+            }
+        }
+        let lowest = self.lowest_healthy;
+        self.ctx.status.update(self.id, &self.ctx.farm_id, |s| {
+            s.old_rc = Some(u.old_rc);
+            s.new_rc = Some(u.new_rc);
+            s.desired_replicas = u.desired_replicas;
+            s.minimum_replicas = u.minimum_replicas;
+            s.leave_old = u.leave_old;
+            s.roll_delay = format_go_duration(u.roll_delay);
+            s.old = o.old_counts;
+            s.new = o.new_counts;
+            s.waiting = o.planned.waiting.clone();
+            s.lowest_healthy = lowest;
+            s.set_condition(
+                "Blocked",
+                o.planned
+                    .waiting
+                    .as_ref()
+                    .filter(|(k, _)| *k == WaitKind::Blocked)
+                    .map(|(_, why)| why.clone()),
+            );
+        });
+    }
+
+    /// Tracks how long the roll has waited; reports a stall once (log, metric, status, audit)
+    /// when it waits for something that cannot come by itself, or for longer than the stall
+    /// timeout.
+    async fn settle_wait(
+        &mut self,
+        roll: &Roll,
+        waiting: Option<&(WaitKind, String)>,
+    ) -> Result<(), RollError> {
+        let Some((kind, why)) = waiting else {
+            return Ok(());
+        };
+        if *kind == WaitKind::Delay {
+            // Waiting on purpose.
+            self.stuck_since = None;
+            return Ok(());
+        }
+        let since = *self.stuck_since.get_or_insert_with(Instant::now);
+        let stalled = kind.is_stuck() || since.elapsed() >= self.ctx.config.stall_after;
+        if !stalled || self.alerted.is_some() {
+            if let Some(reason) = &self.alerted
+                && reason != why
+            {
+                self.ctx.status.update(self.id, &self.ctx.farm_id, |s| {
+                    s.set_condition("Stalled", Some(why.clone()))
+                });
+            }
+            return Ok(());
+        }
+        tracing::warn!(reason = %why, "rolling update stalled");
+        metrics::counter!("rcfarm_roll_stalls_total").increment(1);
+        let audit = AuditRecord::new(
+            events::ROLL_STALLED,
+            json!({
+                "rolling_update_id": self.id,
+                "old_rc": roll.update.old_rc,
+                "new_rc": roll.update.new_rc,
+                "reason": why,
+                "waited_seconds": since.elapsed().as_secs(),
+                "farm_id": self.ctx.farm_id,
+            }),
+        );
+        self.commit(vec![], vec![audit]).await?;
+        self.alerted = Some(why.clone());
+        self.ctx.status.update(self.id, &self.ctx.farm_id, |s| {
+            s.set_condition("Stalled", Some(why.clone()))
+        });
+        Ok(())
+    }
+
+    /// The record that a reported stall is over, carried by the transaction that moves the
+    /// roll (a completion deletes the roll's lock: nothing fenced can follow it).
+    fn progress_record(&self, roll: &Roll) -> Option<AuditRecord> {
+        self.alerted.as_ref()?;
+        Some(AuditRecord::new(
+            events::ROLL_PROGRESSING,
+            json!({"rolling_update_id": self.id, "old_rc": roll.update.old_rc, "new_rc": roll.update.new_rc, "farm_id": self.ctx.farm_id}),
+        ))
+    }
+
+    /// The roll moved.
+    fn progressed(&mut self) {
+        self.stuck_since = None;
+        if self.alerted.take().is_some() {
+            tracing::info!("rolling update progresses again");
+            self.ctx.status.update(self.id, &self.ctx.farm_id, |s| {
+                s.set_condition("Stalled", None)
+            });
+        }
+    }
+
+    // ---- writes -----------------------------------------------------------------------------
+
+    /// The checks every write of the roll begins with: this farm holds the roll's lock (op 0),
+    /// and the roll is the version planned against (op 1; an abort deletes it).
+    fn fence(&self, roll: &Roll) -> Vec<TxnOp> {
+        vec![
+            TxnOp::check_session(roll_lock_key(self.id), &self.session),
+            TxnOp::check_index(roll_key(self.id), roll.modify_index),
+        ]
+    }
+
+    async fn apply(
+        &mut self,
+        roll: &Roll,
+        o: &Observation,
+        action: RollAction,
+    ) -> Result<(), RollError> {
+        let u = &roll.update;
+        let (Some(old), Some(new)) = (o.old.clone(), o.new.clone()) else {
+            return Err(RollError::Other("an RC of the roll is missing".into()));
+        };
+        let mut ops = self.fence(roll);
+        let checks = [
+            TxnOp::check_session(u.old_rc.mutation_lock_key(), &self.session),
+            TxnOp::check_session(u.new_rc.mutation_lock_key(), &self.session),
+        ];
+        let rewrite = |rc: &Rc, m: &[Mutation], audit: &AuditRecord| {
+            RcStore::rewrite_op(rc, m, &audit.id.to_string())
+                .map_err(|e| RollError::Other(e.to_string()))
+        };
+        let base = json!({
+            "rolling_update_id": self.id,
+            "old_rc": u.old_rc,
+            "new_rc": u.new_rc,
+            "pod_id": new.pod_id(),
+            "farm_id": self.ctx.farm_id,
+        });
+        let details = |extra: Value| -> Value {
+            let mut m = base.as_object().cloned().unwrap_or_default();
+            if let Value::Object(e) = extra {
+                m.extend(e);
+            }
+            Value::Object(m)
+        };
+        let counts = json!({"old": o.old_counts, "new": o.new_counts});
+        let (mut audits, wait_locks) = match &action {
+            RollAction::Lock => {
+                let holder = roll_holder(self.id);
+                for (id, seen) in [
+                    (u.old_rc, o.mutation_index.0),
+                    (u.new_rc, o.mutation_index.1),
+                ] {
+                    let held = self
+                        .ctx
+                        .locks
+                        .borrow()
+                        .mutation(id)
+                        .is_some_and(|(s, v)| *s == self.session && *v == holder);
+                    if !held {
+                        ops.extend(RcStore::mutation_lock_ops(id, &self.session, &holder, seen));
+                    }
+                }
+                (vec![], true)
+            }
+            RollAction::Start {
+                disable_old,
+                enable_new,
+            } => {
+                let audit = AuditRecord::new(
+                    events::ROLL_STARTED,
+                    details(
+                        json!({"disabled_old": disable_old, "enabled_new": enable_new, "counts": counts, "desired_replicas": u.desired_replicas, "minimum_replicas": u.minimum_replicas}),
+                    ),
+                );
+                ops.extend(checks);
+                if *disable_old {
+                    ops.push(rewrite(&old, &[Mutation::Disable], &audit)?);
+                }
+                if *enable_new {
+                    ops.push(rewrite(&new, &[Mutation::Enable], &audit)?);
+                }
+                (vec![audit], false)
+            }
+            RollAction::Step { add, remove } => {
+                let audit = AuditRecord::new(
+                    events::ROLL_STEP,
+                    details(json!({
+                        "action": "transfer",
+                        "replicas_added": add,
+                        "replicas_removed": remove,
+                        "old_replicas": {"old": old.replicas_desired, "new": old.replicas_desired.saturating_sub(*remove)},
+                        "new_replicas": {"old": new.replicas_desired, "new": new.replicas_desired + add},
+                        "counts": counts,
+                        "minimum_replicas": u.minimum_replicas,
+                    })),
+                );
+                ops.extend(checks);
+                ops.push(rewrite(
+                    &old,
+                    &[Mutation::AddReplicas(-(*remove as i64))],
+                    &audit,
+                )?);
+                ops.push(rewrite(
+                    &new,
+                    &[Mutation::AddReplicas(*add as i64)],
+                    &audit,
+                )?);
+                (vec![audit], false)
+            }
+            RollAction::RetireOld => {
+                let audit = AuditRecord::new(
+                    events::ROLL_STEP,
+                    details(json!({
+                        "action": "retire_old",
+                        "old_replicas": {"old": old.replicas_desired, "new": 0},
+                        "counts": counts,
+                        "reason": "the new RC is complete; the old RC removes the pods it did not hand over",
+                    })),
+                );
+                ops.extend(checks);
+                ops.push(rewrite(
+                    &old,
+                    &[Mutation::SetReplicas(0), Mutation::Enable],
+                    &audit,
+                )?);
+                (vec![audit], false)
+            }
+            RollAction::Complete => {
+                let (labels, _) = LabelStore::new(self.ctx.consul.clone())
+                    .get(LabelType::Rolls, &self.id.to_string())
+                    .await
+                    .map_err(|e| RollError::Other(e.to_string()))?;
+                let mut completion =
+                    completion_details(self.id, &labels, Some(new.pod_id()), true, false);
+                completion.insert("farm_id".into(), json!(self.ctx.farm_id));
+                completion.insert("old_rc_deleted".into(), json!(!u.leave_old));
+                completion.insert("counts".into(), counts.clone());
+                ops.push(TxnOp::delete_cas(roll_key(self.id), roll.modify_index));
+                ops.push(LabelStore::delete_op(
+                    LabelType::Rolls,
+                    &self.id.to_string(),
+                ));
+                ops.extend(checks);
+                ops.push(TxnOp::delete(u.new_rc.mutation_lock_key()));
+                ops.push(TxnOp::delete(u.old_rc.mutation_lock_key()));
+                let mut audits = vec![AuditRecord::new(
+                    events::ROLL_COMPLETION,
+                    Value::Object(completion),
+                )];
+                if !u.leave_old {
+                    ops.push(TxnOp::delete_cas(old.id.key(), old.modify_index));
+                    ops.push(LabelStore::delete_op(
+                        LabelType::ReplicationController,
+                        &old.id.to_string(),
+                    ));
+                    audits.push(AuditRecord::new(
+                        events::RC_DELETED,
+                        json!({
+                            "replication_controller_id": old.id,
+                            "pod_id": old.pod_id(),
+                            "actor": format!("rcfarm rolling update {} (farm {})", self.id, self.ctx.farm_id),
+                            "replicas_desired": old.replicas_desired,
+                            "forced": false,
+                        }),
+                    ));
+                }
+                // Our own lock last: the farm sees the roll and its lock go together.
+                ops.push(TxnOp::delete(roll_lock_key(self.id)));
+                (audits, false)
+            }
+        };
+        audits.extend(self.progress_record(roll));
+        let index = self.commit(ops, audits).await?;
+        match &action {
+            RollAction::Step { add, remove } => {
+                tracing::info!(add, remove, "moved replicas from the old RC to the new one");
+                metrics::counter!("rcfarm_roll_steps_total").increment(1);
+                self.ready_since = None;
+                self.ctx.status.update(self.id, &self.ctx.farm_id, |s| {
+                    s.steps += 1;
+                    s.last_step = Some(Utc::now());
+                });
+            }
+            RollAction::Start { .. } => tracing::info!(
+                "rolling update started: the old RC is disabled, the new one enabled"
+            ),
+            RollAction::Lock => tracing::debug!("took both RCs' mutation locks"),
+            RollAction::RetireOld => {
+                tracing::info!("the new RC is complete; the old RC removes its leftover pods")
+            }
+            RollAction::Complete => {
+                tracing::info!(old_deleted = !u.leave_old, "rolling update complete");
+                metrics::counter!("rcfarm_roll_completions_total").increment(1);
+                self.ctx.status.remove(self.id);
+                return Ok(());
+            }
+        }
+        self.await_views(index, wait_locks).await
+    }
+
+    /// Waits until the farm's views show our own write, so the next plan counts it.
+    async fn await_views(&self, index: u64, locks: bool) -> Result<(), RollError> {
+        let mut rcs = self.ctx.rcs.clone();
+        let mut lock_view = self.ctx.locks.clone();
+        let wait = async {
+            if locks {
+                let _ = lock_view.wait_for(|v| v.index >= index).await;
+            } else {
+                let _ = rcs
+                    .wait_for(|l| l.as_ref().is_some_and(|l| l.index >= index))
+                    .await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(10), wait)
+            .await
+            .map_err(|_| {
+                RollError::Other(
+                    "the farm's view did not catch up with our own write within 10 s".into(),
+                )
+            })
+    }
+
+    /// Commits `ops` with `audits`; the ops begin with the roll's fence when they write.
+    async fn commit(&self, ops: Vec<TxnOp>, audits: Vec<AuditRecord>) -> Result<u64, RollError> {
+        if self.cancel.is_cancelled() {
+            return Err(RollError::Fenced);
+        }
+        let fenced = !ops.is_empty();
+        let mut all = Vec::with_capacity(ops.len() + audits.len() + 1);
+        if fenced {
+            all.extend(ops);
+        } else {
+            // A report alone still proves we hold the roll.
+            all.push(TxnOp::check_session(roll_lock_key(self.id), &self.session));
+        }
+        all.extend(audits.iter().map(AuditRecord::txn_op));
+        match self.ctx.consul.txn(&all).await {
+            Ok(resp) => Ok(resp.commit_index()),
+            Err(ConsulError::Conflict(errs)) => {
+                if errs.iter().any(|x| {
+                    x.op_index == 0
+                        && matches!(
+                            x.failure(),
+                            TxnFailure::SessionMismatch | TxnFailure::KeyMissing
+                        )
+                }) {
+                    metrics::counter!("rcfarm_fenced_writes_total").increment(1);
+                    return Err(RollError::Fenced);
+                }
+                // Something moved since the plan (the roll, an RC, a mutation lock): look again.
+                let what: Vec<String> = errs.iter().map(|x| x.what.clone()).collect();
+                Err(RollError::Stale(what.join("; ")))
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_and_holder() {
+        let id = RcId::new();
+        assert_eq!(reality_key("n1", "web"), "reality/n1/web");
+        assert_eq!(roll_holder(id), format!("rcfarm-roll:{id}"));
+        assert_ne!(roll_holder(id), id.node_transfer_holder());
+    }
+
+    #[test]
+    fn intent_state_compares_manifests_by_digest() {
+        let a = IntentState::from_value(Some(b"id: web\nlaunchables: {}\n"));
+        let b = IntentState::from_value(Some(b"{\"id\": \"web\", \"launchables\": {}}"));
+        assert_eq!(a, b);
+    }
+}

@@ -1,0 +1,375 @@
+//! A node simulator: plays P2's preparer for a set of nodes, so that a laptop (or a test, a
+//! benchmark, the chaos run) sees pods start and pass their health checks.
+//!
+//! For every intent (`intent/<node>/<pod-id>`) on its nodes it writes, after a start-up delay,
+//! what the node runs (`reality/<node>/<pod-id>`, the intent's manifest) and a health result
+//! (`health/<pod-id>/<node>`, P2's JSON). A changed intent replaces the running pod: its health
+//! turns critical at once (the old process stops) until the new one has started. A removed
+//! intent removes both keys. A fraction of pods (`unhealthy_rate`, decided per node, pod and
+//! manifest from a seed, so runs repeat) never pass, to exercise health gates.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::Utc;
+use parking_lot::Mutex;
+use serde_json::json;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::consul::{Consul, ConsulError, MAX_TXN_OPS, TxnOp, WatchConfig};
+use crate::health::{HEALTH_PREFIX, HealthStatus, parse_health};
+use crate::labels::{LabelSet, LabelStore, LabelType};
+use crate::rc::Manifest;
+use crate::roll::reality_key;
+
+/// What to simulate.
+#[derive(Debug, Clone)]
+pub struct SimConfig {
+    /// The nodes played.
+    pub nodes: Vec<String>,
+    /// Labels set on every node at start (merged into what they have).
+    pub labels: LabelSet,
+    /// From an intent to its pod passing its health check.
+    pub startup: Duration,
+    /// The fraction of pods that never pass (0 to 1).
+    pub unhealthy_rate: f64,
+    pub seed: u64,
+    pub watch: WatchConfig,
+}
+
+impl SimConfig {
+    /// `count` nodes named `<prefix>1` … `<prefix>N`.
+    pub fn named(prefix: &str, count: usize) -> Vec<String> {
+        (1..=count).map(|i| format!("{prefix}{i}")).collect()
+    }
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        SimConfig {
+            nodes: SimConfig::named("node-", 3),
+            labels: LabelSet::new(),
+            startup: Duration::from_secs(1),
+            unhealthy_rate: 0.0,
+            seed: 0,
+            watch: WatchConfig::default(),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SimError {
+    #[error(transparent)]
+    Consul(#[from] ConsulError),
+    #[error("{0}")]
+    Config(String),
+}
+
+/// What the simulator has done, for tests and the chaos observer.
+#[derive(Debug, Default, Clone)]
+pub struct SimStats {
+    pub started: u64,
+    pub replaced: u64,
+    pub removed: u64,
+    pub unhealthy: u64,
+}
+
+/// A pod on a simulated node.
+#[derive(Debug, Clone, PartialEq)]
+struct Pod {
+    /// The manifest the intent asks for, its bytes and digest.
+    want: Arc<Vec<u8>>,
+    want_digest: String,
+    /// What runs (written to reality): the digest, or nothing yet.
+    running: Option<String>,
+    /// When the wanted manifest is up.
+    ready_at: Option<Instant>,
+}
+
+/// The simulator: runs until cancelled.
+pub struct NodeSimulator {
+    consul: Consul,
+    config: SimConfig,
+    stats: Arc<Mutex<SimStats>>,
+}
+
+impl NodeSimulator {
+    pub fn new(consul: Consul, config: SimConfig) -> Result<Self, SimError> {
+        if !(0.0..=1.0).contains(&config.unhealthy_rate) {
+            return Err(SimError::Config(format!(
+                "--unhealthy-rate {}: give a fraction between 0 and 1",
+                config.unhealthy_rate
+            )));
+        }
+        if config.nodes.is_empty() {
+            return Err(SimError::Config("simulate at least one node".into()));
+        }
+        Ok(NodeSimulator {
+            consul,
+            config,
+            stats: Arc::default(),
+        })
+    }
+
+    pub fn stats(&self) -> Arc<Mutex<SimStats>> {
+        self.stats.clone()
+    }
+
+    /// Whether a pod of this manifest on this node never passes (stable for a seed).
+    pub fn is_unhealthy(&self, node: &str, pod: &str, digest: &str) -> bool {
+        if self.config.unhealthy_rate <= 0.0 {
+            return false;
+        }
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325 ^ self.config.seed;
+        for b in node
+            .bytes()
+            .chain([0])
+            .chain(pod.bytes())
+            .chain([0])
+            .chain(digest.bytes())
+        {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        }
+        h = (h ^ (h >> 33)).wrapping_mul(0xff51_afd7_ed55_8ccd);
+        h ^= h >> 33;
+        (h as f64 / u64::MAX as f64) < self.config.unhealthy_rate
+    }
+
+    /// Labels the nodes (merging into their labels), in batched transactions.
+    async fn label_nodes(&self) -> Result<(), SimError> {
+        if self.config.labels.is_empty() {
+            return Ok(());
+        }
+        let store = LabelStore::new(self.consul.clone());
+        for node in &self.config.nodes {
+            let (existing, index) = store
+                .get(LabelType::Node, node)
+                .await
+                .map_err(|e| SimError::Config(e.to_string()))?;
+            let mut merged = existing.clone();
+            merged.extend(self.config.labels.clone());
+            if merged != existing {
+                let op = LabelStore::apply_op(
+                    LabelType::Node,
+                    node,
+                    &existing,
+                    index,
+                    &self.config.labels,
+                    &[],
+                );
+                self.consul.txn(&[op]).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs until `stop`.
+    pub async fn run(self, stop: CancellationToken) -> Result<(), SimError> {
+        let mut backoff =
+            crate::util::Backoff::new(Duration::from_millis(200), Duration::from_secs(5));
+        loop {
+            match self.label_nodes().await {
+                Ok(()) => break,
+                Err(e) => {
+                    let wait = backoff.next_delay();
+                    tracing::warn!(error = %e, retry_in = ?wait, "simulator: cannot label the nodes yet");
+                    tokio::select! {
+                        _ = stop.cancelled() => return Ok(()),
+                        _ = tokio::time::sleep(wait) => {}
+                    }
+                }
+            }
+        }
+        tracing::info!(nodes = self.config.nodes.len(), startup = ?self.config.startup, unhealthy_rate = self.config.unhealthy_rate, "node simulator running");
+        let ours: BTreeSet<&str> = self.config.nodes.iter().map(String::as_str).collect();
+        let intents = self
+            .consul
+            .watch_prefix("intent/", self.config.watch.clone());
+        let mut rx = intents.subscribe();
+        let mut pods: BTreeMap<(String, String), Pod> = BTreeMap::new();
+        let mut adopted = false;
+        loop {
+            let snap = rx.borrow_and_update().clone();
+            let mut writes = Vec::new();
+            if let Some(snap) = snap {
+                let now = Instant::now();
+                let mut seen = BTreeSet::new();
+                for kv in &snap.value {
+                    let Some((node, pod)) = kv
+                        .key
+                        .strip_prefix("intent/")
+                        .and_then(|k| k.split_once('/'))
+                    else {
+                        continue;
+                    };
+                    if !ours.contains(node) || pod.contains('/') {
+                        continue;
+                    }
+                    let key = (node.to_string(), pod.to_string());
+                    seen.insert(key.clone());
+                    let bytes = kv.value_bytes();
+                    let digest = std::str::from_utf8(bytes)
+                        .ok()
+                        .and_then(|s| Manifest::parse(s).ok())
+                        .map(|m| m.digest().to_string())
+                        .unwrap_or_default();
+                    match pods.get_mut(&key) {
+                        Some(p) if p.want_digest == digest => {}
+                        Some(p) => {
+                            // A new manifest: the running pod stops, the new one starts.
+                            p.want = Arc::new(bytes.to_vec());
+                            p.want_digest = digest;
+                            p.ready_at = Some(now + self.config.startup);
+                            if p.running.is_some() {
+                                writes.extend(self.health_ops(
+                                    node,
+                                    pod,
+                                    HealthStatus::Critical,
+                                    "replacing the pod with a new manifest",
+                                ));
+                            }
+                            self.stats.lock().replaced += 1;
+                        }
+                        None => {
+                            pods.insert(
+                                key,
+                                Pod {
+                                    want: Arc::new(bytes.to_vec()),
+                                    want_digest: digest,
+                                    running: None,
+                                    ready_at: Some(now + self.config.startup),
+                                },
+                            );
+                        }
+                    }
+                }
+                if !adopted {
+                    // Pods already running as asked (a restarted simulator) keep running.
+                    self.adopt(&mut pods).await?;
+                    adopted = true;
+                }
+                let gone: Vec<(String, String)> = pods
+                    .keys()
+                    .filter(|k| !seen.contains(*k))
+                    .cloned()
+                    .collect();
+                for (node, pod) in gone {
+                    pods.remove(&(node.clone(), pod.clone()));
+                    writes.push(TxnOp::delete(reality_key(&node, &pod)));
+                    writes.push(TxnOp::delete(format!("{HEALTH_PREFIX}{pod}/{node}")));
+                    self.stats.lock().removed += 1;
+                }
+            }
+            // Pods whose start-up is over.
+            let now = Instant::now();
+            for ((node, pod), p) in pods.iter_mut() {
+                if p.ready_at.is_some_and(|t| t <= now) {
+                    p.ready_at = None;
+                    p.running = Some(p.want_digest.clone());
+                    writes.push(TxnOp::set(reality_key(node, pod), p.want.as_ref().clone()));
+                    let (status, why) = if self.is_unhealthy(node, pod, &p.want_digest) {
+                        self.stats.lock().unhealthy += 1;
+                        (
+                            HealthStatus::Critical,
+                            "simulated failure (--unhealthy-rate)",
+                        )
+                    } else {
+                        (HealthStatus::Passing, "simulated pod is up")
+                    };
+                    writes.extend(self.health_ops(node, pod, status, why));
+                    self.stats.lock().started += 1;
+                }
+            }
+            self.flush(writes).await;
+            let next = pods.values().filter_map(|p| p.ready_at).min();
+            tokio::select! {
+                _ = stop.cancelled() => return Ok(()),
+                r = rx.changed() => if r.is_err() { return Ok(()) },
+                _ = async {
+                    match next {
+                        Some(t) => tokio::time::sleep_until(t).await,
+                        None => std::future::pending().await,
+                    }
+                } => {}
+            }
+        }
+    }
+
+    /// Marks as running the pods whose reality already matches their intent and whose health
+    /// passes, so a restarted simulator does not restart every pod.
+    async fn adopt(&self, pods: &mut BTreeMap<(String, String), Pod>) -> Result<(), SimError> {
+        let keys: Vec<String> = pods
+            .keys()
+            .flat_map(|(n, p)| [reality_key(n, p), format!("{HEALTH_PREFIX}{p}/{n}")])
+            .collect();
+        let found = self.consul.read_keys(&keys).await?;
+        let mut adopted = 0;
+        for ((node, pod), p) in pods.iter_mut() {
+            let real = found
+                .get(&reality_key(node, pod))
+                .and_then(|kv| {
+                    std::str::from_utf8(kv.value_bytes())
+                        .ok()
+                        .and_then(|s| Manifest::parse(s).ok())
+                })
+                .map(|m| m.digest().to_string());
+            let passing = found
+                .get(&format!("{HEALTH_PREFIX}{pod}/{node}"))
+                .and_then(|kv| parse_health(kv.value_bytes()).ok())
+                .is_some_and(HealthStatus::is_passing);
+            if real.as_deref() == Some(p.want_digest.as_str()) && passing {
+                p.running = real;
+                p.ready_at = None;
+                adopted += 1;
+            }
+        }
+        if adopted > 0 {
+            tracing::info!(
+                adopted,
+                "simulator: pods already running as their intents ask"
+            );
+        }
+        Ok(())
+    }
+
+    /// P2's health result for a pod on a node.
+    fn health_ops(&self, node: &str, pod: &str, status: HealthStatus, output: &str) -> Vec<TxnOp> {
+        let value = json!({
+            "Id": pod,
+            "Node": node,
+            "Service": pod,
+            "Status": serde_json::to_value(status).unwrap_or_default(),
+            "Output": output,
+            "Time": Utc::now().to_rfc3339(),
+        });
+        vec![TxnOp::set(
+            format!("{HEALTH_PREFIX}{pod}/{node}"),
+            value.to_string().into_bytes(),
+        )]
+    }
+
+    /// Writes in batches; a failed batch is logged and retried by the next change (reality
+    /// and health are rewritten for pods that start later; a lost write of a running pod
+    /// is rewritten when its intent changes).
+    async fn flush(&self, writes: Vec<TxnOp>) {
+        for chunk in writes.chunks(MAX_TXN_OPS) {
+            let mut attempt = 0;
+            loop {
+                match self.consul.txn(chunk).await {
+                    Ok(_) => break,
+                    Err(e) if attempt < 5 && e.is_retryable() => {
+                        attempt += 1;
+                        tokio::time::sleep(Duration::from_millis(100 << attempt)).await;
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, ops = chunk.len(), "simulator: write failed");
+                        break;
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,554 @@
+//! Rolling updates carried out by real farm processes, with the node simulator playing P2's
+//! preparer: in-place replacement under the minimum, handover and resumption, stalls, bad
+//! records, and rolls written by P2's own `p2-rctl`.
+
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use rcfarm::consul::QueryOptions;
+use rcfarm::rc::{RcId, RcStore};
+use rcfarm::roll::{RollStore, StartRoll, roll_key, roll_lock_key};
+use serde_json::Value;
+
+use crate::harness::{Cluster, nodes, rcs, signal};
+
+/// Farm flags for roll tests: a short resync and stall timeout.
+const ROLL_FLAGS: [&str; 4] = ["--roll-resync", "300ms", "--roll-stall-after", "3s"];
+
+async fn start_roll(c: &Cluster, old: RcId, minimum: u64, delay: Duration) -> RcId {
+    let pod = RcStore::new(c.consul.clone())
+        .get(old)
+        .await
+        .unwrap()
+        .unwrap()
+        .pod_id()
+        .to_string();
+    RollStore::new(c.consul.clone())
+        .start(
+            StartRoll {
+                old_rc: old,
+                manifest: Cluster::manifest(&pod, 2),
+                desired: None,
+                minimum: Some(minimum),
+                leave_old: false,
+                roll_delay: delay,
+            },
+            "test",
+            false,
+        )
+        .await
+        .unwrap()
+        .update
+        .new_rc
+}
+
+/// The session holding a roll's lock.
+async fn roll_holder(c: &Cluster, id: RcId) -> Option<String> {
+    c.consul
+        .kv_get(&roll_lock_key(id), &QueryOptions::default())
+        .await
+        .unwrap()
+        .0
+        .and_then(|e| e.session)
+}
+
+async fn roll_exists(c: &Cluster, id: RcId) -> bool {
+    c.consul
+        .kv_get(&roll_key(id), &QueryOptions::default())
+        .await
+        .unwrap()
+        .0
+        .is_some()
+}
+
+/// Waits until the roll is gone, the old RC deleted and the new one runs `n` pods, all up.
+async fn completed(c: &Cluster, roll: RcId, old: RcId, n: usize, timeout: Duration) {
+    c.wait_for(timeout, "the roll completes", move || async move {
+        !roll_exists(c, roll).await
+            && RcStore::new(c.consul.clone())
+                .get(old)
+                .await
+                .unwrap()
+                .is_none()
+            && c.all_up(roll, n).await
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_roll_replaces_pods_in_place_and_never_takes_them_below_the_minimum() {
+    let mut c = Cluster::start().await;
+    nodes(&c, 6, 1).await;
+    let _sim = c.simulate(6, 0.0);
+    c.spawn_farm("f1", &ROLL_FLAGS).await;
+    c.spawn_farm("f2", &ROLL_FLAGS).await;
+    let old = rcs(&c, 1, 4).await[0];
+    let cr = &c;
+    c.wait_for(
+        Duration::from_secs(30),
+        "the old RC up",
+        move || async move { cr.all_up(old, 4).await },
+    )
+    .await;
+    let before = c.placements().await[&old].clone();
+
+    let roll = start_roll(&c, old, 3, Duration::ZERO).await;
+    completed(&c, roll, old, 4, Duration::from_secs(60)).await;
+
+    // In place: the new RC's pods are where the old one's were.
+    assert_eq!(c.placements().await[&roll], before);
+    let new_rc = RcStore::new(c.consul.clone())
+        .get(roll)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(new_rc.replicas_desired, 4);
+    assert!(!new_rc.disabled);
+    // The mutation locks are given back.
+    for id in [old, roll] {
+        assert!(
+            c.consul
+                .kv_get(&id.mutation_lock_key(), &QueryOptions::default())
+                .await
+                .unwrap()
+                .0
+                .is_none()
+        );
+    }
+    let o = c.observe(|_| false);
+    let lowest = o.roll_lowest_up.get(&roll.to_string()).copied();
+    assert!(lowest.is_some_and(|l| l >= 3), "lowest pods up {lowest:?}");
+    assert!(
+        o.roll_steps >= 3,
+        "start, steps and completion: {}",
+        o.roll_steps
+    );
+
+    // The audit trail: P2's creation and completion records, the start, each step.
+    let cr = &c;
+    c.wait_for(
+        Duration::from_secs(10),
+        "the audit records",
+        move || async move { cr.audit_events("ROLLING_UPDATE_COMPLETION").await.len() == 1 },
+    )
+    .await;
+    let creation = c.audit_events("ROLLING_UPDATE_CREATION").await;
+    assert_eq!(creation.len(), 1);
+    assert_eq!(creation[0]["rolling_update_id"], roll.to_string());
+    assert_eq!(creation[0]["pod_id"], "svc-0");
+    let completion = &c.audit_events("ROLLING_UPDATE_COMPLETION").await[0];
+    assert_eq!(completion["succeeded"], true);
+    assert_eq!(completion["canceled"], false);
+    assert_eq!(completion["pod_id"], "svc-0");
+    assert_eq!(c.audit_events("ROLLING_UPDATE_STARTED").await.len(), 1);
+    let steps = c.audit_events("ROLLING_UPDATE_STEP").await;
+    let moved: u64 = steps
+        .iter()
+        .map(|s| s["replicas_added"].as_u64().unwrap_or(0))
+        .sum();
+    assert_eq!(moved, 4, "{steps:#?}");
+    assert!(
+        steps
+            .iter()
+            .all(|s| s["replicas_added"].as_u64() <= Some(1)),
+        "one at a time with a minimum of 3 of 4"
+    );
+    let deleted = c.audit_events("REPLICATION_CONTROLLER_DELETED").await;
+    assert_eq!(deleted.len(), 1);
+    assert_eq!(deleted[0]["replication_controller_id"], old.to_string());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_roll_is_resumed_by_another_farm_after_its_farm_is_killed_or_stopped() {
+    let mut c = Cluster::start().await;
+    nodes(&c, 6, 1).await;
+    let _sim = c.simulate(6, 0.0);
+    c.spawn_farm("f1", &ROLL_FLAGS).await;
+    c.spawn_farm("f2", &ROLL_FLAGS).await;
+    let ids: [RcId; 2] = rcs(&c, 2, 5).await.try_into().unwrap();
+    let cr = &c;
+    c.wait_for(Duration::from_secs(30), "both RCs up", move || async move {
+        cr.all_up(ids[0], 5).await && cr.all_up(ids[1], 5).await
+    })
+    .await;
+    // Two rolls, a second between steps: long enough to interrupt.
+    let rolls = [
+        start_roll(&c, ids[0], 4, Duration::from_secs(1)).await,
+        start_roll(&c, ids[1], 4, Duration::from_secs(1)).await,
+    ];
+    // Each roll is under way (a step taken) before its farm goes.
+    c.wait_for(
+        Duration::from_secs(30),
+        "both rolls under way",
+        move || async move {
+            let mut ok = true;
+            for r in rolls {
+                let n = RcStore::new(cr.consul.clone())
+                    .get(r)
+                    .await
+                    .unwrap()
+                    .unwrap();
+                ok &= n.replicas_desired >= 1 && roll_holder(cr, r).await.is_some();
+            }
+            ok
+        },
+    )
+    .await;
+    let s0 = roll_holder(&c, rolls[0]).await.unwrap();
+    let f0 = c.farm_sessions().await[&s0].clone();
+    let idx = c.farms.iter().position(|f| f.id == f0).unwrap();
+    // The farm carrying the first roll dies without a word.
+    signal(c.farms[idx].pid, "KILL");
+    completed(&c, rolls[0], ids[0], 5, Duration::from_secs(60)).await;
+    // Restart it; stop the farm carrying the second roll gracefully.
+    c.spawn_farm(&format!("{f0}-again"), &ROLL_FLAGS).await;
+    if let Some(s1) = roll_holder(&c, rolls[1]).await
+        && let Some(f1) = c.farm_sessions().await.get(&s1).cloned()
+        && let Some(i) = c.farms.iter().position(|f| f.id == f1)
+    {
+        signal(c.farms[i].pid, "TERM");
+    }
+    completed(&c, rolls[1], ids[1], 5, Duration::from_secs(60)).await;
+    let claimed = c.audit_events("ROLLING_UPDATE_CLAIMED").await;
+    assert!(
+        claimed.len() >= 3,
+        "each roll claimed, one of them again after its farm died: {claimed:#?}"
+    );
+    let o = c.observe(|_| false);
+    for r in rolls {
+        let lowest = o.roll_lowest_up.get(&r.to_string()).copied();
+        assert!(
+            lowest.is_some_and(|l| l >= 4),
+            "{r}: lowest pods up {lowest:?}"
+        );
+    }
+    assert_eq!(c.audit_events("ROLLING_UPDATE_COMPLETION").await.len(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_roll_that_cannot_progress_says_why_once_and_resumes_when_fixed() {
+    let mut c = Cluster::start().await;
+    nodes(&c, 4, 1).await;
+    let sim = c.simulate(4, 0.0);
+    c.spawn_farm("f1", &ROLL_FLAGS).await;
+    let old = rcs(&c, 1, 3).await[0];
+    let cr = &c;
+    c.wait_for(
+        Duration::from_secs(30),
+        "the old RC up",
+        move || async move { cr.all_up(old, 3).await },
+    )
+    .await;
+    // From now on every new pod fails its health check; the running ones stay up.
+    sim.cancel();
+    let failing = c.simulate(4, 1.0);
+    let roll = start_roll(&c, old, 2, Duration::ZERO).await;
+    c.wait_for(
+        Duration::from_secs(30),
+        "a stall reported",
+        move || async move { !cr.audit_events("ROLLING_UPDATE_STALLED").await.is_empty() },
+    )
+    .await;
+    // It took the one step the minimum allows, then waits, saying so once.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let stalls = c.audit_events("ROLLING_UPDATE_STALLED").await;
+    assert_eq!(stalls.len(), 1, "{stalls:#?}");
+    assert!(
+        stalls[0]["reason"].as_str().unwrap().contains("health"),
+        "{stalls:#?}"
+    );
+    let new = RcStore::new(c.consul.clone())
+        .get(roll)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        new.replicas_desired, 1,
+        "no step beyond what the minimum allows"
+    );
+    let log = c.farm_log(0);
+    assert!(log.contains("rolling update stalled"), "{log}");
+    // The farm's API says what the roll waits for, and that it stalled.
+    let (entries, _) = c
+        .consul
+        .kv_list("rcfarm/farms/", &QueryOptions::default())
+        .await
+        .unwrap();
+    let base = rcfarm::farm::registry::live_farms(&entries)[0]
+        .http
+        .clone()
+        .unwrap();
+    rcfarm::consul::init_tls();
+    let body: Value = reqwest::get(format!("{base}/v1/rolls/{roll}"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let conditions = body["roll"]["conditions"].to_string();
+    assert!(conditions.contains("Stalled"), "{body:#}");
+    assert!(
+        body["roll"]["waiting"].as_str().unwrap().contains("health"),
+        "{body:#}"
+    );
+    assert_eq!(body["roll"]["new"]["desired"], 1, "{body:#}");
+    // Healthy pods again: the roll progresses (said once) and completes.
+    failing.cancel();
+    let _sim = c.simulate(4, 0.0);
+    completed(&c, roll, old, 3, Duration::from_secs(60)).await;
+    // Every stall reported is reported over (a slow machine may stall it again between steps).
+    let progressing = c.audit_events("ROLLING_UPDATE_PROGRESSING").await.len();
+    assert!(progressing >= 1);
+    assert_eq!(
+        c.audit_events("ROLLING_UPDATE_STALLED").await.len(),
+        progressing
+    );
+    c.check_invariants(|_| false);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn bad_roll_records_are_reported_once_and_never_acted_on() {
+    let mut c = Cluster::start().await;
+    nodes(&c, 4, 1).await;
+    let _sim = c.simulate(4, 0.0);
+    c.spawn_farm("f1", &ROLL_FLAGS).await;
+    c.spawn_farm("f2", &ROLL_FLAGS).await;
+    let ids: [RcId; 3] = rcs(&c, 3, 1).await.try_into().unwrap();
+    // The stuck roll's new RC wants nothing yet (else the roll would be done at once).
+    c.patch_rc(ids[2], "replicas_desired", 0.into()).await;
+    let (a, b) = (RcId::new(), RcId::new());
+    let cr = &c;
+    c.wait_for(Duration::from_secs(30), "the RCs up", move || async move {
+        cr.all_up(ids[0], 1).await && cr.all_up(ids[1], 1).await
+    })
+    .await;
+    let put = |key: String, v: String| async move {
+        cr.consul.kv_put(&key, v.as_bytes(), None).await.unwrap();
+    };
+    put(roll_key(a), "{not json".into()).await;
+    put(
+        roll_key(b),
+        format!(
+            r#"{{"OldRC":"{}","NewRC":"{b}","MinimumReplicas":0}}"#,
+            ids[0]
+        ),
+    )
+    .await;
+    put("rolls/not-a-uuid".into(), "{}".into()).await;
+    // Minimum unreachable: 1 of 1 must stay healthy. Hand-written (creation refuses it).
+    put(
+        roll_key(ids[2]),
+        format!(
+            r#"{{"OldRC":"{}","NewRC":"{}","DesiredReplicas":1,"MinimumReplicas":1,"LeaveOld":false,"RollDelay":0}}"#,
+            ids[1], ids[2]
+        ),
+    )
+    .await;
+    c.wait_for(Duration::from_secs(30), "the reports", move || async move {
+        cr.audit_events("ROLLING_UPDATE_INVALID").await.len() >= 3
+            && !cr.audit_events("ROLLING_UPDATE_STALLED").await.is_empty()
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let invalid = c.audit_events("ROLLING_UPDATE_INVALID").await;
+    assert_eq!(
+        invalid.len(),
+        3,
+        "once each, whatever the farms: {invalid:#?}"
+    );
+    let problems: BTreeSet<String> = invalid
+        .iter()
+        .map(|r| r["problem"].as_str().unwrap().to_string())
+        .collect();
+    assert!(
+        problems.iter().any(|p| p.contains("not JSON")),
+        "{problems:?}"
+    );
+    assert!(
+        problems.iter().any(|p| p.contains("DesiredReplicas")),
+        "{problems:?}"
+    );
+    assert!(
+        problems.iter().any(|p| p.contains("roll key")),
+        "{problems:?}"
+    );
+    let stalls = c.audit_events("ROLLING_UPDATE_STALLED").await;
+    assert_eq!(stalls.len(), 1);
+    assert!(
+        stalls[0]["reason"].as_str().unwrap().contains("minimum"),
+        "{stalls:#?}"
+    );
+    // Nothing was done to the RCs of the bad records; the stuck roll started but took no step.
+    let store = RcStore::new(c.consul.clone());
+    assert!(!store.get(ids[0]).await.unwrap().unwrap().disabled);
+    assert_eq!(
+        store.get(ids[2]).await.unwrap().unwrap().replicas_desired,
+        0
+    );
+    assert_eq!(
+        store.get(ids[1]).await.unwrap().unwrap().replicas_desired,
+        1
+    );
+    assert!(
+        store.get(ids[1]).await.unwrap().unwrap().disabled,
+        "started: the old RC disabled"
+    );
+    for i in 0..2 {
+        assert!(!c.farm_log(i).contains("panicked"));
+        assert!(
+            c.farm_log(i).contains("rolling update record is invalid")
+                || c.farm_log(1 - i)
+                    .contains("rolling update record is invalid")
+        );
+    }
+    // Aborting the stuck roll frees both RCs' mutation locks and leaves the RCs as they are.
+    RollStore::new(c.consul.clone())
+        .abort(ids[2], "test", false)
+        .await
+        .unwrap();
+    let cr = &c;
+    c.wait_for(
+        Duration::from_secs(10),
+        "the mutation locks freed",
+        move || async move {
+            let mut free = true;
+            for id in [ids[1], ids[2]] {
+                free &= cr
+                    .consul
+                    .kv_get(&id.mutation_lock_key(), &QueryOptions::default())
+                    .await
+                    .unwrap()
+                    .0
+                    .and_then(|e| e.session)
+                    .is_none();
+            }
+            free
+        },
+    )
+    .await;
+    for i in 0..2 {
+        assert!(
+            c.farms[i].child.try_wait().unwrap().is_none(),
+            "farm {i} runs"
+        );
+    }
+    let aborted = c.audit_events("ROLLING_UPDATE_COMPLETION").await;
+    assert_eq!(aborted.len(), 1);
+    assert_eq!(aborted[0]["canceled"], true);
+    assert_eq!(aborted[0]["succeeded"], false);
+    c.check_invariants(|_| false);
+}
+
+/// P2's binaries, if they are where CI keeps them.
+fn p2_rctl() -> Option<PathBuf> {
+    let p = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../shared/p2/p2-rctl"));
+    if p.exists() {
+        Some(p)
+    } else {
+        eprintln!(
+            "SKIPPED: P2's p2-rctl is not at {} (CI has it); this test checks rolls P2 writes",
+            p.display()
+        );
+        None
+    }
+}
+
+async fn p2(args: &[&str], consul: &str) -> (bool, String) {
+    let out = tokio::process::Command::new(p2_rctl().unwrap())
+        .arg("--consul")
+        .arg(consul)
+        .args(args)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .await
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_roll_scheduled_by_p2s_own_schedule_update_is_carried_out() {
+    if p2_rctl().is_none() {
+        return;
+    }
+    let mut c = Cluster::start().await;
+    nodes(&c, 4, 1).await;
+    let _sim = c.simulate(4, 0.0);
+    c.spawn_farm("f1", &ROLL_FLAGS).await;
+    let consul = c.server.addr().to_string();
+    // Both RCs written by P2's own tool, with the allocation strategy it writes verbatim.
+    let dir = tempfile::tempdir().unwrap();
+    let mut ids = Vec::new();
+    for v in [1, 2] {
+        let m = dir.path().join(format!("v{v}.yaml"));
+        std::fs::write(&m, Cluster::manifest("web", v).replace("\\n", "\n")).unwrap();
+        let (ok, err) = p2(
+            &[
+                "create",
+                "--manifest",
+                m.to_str().unwrap(),
+                "--node-selector",
+                "env=prod",
+                "--availability-zone",
+                "az1",
+                "--cluster-name",
+                "c1",
+                "--allocation-strategy",
+                "static",
+            ],
+            &consul,
+        )
+        .await;
+        assert!(ok, "{err}");
+        let id = err
+            .split("id=")
+            .nth(1)
+            .and_then(|s| s.split_whitespace().next())
+            .unwrap();
+        ids.push(RcId::parse(id).unwrap());
+    }
+    let (ok, err) = p2(
+        &["set-replicas", "--yes", &ids[0].to_string(), "3"],
+        &consul,
+    )
+    .await;
+    assert!(ok, "{err}");
+    let (old, cr) = (ids[0], &c);
+    c.wait_for(
+        Duration::from_secs(30),
+        "P2's RC served and up",
+        move || async move { cr.all_up(old, 3).await },
+    )
+    .await;
+    let (ok, err) = p2(
+        &[
+            "schedule-update",
+            "--old",
+            &ids[0].to_string(),
+            "--new",
+            &ids[1].to_string(),
+            "--desired",
+            "3",
+            "--minimum",
+            "2",
+        ],
+        &consul,
+    )
+    .await;
+    assert!(ok, "{err}");
+    completed(&c, ids[1], ids[0], 3, Duration::from_secs(60)).await;
+    let completion = c.audit_events("ROLLING_UPDATE_COMPLETION").await;
+    assert_eq!(completion.len(), 1);
+    assert_eq!(completion[0]["succeeded"], true);
+    // P2 put no labels on the roll: the pod id comes from the new RC.
+    assert_eq!(completion[0]["pod_id"], "web");
+    assert!(
+        c.audit_events("REPLICATION_CONTROLLER_INVALID")
+            .await
+            .is_empty()
+    );
+    c.check_invariants(|_| false);
+}
