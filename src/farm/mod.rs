@@ -116,6 +116,13 @@ pub enum FarmError {
     Consul(#[from] ConsulError),
 }
 
+fn apply_roll_event(rolls: &mut OwnedRolls, ev: RollEvent) {
+    match ev {
+        RollEvent::Fenced(id) => rolls.fenced(id),
+        RollEvent::Completed(id, index) => rolls.finished(id, index),
+    }
+}
+
 /// What serving under one session works with.
 struct Serving<'a> {
     session: &'a Session,
@@ -286,6 +293,7 @@ impl Farm {
                 status: self.status.clone(),
                 locks: locks_rx,
                 rolls: rolls_rx,
+                rcs: views.rcs.subscribe(),
                 config: cfg.task.clone(),
             });
             let shipper_stop = session.lost().child_token();
@@ -450,6 +458,11 @@ impl Farm {
             }
             if ready && dirty_rolls {
                 dirty_rolls = false;
+                // News from roll tasks first: a task that ended because its roll completed
+                // must not be started again from a view that still shows the roll.
+                while let Ok(ev) = roll_ev_rx.try_recv() {
+                    apply_roll_event(&mut rolls, ev);
+                }
                 self.reconcile_rolls(
                     views,
                     session,
@@ -496,8 +509,7 @@ impl Farm {
                     dirty = true;
                 }
                 Some(ev) = roll_ev_rx.recv() => {
-                    let RollEvent::Fenced(id) = ev;
-                    rolls.fenced(id);
+                    apply_roll_event(&mut rolls, ev);
                     dirty_rolls = true;
                 }
                 r = rc_rx.changed() => {

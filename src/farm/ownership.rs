@@ -47,6 +47,11 @@ pub(crate) struct ClaimView<'a> {
     pub holders: &'a BTreeMap<RcId, String>,
     /// The lock tree's index, to tell a lagging view from a lost lock.
     pub lock_index: u64,
+    /// The objects' tree's index, to tell a lagging view from an object that ended.
+    pub listing_index: u64,
+    /// An op a claim must carry to be sure the object is still as seen (a roll that has just
+    /// completed may still show in a lagging view after its lock went), if the kind wants one.
+    pub guard: &'a dyn Fn(RcId) -> Option<TxnOp>,
 }
 
 /// Tunables shared by the kinds.
@@ -91,6 +96,9 @@ pub(crate) struct Owned<K: Kind> {
     unheld_since: HashMap<RcId, Instant>,
     /// The versions handed to tasks.
     sent: HashMap<RcId, u64>,
+    /// Objects whose task finished them (a completed roll) at a commit index: not claimed
+    /// or started again until the view of the objects has caught up with that index.
+    finished_at: HashMap<RcId, u64>,
 }
 
 impl<K: Kind> Owned<K> {
@@ -101,7 +109,20 @@ impl<K: Kind> Owned<K> {
             claimed_at: HashMap::new(),
             unheld_since: HashMap::new(),
             sent: HashMap::new(),
+            finished_at: HashMap::new(),
         }
+    }
+
+    /// A task finished its object (deleted it) at commit `index`.
+    pub fn finished(&mut self, id: RcId, index: u64) {
+        // A task started again from a lagging view before this news arrived: it cannot write
+        // (its object's lock is gone), but it must not even try.
+        if let Some(t) = self.tasks.remove(&id) {
+            t.cancel();
+        }
+        self.finished_at.insert(id, index);
+        self.claimed_at.remove(&id);
+        self.sent.remove(&id);
     }
 
     /// A task stopped on its own because a write was fenced: forget it (it is claimed again
@@ -138,6 +159,8 @@ impl<K: Kind> Owned<K> {
         let held_by_us = |id: &RcId| view.holders.get(id).is_some_and(|s| s == sid);
         let held_by_anyone = |id: &RcId| view.holders.contains_key(id);
         self.claimed_at.retain(|_, idx| view.lock_index < *idx);
+        self.finished_at.retain(|_, idx| view.listing_index < *idx);
+        let finished = &self.finished_at;
 
         // Tasks whose object we no longer hold, that ended, or whose object is gone: stop them.
         let gone: Vec<RcId> = self
@@ -180,7 +203,7 @@ impl<K: Kind> Owned<K> {
         let held_count = self.tasks.len();
         let mut to_claim = Vec::new();
         for id in view.matching {
-            if held_by_anyone(id) || self.tasks.contains_key(id) {
+            if held_by_anyone(id) || self.tasks.contains_key(id) || finished.contains_key(id) {
                 continue;
             }
             let since = *self.unheld_since.entry(*id).or_insert(now);
@@ -196,7 +219,7 @@ impl<K: Kind> Owned<K> {
         let claimed = if to_claim.is_empty() {
             Vec::new()
         } else {
-            farm.claim(&self.kind, &to_claim).await
+            farm.claim(&self.kind, &to_claim, view.guard).await
         };
         for (id, index) in &claimed {
             self.claimed_at.insert(*id, *index);
@@ -209,6 +232,7 @@ impl<K: Kind> Owned<K> {
             .all
             .iter()
             .filter(|id| held_by_us(id) || self.claimed_at.contains_key(id))
+            .filter(|id| !self.finished_at.contains_key(id))
         {
             if !self.tasks.contains_key(id) {
                 self.tasks.insert(*id, spawn(*id));
@@ -293,22 +317,36 @@ impl ClaimFarm<'_> {
     /// Takes locks in batched transactions (a lock and its audit record per object); ops that
     /// fail (someone else was faster) are dropped and the rest retried once. Returns each
     /// object claimed with the commit index.
-    async fn claim<K: Kind>(&self, kind: &K, ids: &[RcId]) -> Vec<(RcId, u64)> {
+    async fn claim<K: Kind>(
+        &self,
+        kind: &K,
+        ids: &[RcId],
+        guard: &dyn Fn(RcId) -> Option<TxnOp>,
+    ) -> Vec<(RcId, u64)> {
+        let per = if ids.first().is_some_and(|id| guard(*id).is_some()) {
+            3
+        } else {
+            2
+        };
         let mut got = Vec::new();
-        for chunk in ids.chunks(MAX_TXN_OPS / 2) {
+        for chunk in ids.chunks(MAX_TXN_OPS / per) {
             let mut batch: Vec<RcId> = chunk.to_vec();
             for _ in 0..2 {
                 if batch.is_empty() {
                     break;
                 }
+                // The object each op is for, to drop the objects whose ops failed.
                 let mut ops = Vec::new();
+                let mut owner = Vec::new();
                 for id in &batch {
+                    ops.extend(guard(*id));
                     ops.push(TxnOp::lock(
                         K::lock_key(*id),
                         self.session.name().as_bytes().to_vec(),
                         self.session.id(),
                     ));
                     ops.push(kind.claimed_record(*id, self.session).txn_op());
+                    owner.resize(ops.len(), *id);
                 }
                 match self.consul.txn(&ops).await {
                     Ok(resp) => {
@@ -318,13 +356,11 @@ impl ClaimFarm<'_> {
                         break;
                     }
                     Err(ConsulError::Conflict(errs)) => {
-                        let failed: BTreeSet<usize> = errs.iter().map(|e| e.op_index / 2).collect();
-                        batch = batch
-                            .into_iter()
-                            .enumerate()
-                            .filter(|(i, _)| !failed.contains(i))
-                            .map(|(_, id)| id)
+                        let failed: BTreeSet<RcId> = errs
+                            .iter()
+                            .filter_map(|e| owner.get(e.op_index).copied())
                             .collect();
+                        batch.retain(|id| !failed.contains(id));
                     }
                     Err(e) => {
                         tracing::warn!(error = %e, "claiming {} failed", K::PLURAL);

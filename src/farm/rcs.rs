@@ -246,6 +246,10 @@ impl Farm {
             assignment: &assignment,
             holders: &owners,
             lock_index: lock_snap.index,
+            listing_index: listing.index,
+            // A claim of an RC deleted meanwhile is harmless: its task is told, and gives the
+            // lock back.
+            guard: &|_| None,
         };
         let claimed = owned
             .reconcile(

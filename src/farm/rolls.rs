@@ -14,7 +14,7 @@ use super::registry::{self, FarmInfo};
 use super::unclaimable::Unclaimable;
 use super::{Farm, Views};
 use crate::audit::{AuditRecord, events};
-use crate::consul::{KvPair, Session};
+use crate::consul::{KvPair, Session, TxnOp};
 use crate::labels::{LabelChanges, LabelSet};
 use crate::rc::{LockView, RC_ID_LABEL, RcId, RcListing, RcStore};
 use crate::roll::{
@@ -231,6 +231,16 @@ impl Farm {
             assignment: &assignment,
             holders: &holders,
             lock_index: lock_snap.index,
+            listing_index: rolls.index,
+            guard: &|id| {
+                let index = rolls.rolls.get(&id).map(|r| r.modify_index).or_else(|| {
+                    rolls
+                        .invalid
+                        .get(&crate::roll::roll_key(id))
+                        .map(|i| i.modify_index)
+                })?;
+                Some(TxnOp::check_index(crate::roll::roll_key(id), index))
+            },
         };
         let claimed = owned
             .reconcile(

@@ -57,6 +57,8 @@ pub struct TaskContext {
     pub locks: watch::Receiver<Arc<LockView>>,
     /// Rolling updates in progress: new RC → old RC.
     pub rolls: watch::Receiver<Arc<BTreeMap<RcId, RcId>>>,
+    /// Every RC, from the farm's watch (a new RC reads its old RC's desired count).
+    pub rcs: watch::Receiver<Option<Arc<crate::rc::RcListing>>>,
     pub config: TaskConfig,
 }
 
@@ -450,7 +452,9 @@ impl Worker {
     }
 
     /// Where other RCs run this RC's pod id: the nodes of the rolling update's old RC to take
-    /// over (unhealthy pods first, then by name), and the nodes to keep off.
+    /// over (unhealthy pods first, then by name), and the nodes to keep off. Only as many old
+    /// pods are taken over as the old RC gave up (its pods beyond its desired count): the
+    /// roll's arithmetic puts the replicas it adds beyond those on fresh nodes.
     fn neighbours(&self, rc: &Rc) -> (Vec<NodeName>, BTreeSet<NodeName>) {
         let me = self.id.to_string();
         let mut occupied = BTreeSet::new();
@@ -493,6 +497,21 @@ impl Worker {
             })
             .collect();
         takeover.sort();
-        (takeover.into_iter().map(|(_, n)| n).collect(), occupied)
+        let old_desired = self
+            .ctx
+            .rcs
+            .borrow()
+            .as_ref()
+            .and_then(|l| l.rcs.get(&old).map(|rc| rc.replicas_desired))
+            .unwrap_or(0) as usize;
+        let given_up = takeover.len().saturating_sub(old_desired);
+        (
+            takeover
+                .into_iter()
+                .take(given_up)
+                .map(|(_, n)| n)
+                .collect(),
+            occupied,
+        )
     }
 }

@@ -27,6 +27,6 @@ pub use store::{
     update_creation_key,
 };
 pub use worker::{
-    ROLL_HOLDER_PREFIX, RollConfig, RollContext, RollEvent, RollHandle, RollState, reality_key,
-    roll_holder, runs, spawn,
+    ROLL_HOLDER_PREFIX, RollConfig, RollContext, RollEvent, RollHandle, RollState, STARTED_LABEL,
+    reality_key, roll_holder, runs, spawn,
 };

@@ -86,6 +86,9 @@ pub struct RollObserved<'a> {
     /// Since when a step has been possible without interruption (kept by the worker; the roll
     /// delay counts from there, as P2 sleeps `RollDelay` once a step is safe).
     pub ready_since: Option<DateTime<Utc>>,
+    /// Whether the roll has started (disabled its old RC and enabled its new one), per its
+    /// labels: a roll starts once; an RC flipped back afterwards was someone's decision.
+    pub started: bool,
 }
 
 /// One step, applied as one fenced transaction.
@@ -195,6 +198,9 @@ pub fn plan(o: &RollObserved<'_>) -> RollPlan {
     let target = u.desired_replicas;
     if new.desired >= target {
         if new.disabled {
+            if o.started {
+                return intervened("the new RC was disabled");
+            }
             return RollPlan::act(RollAction::Start {
                 disable_old: false,
                 enable_new: true,
@@ -224,6 +230,12 @@ pub fn plan(o: &RollObserved<'_>) -> RollPlan {
         );
     }
 
+    if o.started && new.disabled {
+        return intervened("the new RC was disabled");
+    }
+    if o.started && !old.disabled {
+        return intervened("the old RC was enabled again");
+    }
     if !old.disabled || new.disabled {
         // P2's guard: enabling a disabled RC that has more pods than it wants would make it
         // remove one at once.
@@ -309,6 +321,16 @@ pub fn plan(o: &RollObserved<'_>) -> RollPlan {
         waiting: None,
         step_ready: true,
     }
+}
+
+/// Someone changed an RC of a started roll: the roll does not fight them.
+fn intervened(what: &str) -> RollPlan {
+    RollPlan::wait(
+        WaitKind::Blocked,
+        format!(
+            "{what} after the roll started; the roll waits rather than undo it: undo the change, or abort the roll (rcctl roll abort)"
+        ),
+    )
 }
 
 /// P2's `rollAlgorithm`: how many replicas to remove from the old RC and add to the new one,
@@ -425,6 +447,7 @@ mod tests {
             conflict: None,
             now: Utc::now(),
             ready_since: None,
+            started: old.disabled,
         }
     }
 
@@ -507,9 +530,11 @@ mod tests {
     #[test]
     fn a_disabled_new_rc_is_enabled_only_when_settled() {
         let u = update(3, 1);
-        let o = observe(&u, counts(3, 3, 3, true), counts(1, 2, 2, true));
+        let mut o = observe(&u, counts(3, 3, 3, true), counts(1, 2, 2, true));
+        o.started = false;
         assert_eq!(plan(&o).waiting.unwrap().0, WaitKind::Pods);
-        let o = observe(&u, counts(3, 3, 3, true), counts(1, 1, 1, true));
+        let mut o = observe(&u, counts(3, 3, 3, true), counts(1, 1, 1, true));
+        o.started = false;
         assert_eq!(
             plan(&o).action,
             Some(RollAction::Start {
@@ -548,6 +573,31 @@ mod tests {
     }
 
     #[test]
+    fn a_started_roll_does_not_fight_an_operator() {
+        let u = update(3, 2);
+        let mut o = observe(&u, counts(2, 2, 2, false), counts(1, 1, 1, false));
+        o.started = true;
+        let p = plan(&o);
+        assert_eq!(p.action, None);
+        let (kind, why) = p.waiting.unwrap();
+        assert_eq!(kind, WaitKind::Blocked);
+        assert!(why.contains("old RC was enabled again"), "{why}");
+        let mut o = observe(&u, counts(2, 2, 2, true), counts(1, 1, 1, true));
+        o.started = true;
+        assert!(plan(&o).waiting.unwrap().1.contains("new RC was disabled"));
+        // Before it started, the same states are what it sets right.
+        let mut o = observe(&u, counts(3, 3, 3, false), counts(0, 0, 0, true));
+        o.started = false;
+        assert_eq!(
+            plan(&o).action,
+            Some(RollAction::Start {
+                disable_old: true,
+                enable_new: true
+            })
+        );
+    }
+
+    #[test]
     fn missing_rcs_and_conflicts_block() {
         let u = update(3, 2);
         let mut o = observe(&u, counts(3, 3, 3, false), counts(0, 0, 0, false));
@@ -558,5 +608,208 @@ mod tests {
         let mut o = observe(&u, counts(3, 3, 3, false), counts(0, 0, 0, false));
         o.conflict = Some("shares RC x with roll y".into());
         assert_eq!(plan(&o).waiting.unwrap().0, WaitKind::Blocked);
+    }
+
+    /// A model of a roll's world: nodes whose pods belong to the old or the new RC, start
+    /// (taking some ticks) and pass or fail. The new RC takes the old one's nodes over first,
+    /// as the RC task does; the old RC (disabled) does nothing until retired.
+    mod model {
+        use super::*;
+        use proptest::prelude::*;
+
+        #[derive(Clone, Copy, PartialEq, Debug)]
+        enum Owner {
+            Old,
+            New,
+        }
+
+        #[derive(Clone, Copy, PartialEq, Debug)]
+        enum State {
+            Up,
+            Starting(u8),
+            Failed,
+        }
+
+        struct World {
+            pods: Vec<Option<(Owner, State)>>,
+            old: (u64, bool),
+            new: (u64, bool),
+            rng: u64,
+            fail_rate: u8,
+        }
+
+        impl World {
+            fn next(&mut self) -> u64 {
+                self.rng ^= self.rng << 13;
+                self.rng ^= self.rng >> 7;
+                self.rng ^= self.rng << 17;
+                self.rng
+            }
+
+            fn counts(&self, who: Owner) -> RcCounts {
+                let (desired, disabled) = if who == Owner::Old {
+                    self.old
+                } else {
+                    self.new
+                };
+                let states = self
+                    .pods
+                    .iter()
+                    .flatten()
+                    .filter(|(o, _)| *o == who)
+                    .map(|(_, s)| match s {
+                        State::Up => (Some("d".to_string()), Some(HealthStatus::Passing)),
+                        State::Starting(_) => (None, None),
+                        State::Failed => (Some("d".to_string()), Some(HealthStatus::Critical)),
+                    });
+                RcCounts::count(desired, disabled, "d", states)
+            }
+
+            fn up(&self) -> usize {
+                self.pods
+                    .iter()
+                    .flatten()
+                    .filter(|(_, s)| *s == State::Up)
+                    .count()
+            }
+
+            /// The RC tasks converge: the new RC takes over as many old nodes as the old RC
+            /// gave up (failed ones first), then free ones; an enabled old RC removes pods it
+            /// does not want.
+            fn converge(&mut self) {
+                let new_current = self
+                    .pods
+                    .iter()
+                    .flatten()
+                    .filter(|(o, _)| *o == Owner::New)
+                    .count() as u64;
+                for _ in new_current..self.new.0 {
+                    let old_current = self
+                        .pods
+                        .iter()
+                        .flatten()
+                        .filter(|(o, _)| *o == Owner::Old)
+                        .count() as u64;
+                    let may_take_over = old_current > self.old.0;
+                    let pick = (0..self.pods.len())
+                        .filter(|i| {
+                            may_take_over
+                                && matches!(self.pods[*i], Some((Owner::Old, State::Failed)))
+                        })
+                        .chain((0..self.pods.len()).filter(|i| {
+                            may_take_over && matches!(self.pods[*i], Some((Owner::Old, _)))
+                        }))
+                        .chain((0..self.pods.len()).filter(|i| self.pods[*i].is_none()))
+                        .next();
+                    let Some(i) = pick else { break };
+                    let ticks = 1 + (self.next() % 3) as u8;
+                    self.pods[i] = Some((Owner::New, State::Starting(ticks)));
+                }
+                if !self.old.1 {
+                    let mut old_current = self
+                        .pods
+                        .iter()
+                        .flatten()
+                        .filter(|(o, _)| *o == Owner::Old)
+                        .count() as u64;
+                    for p in self.pods.iter_mut() {
+                        if old_current > self.old.0 && matches!(p, Some((Owner::Old, _))) {
+                            *p = None;
+                            old_current -= 1;
+                        }
+                    }
+                }
+            }
+
+            fn tick_health(&mut self) {
+                for i in 0..self.pods.len() {
+                    if let Some((o, State::Starting(t))) = self.pods[i] {
+                        let fails = (self.next() % 100) < u64::from(self.fail_rate);
+                        self.pods[i] = Some((
+                            o,
+                            match t {
+                                0 | 1 if fails => State::Failed,
+                                0 | 1 => State::Up,
+                                t => State::Starting(t - 1),
+                            },
+                        ));
+                    }
+                }
+            }
+        }
+
+        proptest! {
+            #[test]
+            fn never_below_the_minimum_and_completes_when_pods_pass(
+                old_n in 1u64..8,
+                target in 1u64..8,
+                min_gap in 1u64..4,
+                spare in 0usize..3,
+                seed in 1u64..u64::MAX,
+                fail_rate in prop_oneof![Just(0u8), 0u8..30],
+            ) {
+                let minimum = target.saturating_sub(min_gap).min(old_n.saturating_sub(1));
+                let nodes = (old_n as usize).max(target as usize) + spare;
+                let mut w = World {
+                    pods: (0..nodes).map(|i| (i < old_n as usize).then_some((Owner::Old, State::Up))).collect(),
+                    old: (old_n, false),
+                    new: (0, false),
+                    rng: seed,
+                    fail_rate,
+                };
+                let u = Update {
+                    old_rc: RcId::new(),
+                    new_rc: RcId::new(),
+                    desired_replicas: target,
+                    minimum_replicas: minimum,
+                    leave_old: false,
+                    roll_delay: Duration::ZERO,
+                };
+                let mut started = false;
+                let mut done = false;
+                for _ in 0..200 {
+                    let o = RollObserved {
+                        update: &u,
+                        old: Ok(w.counts(Owner::Old)),
+                        new: Ok(w.counts(Owner::New)),
+                        old_lock: LockState::Ours,
+                        new_lock: LockState::Ours,
+                        conflict: None,
+                        now: Utc::now(),
+                        ready_since: None,
+                        started,
+                    };
+                    let up_before = w.up();
+                    match plan(&o).action {
+                        Some(RollAction::Start { disable_old, enable_new }) => {
+                            if disable_old { w.old.1 = true; }
+                            if enable_new { w.new.1 = false; }
+                            started = true;
+                        }
+                        Some(RollAction::Step { add, remove }) => {
+                            w.new.0 += add;
+                            w.old.0 = w.old.0.saturating_sub(remove);
+                        }
+                        Some(RollAction::RetireOld) => w.old = (0, false),
+                        Some(RollAction::Complete) => { done = true; break; }
+                        Some(RollAction::Lock) => unreachable!("locks are ours"),
+                        None => {}
+                    }
+                    w.converge();
+                    let up = w.up();
+                    prop_assert!(
+                        up >= up_before || up as u64 >= minimum,
+                        "pods up fell from {} to {} below the minimum {}", up_before, up, minimum
+                    );
+                    w.tick_health();
+                }
+                if fail_rate == 0 {
+                    prop_assert!(done, "a roll whose pods all pass completes");
+                    let new_up = w.pods.iter().flatten().filter(|p| **p == (Owner::New, State::Up)).count();
+                    prop_assert_eq!(new_up as u64, target);
+                    prop_assert!(w.pods.iter().flatten().all(|(o, _)| *o == Owner::New), "no old pod left");
+                }
+            }
+        }
     }
 }

@@ -21,7 +21,7 @@ use super::store::completion_details;
 use crate::audit::{AuditRecord, events};
 use crate::consul::{Consul, ConsulError, KvPair, TxnFailure, TxnOp};
 use crate::health::HealthCache;
-use crate::labels::{LabelCache, LabelStore, LabelType, Selector, split_pod_label_id};
+use crate::labels::{LabelCache, LabelSet, LabelStore, LabelType, Selector, split_pod_label_id};
 use crate::rc::{LockView, Mutation, RC_ID_LABEL, Rc, RcId, RcListing, RcStore};
 use crate::rctask::IntentState;
 use crate::util::{Backoff, format_go_duration};
@@ -30,6 +30,9 @@ use crate::util::{Backoff, format_go_duration};
 pub fn reality_key(node: &str, pod_id: &str) -> String {
     format!("reality/{node}/{pod_id}")
 }
+
+/// The roll label set when a roll starts (P2 ignores labels it does not know).
+pub const STARTED_LABEL: &str = "rcfarm.io/roll-started";
 
 /// What the values of the mutation locks a roll holds begin with.
 pub const ROLL_HOLDER_PREFIX: &str = "rcfarm-roll:";
@@ -97,6 +100,8 @@ pub enum RollState {
 pub enum RollEvent {
     /// A write failed its fencing check: the farm no longer holds the roll's lock.
     Fenced(RollId),
+    /// The roll completed at this commit index: its record and lock are gone.
+    Completed(RollId, u64),
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -173,6 +178,8 @@ struct Observation {
     new_counts: Option<RcCounts>,
     /// The mutation lock keys' indexes, for taking them only as seen.
     mutation_index: (Option<u64>, Option<u64>),
+    /// The roll's labels and their key's index.
+    labels: (LabelSet, u64),
 }
 
 /// How a pass ended.
@@ -352,18 +359,26 @@ impl Worker {
         };
         let old_pods = old.as_ref().map(|rc| pods_of(rc)).unwrap_or_default();
         let new_pods = new.as_ref().map(|rc| pods_of(rc)).unwrap_or_default();
+        // What the pods' nodes run, and the roll's labels, in one read.
+        let labels_key = LabelType::Rolls.key(&self.id.to_string());
         let keys: Vec<String> = old_pods
             .iter()
             .chain(&new_pods)
             .map(|(n, p)| reality_key(n, p))
+            .chain([labels_key.clone()])
             .collect::<BTreeSet<_>>()
             .into_iter()
             .collect();
-        let reality = if keys.is_empty() {
-            Default::default()
-        } else {
-            self.ctx.consul.read_keys(&keys).await?
-        };
+        let reality = self.ctx.consul.read_keys(&keys).await?;
+        let labels = reality
+            .get(&labels_key)
+            .map(|kv| {
+                (
+                    crate::labels::parse_labels(kv.value_bytes()).unwrap_or_default(),
+                    kv.modify_index,
+                )
+            })
+            .unwrap_or_default();
         let count = |rc: &Rc, pods: &[(String, String)]| -> RcCounts {
             RcCounts::count(
                 rc.replicas_desired,
@@ -396,6 +411,7 @@ impl Worker {
             conflict,
             now,
             ready_since: self.ready_since,
+            started: labels.0.contains_key(STARTED_LABEL),
         };
         let planned = plan(&observed);
         if planned.step_ready {
@@ -414,6 +430,7 @@ impl Worker {
             old_counts,
             new_counts,
             mutation_index,
+            labels,
         })
     }
 
@@ -594,6 +611,17 @@ impl Worker {
                     ),
                 );
                 ops.extend(checks);
+                let (labels, index) = &o.labels;
+                let started: LabelSet =
+                    [(STARTED_LABEL.to_string(), Utc::now().to_rfc3339())].into();
+                ops.push(LabelStore::apply_op(
+                    LabelType::Rolls,
+                    &self.id.to_string(),
+                    labels,
+                    *index,
+                    &started,
+                    &[],
+                ));
                 if *disable_old {
                     ops.push(rewrite(&old, &[Mutation::Disable], &audit)?);
                 }
@@ -713,6 +741,7 @@ impl Worker {
                 tracing::info!(old_deleted = !u.leave_old, "rolling update complete");
                 metrics::counter!("rcfarm_roll_completions_total").increment(1);
                 self.ctx.status.remove(self.id);
+                let _ = self.events.send(RollEvent::Completed(self.id, index));
                 return Ok(());
             }
         }

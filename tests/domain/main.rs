@@ -6,4 +6,5 @@ mod common;
 
 mod labels;
 mod rcs;
+mod rolls;
 mod schedulers;
