@@ -105,6 +105,13 @@ async fn metrics(State(s): State<ApiState>) -> Response {
     metrics::gauge!("rcfarm_rcs_unmet")
         .set(rcs.iter().filter(|r| r.has_condition("Unmet")).count() as f64);
     metrics::gauge!("rcfarm_ready").set(if *s.ready.borrow() { 1.0 } else { 0.0 });
+    metrics::gauge!("rcfarm_rolls_stalled").set(
+        s.rolls
+            .all()
+            .iter()
+            .filter(|r| r.has_condition("Stalled"))
+            .count() as f64,
+    );
     let sh = &s.shipper;
     use std::sync::atomic::Ordering::Relaxed;
     metrics::gauge!("rcfarm_audit_backlog").set(sh.backlog.load(Relaxed) as f64);
@@ -319,6 +326,19 @@ pub fn describe_metrics() {
         ),
         ("rcfarm_session_losses_total", "Consul sessions lost"),
         ("rcfarm_audit_shipped_total", "audit records shipped to SQL"),
+        (
+            "rcfarm_roll_steps_total",
+            "rolling update steps: replicas moved from an old RC to a new one",
+        ),
+        ("rcfarm_roll_completions_total", "rolling updates completed"),
+        (
+            "rcfarm_roll_stalls_total",
+            "times a rolling update was reported stalled",
+        ),
+        (
+            "rcfarm_roll_pass_errors_total",
+            "rolling update passes that failed (retried with backoff)",
+        ),
     ];
     for (name, help) in counters {
         describe_counter!(name, help);
@@ -343,6 +363,14 @@ pub fn describe_metrics() {
     describe_counter!(
         "rcfarm_rc_invalid_total",
         "invalid RC records reported, by kind of problem"
+    );
+    describe_counter!(
+        "rcfarm_roll_invalid_total",
+        "invalid rolling update records reported, by kind of problem"
+    );
+    describe_counter!(
+        "rcfarm_rc_warnings_total",
+        "RC records served with an unusual field (a strategy P2 reads as static), by field"
     );
     let gauges = [
         ("rcfarm_owned_rcs", "RCs this farm owns"),
@@ -373,6 +401,15 @@ pub fn describe_metrics() {
         (
             "rcfarm_consul_blocking_queries",
             "blocking queries this farm has open",
+        ),
+        ("rcfarm_rolls", "rolling updates in Consul"),
+        (
+            "rcfarm_owned_rolls",
+            "rolling updates this farm carries out",
+        ),
+        (
+            "rcfarm_rolls_stalled",
+            "rolling updates this farm carries out that are stalled",
         ),
     ];
     for (name, help) in gauges {

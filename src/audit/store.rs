@@ -191,7 +191,8 @@ fn extract(r: &AuditRecord) -> Extracted {
         }
     }
     Extracted {
-        rc_id: s("replication_controller_id"),
+        // A roll is named by its new RC: its records are found with that RC's.
+        rc_id: s("replication_controller_id").or_else(|| s("rolling_update_id")),
         pod_id: s("pod_id"),
         farm_id: s("farm_id"),
         nodes,

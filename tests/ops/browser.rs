@@ -211,3 +211,134 @@ async fn the_status_page_shows_a_new_rc_and_follows_a_scale_change() {
     d.screenshot(&std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("status-page.png"))
         .await;
 }
+
+/// A roll's row on the page: (healthy new pods, target, width of the bar), or `None`.
+async fn roll_shown(d: &Driver, id: &str) -> Option<(u64, u64, String)> {
+    let v = d
+        .eval(&format!(
+            "const r = document.querySelector('tr[data-roll-id=\"{id}\"]'); return r ? [r.querySelector('.new-healthy').textContent, r.querySelector('.target').textContent, r.querySelector('.bar .fill').style.width] : null;"
+        ))
+        .await;
+    Some((
+        v.get(0)?.as_str()?.parse().ok()?,
+        v.get(1)?.as_str()?.parse().ok()?,
+        v.get(2)?.as_str()?.to_string(),
+    ))
+}
+
+#[tokio::test]
+async fn the_status_page_follows_a_rolling_update_with_a_progress_bar() {
+    let s = setup(&["--roll-resync", "300ms"]).await;
+    let consul = client(&s.server);
+    let nodes = ["n1", "n2", "n3"];
+    for n in nodes {
+        let l: LabelSet = [("env".to_string(), "prod".to_string())].into();
+        LabelStore::new(consul.clone())
+            .set(LabelType::Node, n, &l)
+            .await
+            .unwrap();
+    }
+    let sim = rcfarm::simulator::NodeSimulator::new(
+        consul.clone(),
+        rcfarm::simulator::SimConfig {
+            nodes: nodes.iter().map(|n| n.to_string()).collect(),
+            startup: Duration::from_millis(500),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let stop = tokio_util::sync::CancellationToken::new();
+    tokio::spawn(sim.run(stop.clone()));
+    let manifest = |v: u32| {
+        format!(
+            "id: roll-page\nlaunchables:\n  app:\n    launchable_type: hoist\n    location: https://example.com/app-{v}.tar.gz\n"
+        )
+    };
+    let old = RcStore::new(consul.clone())
+        .create(
+            rcfarm::rc::NewRc {
+                manifest: manifest(1),
+                node_selector: "env=prod".into(),
+                pod_labels: Default::default(),
+                replicas_desired: 3,
+                strategy: rcfarm::rc::AllocationStrategy::Static,
+                rc_labels: Default::default(),
+                disabled: false,
+            },
+            "test",
+            false,
+        )
+        .await
+        .unwrap()
+        .rc
+        .unwrap()
+        .id;
+    let d = Driver::start().await;
+    d.goto(&format!("{}/", s.http)).await;
+    let dr = &d;
+    let old_id = old.to_string();
+    let oi = &old_id;
+    eventually(
+        Duration::from_secs(30),
+        "the old RC at 3/3",
+        || async move { (shown(dr, oi).await == Some(("3".into(), "3".into()))).then_some(()) },
+    )
+    .await;
+    let roll = rcfarm::roll::RollStore::new(consul.clone())
+        .start(
+            rcfarm::roll::StartRoll {
+                old_rc: old,
+                manifest: manifest(2),
+                desired: None,
+                minimum: Some(2),
+                leave_old: false,
+                roll_delay: Duration::from_secs(1),
+            },
+            "test",
+            false,
+        )
+        .await
+        .unwrap()
+        .update
+        .new_rc
+        .to_string();
+    let ri = &roll;
+    // The row appears, its bar part-filled at some point, then full; then the roll is gone.
+    let partial = eventually(
+        Duration::from_secs(30),
+        "a part-filled bar",
+        || async move {
+            roll_shown(dr, ri)
+                .await
+                .filter(|(h, t, _)| *t == 3 && *h >= 1 && *h < 3)
+        },
+    )
+    .await;
+    assert_ne!(partial.2, "0%", "{partial:?}");
+    assert_ne!(partial.2, "100%", "{partial:?}");
+    eventually(
+        Duration::from_secs(30),
+        "the roll done and gone",
+        || async move {
+            (roll_shown(dr, ri).await.is_none()
+                && shown(dr, ri).await == Some(("3".into(), "3".into())))
+            .then_some(())
+        },
+    )
+    .await;
+    let rolls = d
+        .eval("return document.getElementById('rolls').textContent")
+        .await;
+    assert!(
+        rolls.as_str().unwrap().contains("no rolling updates"),
+        "{rolls}"
+    );
+    let audit = d
+        .eval("return document.getElementById('audit').textContent")
+        .await;
+    assert!(
+        audit.as_str().unwrap_or("").contains("ROLLING_UPDATE"),
+        "{audit}"
+    );
+    stop.cancel();
+}

@@ -384,3 +384,234 @@ async fn rcctl_refuses_a_manifest_consul_cannot_store_and_says_which_limit() {
         "nothing stored: {out}"
     );
 }
+
+#[tokio::test]
+async fn rcctl_roll_commands_refuse_mistakes_and_drive_a_roll_to_completion() {
+    let s = setup(&["--roll-resync", "300ms"]).await;
+    let nodes = ["n1", "n2", "n3"];
+    label(&s, &nodes).await;
+    let sim = rcfarm::simulator::NodeSimulator::new(
+        client(&s.server),
+        rcfarm::simulator::SimConfig {
+            nodes: nodes.iter().map(|n| n.to_string()).collect(),
+            startup: Duration::from_millis(200),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let stop = tokio_util::sync::CancellationToken::new();
+    tokio::spawn(sim.run(stop.clone()));
+    let v1 = s.dir.path().join("v1.yaml");
+    let v2 = s.dir.path().join("v2.yaml");
+    std::fs::write(
+        &v1,
+        "id: app\nlaunchables:\n  a:\n    location: https://example.com/1.tgz\n",
+    )
+    .unwrap();
+    std::fs::write(
+        &v2,
+        "id: app\nlaunchables:\n  a:\n    location: https://example.com/2.tgz\n",
+    )
+    .unwrap();
+    let (v1, v2) = (v1.to_str().unwrap(), v2.to_str().unwrap());
+    let (code, out, err) = rcctl(
+        &s,
+        &[
+            "rc",
+            "create",
+            "-f",
+            v1,
+            "--node-selector",
+            "env=prod",
+            "--replicas",
+            "3",
+        ],
+    )
+    .await;
+    assert_eq!(code, 0, "{err}");
+    let old = out.trim().to_string();
+    let (code, _, err) = rcctl(
+        &s,
+        &["rc", "scale", &old, "3", "--wait", "--timeout", "30s"],
+    )
+    .await;
+    assert_eq!(code, 0, "{err}");
+
+    // Mistakes: usage (exit 2) or a refused operation (exit 1), each saying what to do.
+    for (args, want, needle) in [
+        (
+            vec!["roll", "start", "not-an-id", "-f", v2],
+            2,
+            "rcctl rc list",
+        ),
+        (
+            vec!["roll", "start", &old, "-f", "/nonexistent.yaml"],
+            2,
+            "cannot read the manifest",
+        ),
+        (
+            vec!["roll", "start", &old, "-f", v2, "--minimum", "3"],
+            2,
+            "must be below --desired",
+        ),
+        (
+            vec!["roll", "start", &old, "-f", v2, "--roll-delay", "soon"],
+            2,
+            "unit",
+        ),
+        (
+            vec!["roll", "create", "--old", &old, "--new", &old],
+            2,
+            "--desired",
+        ),
+        (
+            vec![
+                "roll",
+                "create",
+                "--old",
+                &old,
+                "--new",
+                "6ba7b810-9dad-11d1-80b4-00c04fd430c8",
+                "--desired",
+                "3",
+                "--minimum",
+                "2",
+            ],
+            1,
+            "does not exist",
+        ),
+        (
+            vec!["roll", "show", "6ba7b810-9dad-11d1-80b4-00c04fd430c8"],
+            1,
+            "rcctl roll list",
+        ),
+        (
+            vec!["roll", "abort", "6ba7b810-9dad-11d1-80b4-00c04fd430c8"],
+            1,
+            "does not exist",
+        ),
+        (
+            vec![
+                "roll",
+                "create",
+                "--old",
+                &old,
+                "--new",
+                &old,
+                "--desired",
+                "-1",
+                "--minimum",
+                "0",
+            ],
+            2,
+            "-1",
+        ),
+    ] {
+        let (code, _, err) = rcctl(&s, &args).await;
+        assert_eq!(code, want, "{args:?}: {err}");
+        assert!(err.contains(needle), "{args:?}: {err}");
+    }
+    // A dry run prints the one transaction (under the update_creation lock) and writes nothing.
+    let (code, out, err) = rcctl(&s, &["roll", "start", &old, "-f", v2, "--dry-run"]).await;
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("update_creation") && out.contains("rolls/"),
+        "{out}"
+    );
+    let (_, out, _) = rcctl(&s, &["roll", "list", "--json"]).await;
+    assert_eq!(
+        serde_json::from_str::<Value>(&out).unwrap()["rolls"],
+        serde_json::json!([])
+    );
+
+    // The roll, followed to the end with a progress display.
+    let (code, out, err) = rcctl(
+        &s,
+        &[
+            "roll",
+            "start",
+            &old,
+            "-f",
+            v2,
+            "--roll-delay",
+            "500ms",
+            "--wait",
+            "--timeout",
+            "60s",
+        ],
+    )
+    .await;
+    assert_eq!(code, 0, "{err}");
+    let new = out.trim().to_string();
+    assert!(
+        err.contains("%]") || err.contains("%"),
+        "progress shown: {err}"
+    );
+    assert!(err.contains("rolling update complete"), "{err}");
+    let (_, out, _) = rcctl(&s, &["rc", "list", "--json"]).await;
+    let rcs: Value = serde_json::from_str(&out).unwrap();
+    let ids: Vec<&str> = rcs
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, vec![new.as_str()], "the old RC is deleted");
+
+    // A second roll, stopped half-way with abort: both RCs stay, the old one disabled.
+    let v3 = s.dir.path().join("v3.yaml");
+    std::fs::write(
+        &v3,
+        "id: app\nlaunchables:\n  a:\n    location: https://example.com/3.tgz\n",
+    )
+    .unwrap();
+    let (code, out, err) = rcctl(
+        &s,
+        &[
+            "roll",
+            "start",
+            &new,
+            "-f",
+            v3.to_str().unwrap(),
+            "--roll-delay",
+            "30s",
+            "--json",
+        ],
+    )
+    .await;
+    assert_eq!(code, 0, "{err}");
+    let started: Value = serde_json::from_str(&out).unwrap();
+    let third = started["id"].as_str().unwrap().to_string();
+    // It shows, with both RCs' counts, and says what it waits for.
+    let mut shown = Value::Null;
+    for _ in 0..100 {
+        let (_, out, _) = rcctl(&s, &["roll", "show", &third, "--json"]).await;
+        shown = serde_json::from_str(&out).unwrap();
+        if shown["waiting"]
+            .as_str()
+            .is_some_and(|w| w.contains("roll delay"))
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(
+        shown["waiting"]
+            .as_str()
+            .unwrap_or("")
+            .contains("roll delay"),
+        "{shown:#}"
+    );
+    assert_eq!(shown["owner_farm"], "ops");
+    assert_eq!(shown["old"]["desired"], 2, "{shown:#}");
+    let (code, out, _) = rcctl(&s, &["roll", "list"]).await;
+    assert_eq!(code, 0);
+    assert!(out.contains(&third) && out.contains('%'), "{out}");
+    let (code, out, err) = rcctl(&s, &["roll", "abort", &third]).await;
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("rcctl rc enable"), "{out}");
+    let (_, out, _) = rcctl(&s, &["rc", "show", &new, "--json"]).await;
+    let old_rc: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(old_rc["record"]["disabled"], true, "{old_rc:#}");
+    stop.cancel();
+}

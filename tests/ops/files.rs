@@ -186,3 +186,15 @@ fn the_compose_file_is_valid_and_complete() {
         "the health check's curl is installed"
     );
 }
+
+#[test]
+fn every_audit_event_type_is_in_the_catalog() {
+    let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/audit-events.md"))
+        .unwrap();
+    for t in rcfarm::audit::events::ALL {
+        assert!(
+            doc.contains(&format!("`{t}`")),
+            "docs/audit-events.md lacks {t}"
+        );
+    }
+}

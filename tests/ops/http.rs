@@ -153,7 +153,31 @@ async fn health_metrics_and_json_api() {
         "rcfarm_session_renewals_total",
         "rcfarm_audit_backlog",
         "rcfarm_consul_requests_total",
+        "rcfarm_owned_rolls 0",
+        "rcfarm_rolls 0",
+        "rcfarm_rolls_stalled 0",
+        "rcfarm_roll_steps_total",
     ] {
         assert!(text.contains(m), "/metrics lacks {m}:\n{text}");
     }
+
+    // Rolling updates: none, and clear errors for a bad or unknown id.
+    let (st, body, _) = get(&format!("{}/v1/rolls", s.http)).await;
+    assert_eq!(st, 200);
+    assert_eq!(body["rolls"], serde_json::json!([]));
+    let (st, body, _) = get(&format!("{}/v1/rolls/nope", s.http)).await;
+    assert_eq!(st, 400);
+    assert!(
+        body["error"]
+            .as_str()
+            .unwrap()
+            .contains("rolling update id")
+    );
+    let (st, body, _) = get(&format!(
+        "{}/v1/rolls/6ba7b810-9dad-11d1-80b4-00c04fd430c8",
+        s.http
+    ))
+    .await;
+    assert_eq!(st, 404);
+    assert!(body["error"].as_str().unwrap().contains("does not exist"));
 }
