@@ -96,17 +96,21 @@ impl HealthCache {
         &self.tree
     }
 
-    /// The pod ids whose health the latest snapshot changed.
-    pub fn changed_pods(&self) -> Vec<String> {
-        let mut pods: Vec<String> = self
-            .tree
-            .last_changed()
-            .iter()
-            .filter_map(|k| k.split_once('/').map(|(p, _)| p.to_string()))
-            .collect();
-        pods.dedup();
-        pods
+    /// Every snapshot's changed `<pod-id>/<node>` suffixes, in order.
+    pub fn subscribe_changes(
+        &self,
+    ) -> tokio::sync::broadcast::Receiver<Arc<std::collections::BTreeSet<String>>> {
+        self.tree.subscribe_changes()
     }
+}
+
+/// The pod ids among changed `<pod-id>/<node>` suffixes.
+pub fn changed_pods(
+    keys: &std::collections::BTreeSet<String>,
+) -> std::collections::BTreeSet<String> {
+    keys.iter()
+        .filter_map(|k| k.split_once('/').map(|(p, _)| p.to_string()))
+        .collect()
 }
 
 #[cfg(test)]

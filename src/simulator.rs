@@ -74,6 +74,10 @@ pub struct SimStats {
     pub replaced: u64,
     pub removed: u64,
     pub unhealthy: u64,
+    /// Requests the simulator sent to Consul (writes and reads), and its watch's queries, so
+    /// a benchmark can tell the farms' requests from the simulator's.
+    pub requests: u64,
+    pub watch_queries: u64,
 }
 
 /// A pod on a simulated node.
@@ -193,6 +197,10 @@ impl NodeSimulator {
         let mut adopted = false;
         loop {
             let snap = rx.borrow_and_update().clone();
+            self.stats.lock().watch_queries = intents
+                .stats()
+                .queries
+                .load(std::sync::atomic::Ordering::Relaxed);
             let mut writes = Vec::new();
             if let Some(snap) = snap {
                 let now = Instant::now();
@@ -305,6 +313,7 @@ impl NodeSimulator {
             .keys()
             .flat_map(|(n, p)| [reality_key(n, p), format!("{HEALTH_PREFIX}{p}/{n}")])
             .collect();
+        self.stats.lock().requests += keys.len().div_ceil(MAX_TXN_OPS) as u64;
         let found = self.consul.read_keys(&keys).await?;
         let mut adopted = 0;
         for ((node, pod), p) in pods.iter_mut() {
@@ -358,6 +367,7 @@ impl NodeSimulator {
         for chunk in writes.chunks(MAX_TXN_OPS) {
             let mut attempt = 0;
             loop {
+                self.stats.lock().requests += 1;
                 match self.consul.txn(chunk).await {
                     Ok(_) => break,
                     Err(e) if attempt < 5 && e.is_retryable() => {

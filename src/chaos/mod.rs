@@ -6,7 +6,11 @@
 //! - no write from a session that does not hold the RC's lock, and every pod write fenced;
 //! - never more pods than desired (+1 while a transfer is in flight);
 //! - after the chaos stops, every RC converges within 2×TTL plus a margin;
-//! - every committed audit record reaches SQL, once, and the outbox drains.
+//! - every committed audit record reaches SQL, once, and the outbox drains;
+//! - rolling updates (started and aborted by the chaos, carried out under the faults, with the
+//!   node simulator playing every node): every step fenced by the roll's lock, old + new desired
+//!   within the roll's bound, never a farm write that takes the pods up below the minimum, and
+//!   every roll that can complete (enough eligible nodes) completes after the faults stop.
 
 pub mod proxy;
 
@@ -27,7 +31,9 @@ use crate::consul::{Consul, ConsulConfig, QueryOptions};
 use crate::invariants::{Observer, Violation};
 use crate::labels::{LabelSet, LabelStore, LabelType, parse_labels, split_pod_label_id};
 use crate::rc::{AllocationStrategy, Mutation, NewRc, RC_ID_LABEL, RcId, RcStore, parse_locks};
+use crate::roll::{RollStore, StartRoll};
 use crate::server::{EmbeddedServer, ServerConfig};
+use crate::simulator::{NodeSimulator, SimConfig};
 use proxy::{FaultyProxy, ProxyFaults};
 
 #[derive(Debug, Clone)]
@@ -74,11 +80,26 @@ pub struct ChaosReport {
     pub drained_after: Duration,
     /// Audit records still in `audit_logs/` at the end (not lost: not shipped yet).
     pub outbox_left: u64,
+    /// Commits that carried a roll's start, step or completion.
+    pub roll_steps: u64,
+    /// Rolls completed (`ROLLING_UPDATE_COMPLETION` records, succeeded).
+    pub rolls_completed: u64,
+    /// Rolls the chaos aborted.
+    pub rolls_aborted: u64,
+    /// Rolls that did not complete after the faults stopped, with why.
+    pub rolls_unfinished: Vec<String>,
+    /// Rolls left that cannot complete as the nodes are labelled (too few eligible nodes).
+    pub rolls_impossible: usize,
+    /// How long the last roll took to complete after the faults stopped.
+    pub rolls_done_after: Option<Duration>,
+    /// The smallest margin seen above a roll's minimum (pods up − minimum), over all rolls.
+    pub roll_min_margin: Option<i64>,
 }
 
 impl ChaosReport {
     pub fn ok(&self) -> bool {
         self.violations.is_empty()
+            && self.rolls_unfinished.is_empty()
             && self.unconverged_at_start == self.rcs_at_start
             && self.converged_after.is_some()
             && self.audit_in_sql == self.audit_written
@@ -137,6 +158,35 @@ impl ChaosReport {
                 "audit outbox drained in {:.1} s\n",
                 self.drained_after.as_secs_f64()
             )),
+        }
+        s.push_str(&format!(
+            "rolling updates: {} completed, {} aborted, {} commits of steps; lowest margin above a minimum: {}\n",
+            self.rolls_completed,
+            self.rolls_aborted,
+            self.roll_steps,
+            self.roll_min_margin
+                .map_or("-".to_string(), |m| m.to_string())
+        ));
+        if self.rolls_unfinished.is_empty() {
+            s.push_str(&format!(
+                "every roll that could complete did{}{}\n",
+                self.rolls_done_after
+                    .map(|d| format!(", {:.1} s after the faults stopped", d.as_secs_f64()))
+                    .unwrap_or_default(),
+                if self.rolls_impossible > 0 {
+                    format!(
+                        " ({} left with too few eligible nodes)",
+                        self.rolls_impossible
+                    )
+                } else {
+                    String::new()
+                }
+            ));
+        } else {
+            s.push_str(&format!(
+                "rolls NOT completed: {:?}\n",
+                self.rolls_unfinished
+            ));
         }
         s.push_str(&format!("violations: {}\n", self.violations.len()));
         for v in self.violations.iter().take(10) {
@@ -209,6 +259,8 @@ impl Cluster {
                 "1s",
                 "--watch-wait",
                 "30s",
+                "--roll-resync",
+                "500ms",
             ])
             .env("RUST_LOG", "info")
             .current_dir(&self.cfg.log_dir)
@@ -286,6 +338,18 @@ pub async fn run(cfg: ChaosConfig) -> Result<ChaosReport, String> {
             .await
             .map_err(|e| e.to_string())?;
     }
+    // Every node runs its pods and reports health, so rolls can be carried out.
+    let sim_stop = CancellationToken::new();
+    let sim = NodeSimulator::new(
+        consul.clone(),
+        SimConfig {
+            nodes: (0..cfg.nodes).map(|i| format!("node-{i:02}")).collect(),
+            startup: Duration::from_millis(300),
+            ..SimConfig::default()
+        },
+    )
+    .map_err(|e| e.to_string())?;
+    tokio::spawn(sim.run(sim_stop.clone()));
     let store = RcStore::new(consul.clone());
     for i in 0..cfg.rcs {
         store
@@ -393,6 +457,20 @@ pub async fn run(cfg: ChaosConfig) -> Result<ChaosReport, String> {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 
+    // Every roll that can complete does.
+    let mut rolls_unfinished = Vec::new();
+    let mut rolls_impossible = 0;
+    let mut rolls_done_after = None;
+    let rolls_limit = cfg.session_ttl * 2 + cfg.settle_margin + Duration::from_secs(20);
+    while quiet.elapsed() < limit + rolls_limit {
+        (rolls_unfinished, rolls_impossible) = rolls_not_done(&cl.consul).await;
+        if rolls_unfinished.is_empty() {
+            rolls_done_after = Some(quiet.elapsed());
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
     // The audit outbox drains into SQL.
     let srv = &cl.server;
     let drained = Instant::now();
@@ -423,6 +501,19 @@ pub async fn run(cfg: ChaosConfig) -> Result<ChaosReport, String> {
         })
         .await
         .map_err(|e| e.to_string())?;
+    let completions = sql
+        .query(&AuditQuery {
+            event_type: Some(events::ROLL_COMPLETION.into()),
+            limit: Some(1000),
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| e.to_string())?
+        .records;
+    let rolls_completed = completions
+        .iter()
+        .filter(|r| r.details["succeeded"] == true)
+        .count() as u64;
     sql.close().await;
 
     for i in 0..cl.farms.len() {
@@ -446,6 +537,13 @@ pub async fn run(cfg: ChaosConfig) -> Result<ChaosReport, String> {
     r.drain_problem = drain_problem;
     r.drained_after = drained_after;
     r.outbox_left = left as u64;
+    r.roll_steps = observer.roll_steps;
+    r.rolls_completed = rolls_completed;
+    r.rolls_unfinished = rolls_unfinished;
+    r.rolls_impossible = rolls_impossible;
+    r.rolls_done_after = rolls_done_after;
+    r.roll_min_margin = observer.roll_min_margin();
+    sim_stop.cancel();
     r.proxy = cl.proxy.as_ref().map(|p| {
         let s = p.stats();
         use std::sync::atomic::Ordering::Relaxed;
@@ -510,8 +608,10 @@ async fn mutate(
 ) {
     let mut rng = StdRng::seed_from_u64(seed);
     let store = RcStore::new(consul.clone());
+    let rolls = RollStore::new(consul.clone());
     let labels = LabelStore::new(consul.clone());
     let mut created = rcs;
+    let mut rolled = 0u64;
     while !stop.is_cancelled() {
         tokio::select! {
             _ = stop.cancelled() => return,
@@ -520,15 +620,31 @@ async fn mutate(
         let Ok(listing) = store.list().await else {
             continue;
         };
-        let ids: Vec<RcId> = listing.rcs.keys().copied().collect();
+        let Ok(roll_listing) = rolls.list().await else {
+            continue;
+        };
+        // RCs in a roll are left to it (an operator who changes them mid-roll stalls it).
+        let rolling: BTreeSet<RcId> = roll_listing
+            .rolls
+            .values()
+            .flat_map(|r| [r.update.old_rc, r.update.new_rc])
+            .collect();
+        let ids: Vec<RcId> = listing
+            .rcs
+            .keys()
+            .copied()
+            .filter(|id| !rolling.contains(id))
+            .collect();
         let pick = |rng: &mut StdRng| ids.get(rng.random_range(0..ids.len().max(1))).copied();
         let kind = match rng.random_range(0..100) {
-            0..35 => "scale",
-            35..45 => "selector",
-            45..55 => "disable",
-            55..65 => "enable",
-            65..72 => "create",
-            72..78 => "delete",
+            0..30 => "scale",
+            30..38 => "selector",
+            38..45 => "disable",
+            45..52 => "enable",
+            52..58 => "create",
+            58..63 => "delete",
+            63..72 => "roll-start",
+            72..76 => "roll-abort",
             _ => "node-labels",
         };
         let result: Result<(), String> = match kind {
@@ -599,6 +715,54 @@ async fn mutate(
                 },
                 None => Ok(()),
             },
+            "roll-start" => {
+                let candidates: Vec<&Arc<crate::rc::Rc>> = ids
+                    .iter()
+                    .filter_map(|id| listing.rcs.get(id))
+                    .filter(|rc| rc.replicas_desired >= 1 && !rc.disabled)
+                    .collect();
+                match candidates.get(rng.random_range(0..candidates.len().max(1))) {
+                    Some(rc) => {
+                        rolled += 1;
+                        let desired = rc.replicas_desired;
+                        rolls
+                            .start(
+                                StartRoll {
+                                    old_rc: rc.id,
+                                    manifest: format!(
+                                        "id: {}\nlaunchables: {{}}\nconfig:\n  rollout: {rolled}\n",
+                                        rc.pod_id()
+                                    ),
+                                    desired: None,
+                                    minimum: Some(rng.random_range(0..desired)),
+                                    leave_old: false,
+                                    roll_delay: Duration::from_millis(
+                                        [0, 500, 1000, 2000][rng.random_range(0..4)],
+                                    ),
+                                },
+                                "chaos",
+                                false,
+                            )
+                            .await
+                            .map(|_| ())
+                            .map_err(|e| e.to_string())
+                    }
+                    None => Ok(()),
+                }
+            }
+            "roll-abort" => {
+                let ids: Vec<RcId> = roll_listing.rolls.keys().copied().collect();
+                match ids.get(rng.random_range(0..ids.len().max(1))) {
+                    Some(id) => {
+                        let r = rolls.abort(*id, "chaos", false).await;
+                        if r.is_ok() {
+                            report.lock().rolls_aborted += 1;
+                        }
+                        r.map(|_| ()).map_err(|e| e.to_string())
+                    }
+                    None => Ok(()),
+                }
+            }
             "node-labels" => {
                 let node = format!("node-{:02}", rng.random_range(0..nodes));
                 labels
@@ -657,6 +821,9 @@ pub async fn not_converged(consul: &Consul, running: &BTreeSet<u32>) -> Vec<Stri
     let holders = parse_locks(&locks).0;
     let intents: BTreeSet<String> = intents.into_iter().collect();
     let mut pods_of: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    // Pod id → RC → nodes: an RC never schedules where another RC runs its pod id (an
+    // aborted roll leaves two RCs with one pod id), so those nodes are not open to it.
+    let mut by_pod_id: BTreeMap<String, BTreeMap<String, BTreeSet<String>>> = BTreeMap::new();
     for e in &pods {
         let Some(id) = e.key.strip_prefix(&LabelType::Pod.prefix()) else {
             continue;
@@ -671,7 +838,16 @@ pub async fn not_converged(consul: &Consul, running: &BTreeSet<u32>) -> Vec<Stri
             .ok()
             .and_then(|l| l.get(RC_ID_LABEL).cloned())
         {
-            pods_of.entry(rc).or_default().insert(node.to_string());
+            pods_of
+                .entry(rc.clone())
+                .or_default()
+                .insert(node.to_string());
+            by_pod_id
+                .entry(pod.to_string())
+                .or_default()
+                .entry(rc)
+                .or_default()
+                .insert(node.to_string());
         }
     }
     let mut out = Vec::new();
@@ -691,9 +867,16 @@ pub async fn not_converged(consul: &Consul, running: &BTreeSet<u32>) -> Vec<Stri
             out.push(format!("{id}: a transfer is in flight"));
             continue;
         }
+        let others: BTreeSet<&String> = by_pod_id
+            .get(rc.pod_id())
+            .into_iter()
+            .flatten()
+            .filter(|(other, _)| **other != id.to_string())
+            .flat_map(|(_, nodes)| nodes)
+            .collect();
         let eligible: BTreeSet<String> = nodes
             .iter()
-            .filter(|n| rc.node_selector.matches(&n.labels))
+            .filter(|n| rc.node_selector.matches(&n.labels) && !others.contains(&n.id))
             .map(|n| n.id.clone())
             .collect();
         let current = pods_of.get(&id.to_string()).cloned().unwrap_or_default();
@@ -714,4 +897,72 @@ pub async fn not_converged(consul: &Consul, running: &BTreeSet<u32>) -> Vec<Stri
         }
     }
     out
+}
+
+/// Rolls not done yet that could be (their new RC has enough nodes for the target: eligible,
+/// and not running the pod id for another RC, such as what an aborted roll left behind), with
+/// why; and how many are left that cannot complete as things are.
+pub async fn rolls_not_done(consul: &Consul) -> (Vec<String>, usize) {
+    let q = QueryOptions::default();
+    let Ok(rolls) = RollStore::new(consul.clone()).list().await else {
+        return (vec!["cannot list rolls".into()], 0);
+    };
+    let Ok(listing) = RcStore::new(consul.clone()).list().await else {
+        return (vec!["cannot list RCs".into()], 0);
+    };
+    let Ok((nodes, _)) = LabelStore::new(consul.clone()).list(LabelType::Node).await else {
+        return (vec!["cannot list nodes".into()], 0);
+    };
+    let Ok((pods, _)) = consul.kv_list(&LabelType::Pod.prefix(), &q).await else {
+        return (vec!["cannot list pods".into()], 0);
+    };
+    let Ok((locks, _)) = consul.kv_list(crate::roll::ROLL_LOCK_PREFIX, &q).await else {
+        return (vec!["cannot list roll locks".into()], 0);
+    };
+    // (node, pod id) → RC running it.
+    let mut runs: BTreeMap<(String, String), String> = BTreeMap::new();
+    for e in &pods {
+        if let Some((node, pod)) = e
+            .key
+            .strip_prefix(&LabelType::Pod.prefix())
+            .and_then(split_pod_label_id)
+            && let Some(rc) = parse_labels(e.value_bytes())
+                .ok()
+                .and_then(|l| l.get(RC_ID_LABEL).cloned())
+        {
+            runs.insert((node.to_string(), pod.to_string()), rc);
+        }
+    }
+    let mut out = Vec::new();
+    let mut impossible = 0;
+    for r in rolls.rolls.values() {
+        let Some(new) = listing.rcs.get(&r.update.new_rc) else {
+            out.push(format!("{}: its new RC is gone", r.id()));
+            continue;
+        };
+        let ours = [r.update.old_rc.to_string(), r.update.new_rc.to_string()];
+        let open = nodes
+            .iter()
+            .filter(|n| new.node_selector.matches(&n.labels))
+            .filter(|n| {
+                runs.get(&(n.id.clone(), new.pod_id().to_string()))
+                    .is_none_or(|rc| ours.contains(rc))
+            })
+            .count() as u64;
+        if open < r.update.desired_replicas {
+            impossible += 1;
+        } else {
+            let holder = locks
+                .iter()
+                .find(|e| e.key.ends_with(&r.id().to_string()))
+                .and_then(|e| e.session.clone());
+            out.push(format!(
+                "{}: not done ({} of {} replicas moved, {open} nodes open to it, lock held by {holder:?})",
+                r.id(),
+                new.replicas_desired,
+                r.update.desired_replicas
+            ));
+        }
+    }
+    (out, impossible)
 }

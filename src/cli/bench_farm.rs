@@ -40,17 +40,103 @@ pub struct BenchFarmArgs {
     pub timeout: Duration,
 }
 
-fn failed(e: impl std::fmt::Display) -> CliError {
+pub(super) fn failed(e: impl std::fmt::Display) -> CliError {
     CliError::Failed(e.to_string())
 }
 
-struct FarmProc {
-    child: Child,
-    pid: u32,
-    session: Option<String>,
+pub(super) struct FarmProc {
+    pub child: Child,
+    pub pid: u32,
+    pub session: Option<String>,
 }
 
-fn rss_kib(pid: u32) -> Option<u64> {
+/// Starts `n` farms (`bench-0` …) against `consul`, logging to `dir`, and waits until they
+/// registered.
+pub(super) async fn spawn_farms(
+    consul_url: &str,
+    n: usize,
+    ttl: Duration,
+    dir: &std::path::Path,
+    extra: &[&str],
+) -> Result<Vec<FarmProc>, CliError> {
+    let exe = std::env::current_exe().map_err(failed)?;
+    let audit_db = format!("sqlite://{}", dir.join("audit.db").display());
+    let ttl = format!("{}ms", ttl.as_millis());
+    let mut farms: Vec<FarmProc> = Vec::new();
+    for i in 0..n {
+        let log = std::fs::File::create(dir.join(format!("farm-{i}.log"))).map_err(failed)?;
+        let child = Command::new(&exe)
+            .args([
+                "serve",
+                "--consul",
+                consul_url,
+                "--farm-id",
+                &format!("bench-{i}"),
+            ])
+            .args([
+                "--http",
+                "off",
+                "--audit-db",
+                &audit_db,
+                "--session-ttl",
+                &ttl,
+            ])
+            .args(["--lock-delay", "500ms", "--watch-wait", "60s"])
+            .args(extra)
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(log))
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(failed)?;
+        let pid = child.id().unwrap_or(0);
+        farms.push(FarmProc {
+            child,
+            pid,
+            session: None,
+        });
+    }
+    let c = Consul::new(ConsulConfig::new(consul_url)).map_err(failed)?;
+    wait_until(Duration::from_secs(60), "farms registered", || {
+        let c = c.clone();
+        async move {
+            c.kv_keys(
+                crate::farm::registry::FARMS_PREFIX,
+                None,
+                &QueryOptions::default(),
+            )
+            .await
+            .map(|(k, _)| k.len() == n)
+            .unwrap_or(false)
+        }
+    })
+    .await?;
+    Ok(farms)
+}
+
+/// Fills in each farm's session from the registry.
+async fn farm_sessions(consul: &Consul, farms: &mut [FarmProc]) -> Result<(), CliError> {
+    let (entries, _) = consul
+        .kv_list(
+            crate::farm::registry::FARMS_PREFIX,
+            &QueryOptions::default(),
+        )
+        .await
+        .map_err(failed)?;
+    for f in crate::farm::registry::live_farms(&entries) {
+        if let Some(i) = f
+            .farm_id
+            .strip_prefix("bench-")
+            .and_then(|i| i.parse::<usize>().ok())
+            && let Some(p) = farms.get_mut(i)
+        {
+            p.session = Some(f.session);
+        }
+    }
+    Ok(())
+}
+
+pub(super) fn rss_kib(pid: u32) -> Option<u64> {
     let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     s.lines()
         .find(|l| l.starts_with("VmRSS:"))?
@@ -60,14 +146,18 @@ fn rss_kib(pid: u32) -> Option<u64> {
         .ok()
 }
 
-fn signal(pid: u32, sig: &str) {
+pub(super) fn signal(pid: u32, sig: &str) {
     let _ = std::process::Command::new("kill")
         .arg(format!("-{sig}"))
         .arg(pid.to_string())
         .status();
 }
 
-async fn wait_until<F, Fut>(timeout: Duration, what: &str, mut f: F) -> Result<Duration, CliError>
+pub(super) async fn wait_until<F, Fut>(
+    timeout: Duration,
+    what: &str,
+    mut f: F,
+) -> Result<Duration, CliError>
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = bool>,
@@ -99,7 +189,7 @@ async fn owners(c: &Consul) -> Result<BTreeMap<RcId, String>, CliError> {
         .collect())
 }
 
-fn pct(v: &mut [Duration], q: f64) -> f64 {
+pub(super) fn pct(v: &mut [Duration], q: f64) -> f64 {
     v.sort();
     v.get(((v.len().max(1) - 1) as f64 * q) as usize)
         .map_or(0.0, |d| d.as_secs_f64() * 1e3)
@@ -132,84 +222,15 @@ pub async fn run(args: BenchFarmArgs) -> Result<(), CliError> {
     }
 
     // Farms.
-    let exe = std::env::current_exe().map_err(failed)?;
-    let audit_db = format!("sqlite://{}", dir.path().join("audit.db").display());
-    let ttl = format!("{}ms", args.session_ttl.as_millis());
-    let mut farms: Vec<FarmProc> = Vec::new();
-    for i in 0..args.farms {
-        let log =
-            std::fs::File::create(dir.path().join(format!("farm-{i}.log"))).map_err(failed)?;
-        let child = Command::new(&exe)
-            .args([
-                "serve",
-                "--consul",
-                &server.url(),
-                "--farm-id",
-                &format!("bench-{i}"),
-                "--http",
-                "off",
-            ])
-            .args([
-                "--audit-db",
-                &audit_db,
-                "--session-ttl",
-                &ttl,
-                "--lock-delay",
-                "500ms",
-            ])
-            .args([
-                "--watch-wait",
-                "60s",
-                "--resync-interval",
-                "30s",
-                "--consistency-interval",
-                "60s",
-            ])
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::null())
-            .stderr(Stdio::from(log))
-            .kill_on_drop(true)
-            .spawn()
-            .map_err(failed)?;
-        let pid = child.id().unwrap_or(0);
-        farms.push(FarmProc {
-            child,
-            pid,
-            session: None,
-        });
-    }
-    let c = consul.clone();
-    let nf = args.farms;
-    wait_until(Duration::from_secs(60), "farms registered", || {
-        let c = c.clone();
-        async move {
-            c.kv_keys(
-                crate::farm::registry::FARMS_PREFIX,
-                None,
-                &QueryOptions::default(),
-            )
-            .await
-            .map(|(k, _)| k.len() == nf)
-            .unwrap_or(false)
-        }
-    })
+    let mut farms = spawn_farms(
+        &server.url(),
+        args.farms,
+        args.session_ttl,
+        dir.path(),
+        &["--resync-interval", "30s", "--consistency-interval", "60s"],
+    )
     .await?;
-    let (entries, _) = consul
-        .kv_list(
-            crate::farm::registry::FARMS_PREFIX,
-            &QueryOptions::default(),
-        )
-        .await
-        .map_err(failed)?;
-    for f in crate::farm::registry::live_farms(&entries) {
-        if let Some(i) = f
-            .farm_id
-            .strip_prefix("bench-")
-            .and_then(|i| i.parse::<usize>().ok())
-        {
-            farms[i].session = Some(f.session);
-        }
-    }
+    farm_sessions(&consul, &mut farms).await?;
 
     // RCs, written as P2 tools do (raw records), 21 per transaction.
     let ids: Vec<RcId> = (0..args.rcs).map(|_| RcId::new()).collect();

@@ -4,6 +4,7 @@
 mod bench_audit;
 mod bench_consul;
 mod bench_farm;
+mod bench_rolls;
 mod bench_selectors;
 mod chaos;
 mod config;
@@ -107,6 +108,8 @@ enum BenchCommand {
     Audit(bench_audit::BenchAuditArgs),
     /// Farms converging many RCs: throughput, latency, failover, idle cost, memory.
     Farm(bench_farm::BenchFarmArgs),
+    /// Farms carrying out many concurrent rolling updates, with simulated nodes.
+    Rolls(bench_rolls::BenchRollsArgs),
 }
 
 /// `rcfarm`'s main.
@@ -140,6 +143,10 @@ pub fn rcfarm_main() -> ExitCode {
             RcfarmCommand::Bench(BenchCommand::Audit(args)) => bench_audit::run(args).await,
             RcfarmCommand::Chaos(args) => chaos::run(args).await,
             RcfarmCommand::SimulateNodes(args) => simulate::run(args).await,
+            RcfarmCommand::Bench(BenchCommand::Rolls(args)) => {
+                println!("{}", bench_rolls::header());
+                bench_rolls::run(args).await
+            }
             RcfarmCommand::Bench(BenchCommand::Farm(args)) => {
                 println!("{}", bench_farm::header());
                 bench_farm::run(args).await

@@ -30,6 +30,9 @@ pub struct TreeCache<T> {
     prefix: String,
     state: Arc<RwLock<State<T>>>,
     version: watch::Receiver<u64>,
+    /// The suffixes each snapshot changed, for consumers that must not miss one (a `watch`
+    /// keeps only the latest).
+    changes: tokio::sync::broadcast::Sender<Arc<BTreeSet<String>>>,
     task: JoinHandle<()>,
     stats: Arc<WatchStats>,
 }
@@ -58,6 +61,8 @@ impl<T: Send + Sync + 'static> TreeCache<T> {
             last_changed: Arc::default(),
         }));
         let (vtx, version) = watch::channel(0);
+        let (changes, _) = tokio::sync::broadcast::channel(1024);
+        let ctx = changes.clone();
         let st = state.clone();
         let p = prefix.clone();
         let task = tokio::spawn(async move {
@@ -67,6 +72,9 @@ impl<T: Send + Sync + 'static> TreeCache<T> {
                 let snap = rx.borrow_and_update().clone();
                 if let Some(s) = snap {
                     let changed = apply(&st, &p, s.index, &s.value, &parse);
+                    if changed {
+                        let _ = ctx.send(st.read().last_changed.clone());
+                    }
                     if n == 0 || changed {
                         n += 1;
                         let _ = vtx.send(n);
@@ -83,6 +91,7 @@ impl<T: Send + Sync + 'static> TreeCache<T> {
             prefix,
             state,
             version,
+            changes,
             task,
             stats,
         }
@@ -164,6 +173,11 @@ impl<T: Send + Sync + 'static> TreeCache<T> {
     /// Bumps whenever a snapshot changed something.
     pub fn subscribe(&self) -> watch::Receiver<u64> {
         self.version.clone()
+    }
+
+    /// Every snapshot's changed suffixes, in order (a lagging receiver is told it missed some).
+    pub fn subscribe_changes(&self) -> tokio::sync::broadcast::Receiver<Arc<BTreeSet<String>>> {
+        self.changes.subscribe()
     }
 
     pub fn stats(&self) -> &Arc<WatchStats> {

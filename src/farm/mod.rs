@@ -410,7 +410,7 @@ impl Farm {
         let mut rc_label_rx = views.rc_labels.subscribe_version();
         let mut pod_changes = views.pods.subscribe_changes();
         let mut node_changes = views.nodes.subscribe_changes();
-        let mut health_rx = views.health.tree().subscribe();
+        let mut health_changes = views.health.subscribe_changes();
         let mut tick = tokio::time::interval(Duration::from_millis(500));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut next_sweep = Instant::now() + Duration::from_secs(1);
@@ -545,9 +545,17 @@ impl Farm {
                     self.dispatch_pod_changes(&owned, c);
                 }
                 c = node_changes.recv() => self.dispatch_node_changes(&owned, views, c),
-                _ = health_rx.changed() => {
-                    self.dispatch_health_changes(&owned, views);
-                    self.dispatch_health_to_rolls(&rolls, views);
+                c = health_changes.recv() => {
+                    let pods = match c {
+                        Ok(keys) => Some(crate::health::changed_pods(&keys)),
+                        // Missed some: every task looks again.
+                        Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => None,
+                        Err(tokio::sync::broadcast::error::RecvError::Closed) => {
+                            return Ended::SessionLost("health watch ended".into());
+                        }
+                    };
+                    self.dispatch_health_changes(&owned, views, pods.as_ref());
+                    self.dispatch_health_to_rolls(&rolls, views, pods.as_ref());
                 }
                 _ = tick.tick() => {
                     dirty = true;

@@ -118,14 +118,24 @@ impl Farm {
         }
     }
 
-    pub(super) fn dispatch_health_changes(&self, owned: &OwnedRcs, views: &Views) {
-        let changed = views.health.changed_pods();
+    /// Wakes the tasks of RCs whose pods' health changed (`None`: changes were missed, wake
+    /// every task).
+    pub(super) fn dispatch_health_changes(
+        &self,
+        owned: &OwnedRcs,
+        views: &Views,
+        pods: Option<&BTreeSet<String>>,
+    ) {
+        let Some(pods) = pods else {
+            owned.tasks.values().for_each(TaskHandle::wake);
+            return;
+        };
         if let Some(listing) = views.rcs.latest() {
             for t in owned.tasks.values() {
                 if listing
                     .rcs
                     .get(&t.id)
-                    .is_some_and(|rc| changed.iter().any(|p| p == rc.pod_id()))
+                    .is_some_and(|rc| pods.contains(rc.pod_id()))
                 {
                     t.wake();
                 }

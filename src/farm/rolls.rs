@@ -353,12 +353,19 @@ impl Farm {
         }
     }
 
-    /// Wakes the roll tasks whose RCs' pods' health changed.
-    pub(super) fn dispatch_health_to_rolls(&self, owned: &OwnedRolls, views: &Views) {
-        let (Some(rolls), Some(rcs)) = (views.rolls.latest(), views.rcs.latest()) else {
+    /// Wakes the roll tasks whose RCs' pods' health changed (`None`: changes were missed).
+    pub(super) fn dispatch_health_to_rolls(
+        &self,
+        owned: &OwnedRolls,
+        views: &Views,
+        changed: Option<&BTreeSet<String>>,
+    ) {
+        let (Some(rolls), Some(rcs), Some(changed)) =
+            (views.rolls.latest(), views.rcs.latest(), changed)
+        else {
+            owned.tasks.values().for_each(|t| t.wake());
             return;
         };
-        let changed: BTreeSet<String> = views.health.changed_pods().into_iter().collect();
         for (id, t) in &owned.tasks {
             let Some(r) = rolls.rolls.get(id) else {
                 continue;

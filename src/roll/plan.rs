@@ -98,8 +98,10 @@ pub enum RollAction {
     Lock,
     /// Disable the old RC (the new one replaces its pods in place) and enable the new one.
     Start { disable_old: bool, enable_new: bool },
-    /// Move replicas: the new RC's count rises by `add`, the old one's falls by `remove`.
-    Step { add: u64, remove: u64 },
+    /// Move replicas: the new RC's count rises by `add`; the old one's becomes `old_to` (its
+    /// count less `remove`, counted from the pods it has when it has fewer than it wants: a
+    /// disabled RC never makes up the difference).
+    Step { add: u64, remove: u64, old_to: u64 },
     /// The new RC is complete but the old one still has pods it did not hand over: scale it
     /// to 0 and enable it so it removes them.
     RetireOld,
@@ -254,13 +256,15 @@ pub fn plan(o: &RollObserved<'_>) -> RollPlan {
         });
     }
 
-    // The old RC may not have removed a pod it no longer wants yet: count no more healthy old
-    // pods than it desires, or the minimum could be broken.
-    let old_healthy = old.healthy.min(old.desired);
+    // The old RC is disabled: it will never schedule the pods it wants but lacks, so it counts
+    // as what it has. And it may not have removed a pod it no longer wants yet: count no more
+    // healthy old pods than it desires, or the minimum could be broken.
+    let old_desired = old.desired.min(old.current);
+    let old_healthy = old.healthy.min(old_desired);
     let (remove, add) = roll_algorithm(
         old_healthy,
         new.healthy,
-        old.desired,
+        old_desired,
         new.desired,
         target,
         u.minimum_replicas,
@@ -272,7 +276,6 @@ pub fn plan(o: &RollObserved<'_>) -> RollPlan {
             && new.unknown == 0
             && old.healthy == old.current
             && new.healthy == new.current
-            && old.current >= old.desired
             && new.current >= new.desired;
         return if settled {
             RollPlan::wait(
@@ -317,7 +320,11 @@ pub fn plan(o: &RollObserved<'_>) -> RollPlan {
         }
     }
     RollPlan {
-        action: Some(RollAction::Step { add, remove }),
+        action: Some(RollAction::Step {
+            add,
+            remove,
+            old_to: old_desired.saturating_sub(remove),
+        }),
         waiting: None,
         step_ready: true,
     }
@@ -474,7 +481,11 @@ mod tests {
         let o = observe(&u, counts(3, 3, 3, true), new);
         assert_eq!(
             plan(&o).action,
-            Some(RollAction::Step { add: 1, remove: 1 })
+            Some(RollAction::Step {
+                add: 1,
+                remove: 1,
+                old_to: 2
+            })
         );
     }
 
@@ -745,13 +756,17 @@ mod tests {
                 target in 1u64..8,
                 min_gap in 1u64..4,
                 spare in 0usize..3,
+                missing in prop_oneof![Just(0u64), 0u64..3],
                 seed in 1u64..u64::MAX,
                 fail_rate in prop_oneof![Just(0u8), 0u8..30],
             ) {
                 let minimum = target.saturating_sub(min_gap).min(old_n.saturating_sub(1));
                 let nodes = (old_n as usize).max(target as usize) + spare;
+                // The old RC may run fewer pods than it wants (too few eligible nodes when the
+                // roll started).
+                let running = old_n.saturating_sub(missing).max(1) as usize;
                 let mut w = World {
-                    pods: (0..nodes).map(|i| (i < old_n as usize).then_some((Owner::Old, State::Up))).collect(),
+                    pods: (0..nodes).map(|i| (i < running).then_some((Owner::Old, State::Up))).collect(),
                     old: (old_n, false),
                     new: (0, false),
                     rng: seed,
@@ -786,9 +801,11 @@ mod tests {
                             if enable_new { w.new.1 = false; }
                             started = true;
                         }
-                        Some(RollAction::Step { add, remove }) => {
+                        Some(RollAction::Step { add, remove, old_to }) => {
+                            let old_current = w.pods.iter().flatten().filter(|(o, _)| *o == Owner::Old).count() as u64;
+                            prop_assert_eq!(old_to, w.old.0.min(old_current).saturating_sub(remove));
                             w.new.0 += add;
-                            w.old.0 = w.old.0.saturating_sub(remove);
+                            w.old.0 = old_to;
                         }
                         Some(RollAction::RetireOld) => w.old = (0, false),
                         Some(RollAction::Complete) => { done = true; break; }

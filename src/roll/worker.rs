@@ -630,14 +630,18 @@ impl Worker {
                 }
                 (vec![audit], false)
             }
-            RollAction::Step { add, remove } => {
+            RollAction::Step {
+                add,
+                remove,
+                old_to,
+            } => {
                 let audit = AuditRecord::new(
                     events::ROLL_STEP,
                     details(json!({
                         "action": "transfer",
                         "replicas_added": add,
                         "replicas_removed": remove,
-                        "old_replicas": {"old": old.replicas_desired, "new": old.replicas_desired.saturating_sub(*remove)},
+                        "old_replicas": {"old": old.replicas_desired, "new": old_to},
                         "new_replicas": {"old": new.replicas_desired, "new": new.replicas_desired + add},
                         "counts": counts,
                         "minimum_replicas": u.minimum_replicas,
@@ -721,8 +725,17 @@ impl Worker {
         audits.extend(self.progress_record(roll));
         let index = self.commit(ops, audits).await?;
         match &action {
-            RollAction::Step { add, remove } => {
-                tracing::info!(add, remove, "moved replicas from the old RC to the new one");
+            RollAction::Step {
+                add,
+                remove,
+                old_to,
+            } => {
+                tracing::info!(
+                    add,
+                    remove,
+                    old_to,
+                    "moved replicas from the old RC to the new one"
+                );
                 metrics::counter!("rcfarm_roll_steps_total").increment(1);
                 self.ready_since = None;
                 self.ctx.status.update(self.id, &self.ctx.farm_id, |s| {
