@@ -2,7 +2,9 @@
 //! farms' promises, for tests and the chaos run:
 //!
 //! - **fencing**: every write to a pod's intent or labels carries a `check-session` on the lock
-//!   of the RC the pod belongs to, by the session holding that lock at that moment;
+//!   of the RC the pod belongs to, by the session holding that lock at that moment (a pod that
+//!   a disabled RC gave up, running more than it wants, is fenced by the lock of the RC that
+//!   takes it over);
 //! - **never too many pods**: no write raises an RC's pod count above its desired count (+1
 //!   while its node-transfer status key exists);
 //! - **rolling updates**: every roll step is fenced by the roll's lock, held by the writer; a
@@ -366,30 +368,22 @@ impl Observer {
             return;
         }
         self.fenced_writes += 1;
-        // A rolling update's new RC takes its old RC's pods over in place: fenced by the new
-        // RC's lock, not the old one's.
-        let rolled_into: HashMap<String, String> = self
-            .kv
-            .iter()
-            .filter(|(k, _)| k.starts_with(ROLL_PREFIX))
-            .filter_map(|(_, v)| crate::roll::record::decode(v).ok())
-            .map(|u| (u.old_rc.to_string(), u.new_rc.to_string()))
-            .collect();
+        // An RC that is disabled and runs more pods than it wants has given them up (a rolling
+        // update moved its replicas): another RC takes them over in place, fenced by its own
+        // lock (checked as that RC's write), not the giver's.
         let fenced_by = |rc: &str| {
             let lock = format!("{RC_LOCK_PREFIX}{rc}");
             c.checks
                 .iter()
-                .find(|(k, _)| *k == lock)
-                .map(|(_, s)| (lock, s.clone()))
+                .any(|(k, s)| *k == lock && holders.get(&lock) == Some(s))
         };
         for rc in &touched {
-            let taken_over = fenced_by(rc).is_none()
-                && rolled_into
-                    .get(rc)
-                    .and_then(|new| fenced_by(new))
-                    .is_some_and(|(lock, s)| holders.get(&lock) == Some(&s))
-                && self.count(rc) < before.get(rc).copied().unwrap_or(0);
-            if taken_over {
+            let gave_up = !fenced_by(rc)
+                && self.rc_field(rc, "disabled") == Some(Value::Bool(true))
+                && self.count(rc) < before.get(rc).copied().unwrap_or(0)
+                && self.count(rc) as i64 >= self.desired(rc)
+                && touched.iter().any(|other| other != rc && fenced_by(other));
+            if gave_up {
                 continue;
             }
             let lock = format!("{RC_LOCK_PREFIX}{rc}");

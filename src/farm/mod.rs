@@ -40,7 +40,7 @@ use crate::util::{Backoff, jitter_half};
 use ownership::{ClaimFarm, ClaimRules};
 use rcs::{LocksTx, OwnedRcs, RcKind};
 use registry::{FARMS_PREFIX, FarmInfo};
-use rolls::{OwnedRolls, RollDispatch, RollKind, RollsTx};
+use rolls::{OwnedRolls, RollDispatch, RollKind};
 
 /// Which scheduler the farm uses.
 #[derive(Debug, Clone)]
@@ -130,7 +130,6 @@ struct Serving<'a> {
     ctx: Arc<TaskContext>,
     roll_ctx: Arc<RollContext>,
     locks_tx: LocksTx,
-    rolls_tx: RollsTx,
 }
 
 /// Why serving under one session ended.
@@ -272,7 +271,6 @@ impl Farm {
             };
             backoff.reset();
             let (locks_tx, locks_rx) = watch::channel(Arc::new(LockView::default()));
-            let (rolls_tx, rolls_rx) = watch::channel(Arc::new(std::collections::BTreeMap::new()));
             let roll_ctx = Arc::new(RollContext {
                 consul: self.consul.clone(),
                 farm_id: cfg.farm_id.clone(),
@@ -292,7 +290,6 @@ impl Farm {
                 intents: Arc::new(IntentView::default()),
                 status: self.status.clone(),
                 locks: locks_rx,
-                rolls: rolls_rx,
                 rcs: views.rcs.subscribe(),
                 config: cfg.task.clone(),
             });
@@ -307,7 +304,6 @@ impl Farm {
                         ctx,
                         roll_ctx,
                         locks_tx,
-                        rolls_tx,
                     },
                     &shutdown,
                 )
@@ -470,8 +466,6 @@ impl Farm {
                     &sv.roll_ctx,
                     &mut rolls,
                     &roll_ev_tx,
-                    &sv.rolls_tx,
-                    &owned,
                 )
                 .await;
             }

@@ -5,11 +5,10 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
-use tokio::sync::{broadcast, mpsc, watch};
+use tokio::sync::{broadcast, mpsc};
 
 use super::claims::assign_by;
 use super::ownership::{ClaimView, Kind, Owned, ownership_record};
-use super::rcs::OwnedRcs;
 use super::registry::{self, FarmInfo};
 use super::unclaimable::Unclaimable;
 use super::{Farm, Views};
@@ -69,10 +68,6 @@ impl Kind for RollKind {
 }
 
 pub(crate) type OwnedRolls = Owned<RollKind>;
-
-/// Where the farm publishes the rolls in progress (new RC → old RC) to its RC tasks: a new
-/// RC takes over its old RC's nodes.
-pub(crate) type RollsTx = watch::Sender<Arc<BTreeMap<RcId, RcId>>>;
 
 /// What the farm remembers between reconciles to wake roll tasks only for what concerns them.
 #[derive(Default)]
@@ -138,8 +133,6 @@ impl Farm {
         ctx: &Arc<RollContext>,
         owned: &mut OwnedRolls,
         ev_tx: &mpsc::UnboundedSender<RollEvent>,
-        rolls_tx: &RollsTx,
-        rcs: &OwnedRcs,
     ) -> bool {
         let (Some(rolls), Some(lock_snap), Some(farm_snap)) = (
             views.rolls.latest(),
@@ -149,22 +142,6 @@ impl Farm {
             return false;
         };
         let sid = session.id();
-
-        // New RC → old RC of every roll that may run, for the RC tasks.
-        let in_progress: BTreeMap<RcId, RcId> = rolls
-            .rolls
-            .values()
-            .filter(|r| rolls.conflict(r).is_none())
-            .map(|r| (r.update.new_rc, r.update.old_rc))
-            .collect();
-        if **rolls_tx.borrow() != in_progress {
-            let old = rolls_tx.send_replace(Arc::new(in_progress.clone()));
-            for (id, t) in &rcs.tasks {
-                if old.get(id) != in_progress.get(id) {
-                    t.wake();
-                }
-            }
-        }
 
         let (holders, garbage) = parse_roll_locks(&lock_snap.value);
         {

@@ -38,9 +38,10 @@ pub struct Observed<'a> {
     /// Current nodes whose intent is missing or differs from the manifest.
     pub bad_intents: BTreeSet<NodeName>,
     pub transfer: Option<Transfer>,
-    /// Nodes to take first when growing: where the old RC of a rolling update this RC is the
-    /// new side of runs its pods (unhealthy ones first), so each new pod replaces an old one
-    /// in place, as the roll's arithmetic assumes.
+    /// Nodes to take first when growing: pods of this pod id that another, disabled RC has
+    /// given up (it runs more than it wants: a rolling update moved its replicas), unhealthy
+    /// ones first, so each new pod replaces an old one in place, as the roll's arithmetic
+    /// assumes.
     pub takeover: Vec<NodeName>,
     /// Nodes where another RC runs a pod of this pod id. Never scheduled on (the two RCs
     /// would overwrite each other's intent), except by takeover.

@@ -55,8 +55,6 @@ pub struct TaskContext {
     /// Sessions holding each RC's mutation lock, from the farm's watch of the lock tree.
     /// The RC lock tree, from the farm's watch (who holds each RC's mutation lock).
     pub locks: watch::Receiver<Arc<LockView>>,
-    /// Rolling updates in progress: new RC → old RC.
-    pub rolls: watch::Receiver<Arc<BTreeMap<RcId, RcId>>>,
     /// Every RC, from the farm's watch (a new RC reads its old RC's desired count).
     pub rcs: watch::Receiver<Option<Arc<crate::rc::RcListing>>>,
     pub config: TaskConfig,
@@ -451,67 +449,64 @@ impl Worker {
             .is_some_and(|(s, v)| *s == self.session && *v == self.id.node_transfer_holder())
     }
 
-    /// Where other RCs run this RC's pod id: the nodes of the rolling update's old RC to take
-    /// over (unhealthy pods first, then by name), and the nodes to keep off. Only as many old
-    /// pods are taken over as the old RC gave up (its pods beyond its desired count): the
-    /// roll's arithmetic puts the replicas it adds beyond those on fresh nodes.
+    /// Where other RCs run this RC's pod id: the nodes to take over first when growing, and
+    /// the nodes to keep off. An RC that is disabled and runs more pods than it wants has given
+    /// those pods up (a rolling update moved its replicas: rcfarm's, or `p2-rctl
+    /// rolling-update`'s, which writes no roll record): up to that many are taken over in place
+    /// (unhealthy ones first, then by name), as the roll's arithmetic assumes. Every other
+    /// RC's pod of this pod id is left alone.
     fn neighbours(&self, rc: &Rc) -> (Vec<NodeName>, BTreeSet<NodeName>) {
         let me = self.id.to_string();
-        let mut occupied = BTreeSet::new();
+        // Other RCs' pods of this pod id: RC → (healthy, node).
+        let mut others: BTreeMap<String, Vec<(bool, NodeName)>> = BTreeMap::new();
         for id in self
             .ctx
             .pods
             .matches(&Selector::from_equalities([(POD_ID_LABEL, rc.pod_id())]))
         {
-            let Some((node, _)) = split_pod_label_id(&id) else {
+            let Some((node, pod)) = split_pod_label_id(&id) else {
                 continue;
             };
-            if self
+            let Some(owner) = self
                 .ctx
                 .pods
                 .get(&id)
-                .is_some_and(|l| l.get(RC_ID_LABEL) != Some(&me))
-            {
-                occupied.insert(NodeName::from(node));
+                .and_then(|l| l.get(RC_ID_LABEL).cloned())
+                .filter(|o| *o != me)
+            else {
+                continue;
+            };
+            let healthy = self
+                .ctx
+                .health
+                .status(pod, node)
+                .is_some_and(|h| h.is_passing());
+            others
+                .entry(owner)
+                .or_default()
+                .push((healthy, NodeName::from(node)));
+        }
+        let listing = self.ctx.rcs.borrow().clone();
+        let mut occupied = BTreeSet::new();
+        let mut takeover: Vec<(bool, NodeName)> = Vec::new();
+        for (owner, mut pods) in others {
+            let given_up = RcId::parse(&owner)
+                .ok()
+                .and_then(|id| listing.as_ref()?.rcs.get(&id).cloned())
+                .filter(|o| o.disabled)
+                .map_or(0, |o| {
+                    pods.len().saturating_sub(o.replicas_desired as usize)
+                });
+            pods.sort();
+            for (i, p) in pods.into_iter().enumerate() {
+                if i < given_up {
+                    takeover.push(p);
+                } else {
+                    occupied.insert(p.1);
+                }
             }
         }
-        let Some(old) = self.ctx.rolls.borrow().get(&self.id).copied() else {
-            return (Vec::new(), occupied);
-        };
-        let mut takeover: Vec<(bool, NodeName)> = self
-            .ctx
-            .pods
-            .matches(&Selector::from_equalities([(
-                RC_ID_LABEL,
-                old.to_string().as_str(),
-            )]))
-            .iter()
-            .filter_map(|id| split_pod_label_id(id))
-            .map(|(node, pod)| {
-                let healthy = self
-                    .ctx
-                    .health
-                    .status(pod, node)
-                    .is_some_and(|h| h.is_passing());
-                (healthy, NodeName::from(node))
-            })
-            .collect();
         takeover.sort();
-        let old_desired = self
-            .ctx
-            .rcs
-            .borrow()
-            .as_ref()
-            .and_then(|l| l.rcs.get(&old).map(|rc| rc.replicas_desired))
-            .unwrap_or(0) as usize;
-        let given_up = takeover.len().saturating_sub(old_desired);
-        (
-            takeover
-                .into_iter()
-                .take(given_up)
-                .map(|(_, n)| n)
-                .collect(),
-            occupied,
-        )
+        (takeover.into_iter().map(|(_, n)| n).collect(), occupied)
     }
 }

@@ -206,6 +206,69 @@ fn request_token(req: &Request<Body>, p: &Params) -> Option<String> {
         .then(|| rest.split(' ').next().unwrap_or("").to_string())
 }
 
+/// Go's `path.Clean` as its `ServeMux` applies it: one slash for many, no `.` elements, `..`
+/// removing the element before it, and a trailing slash kept. (HTTP clients usually resolve
+/// `.` and `..` themselves; `//` reaches the server.)
+pub(super) fn clean_path(p: &str) -> String {
+    let mut parts: Vec<&str> = Vec::new();
+    for seg in p.split('/') {
+        match seg {
+            "" | "." => {}
+            ".." => {
+                parts.pop();
+            }
+            s => parts.push(s),
+        }
+    }
+    let mut out = format!("/{}", parts.join("/"));
+    if p.ends_with('/') && out != "/" {
+        out.push('/');
+    }
+    out
+}
+
+/// Characters Go escapes in a URL path.
+const GO_PATH: &percent_encoding::AsciiSet = &percent_encoding::CONTROLS
+    .add(b' ')
+    .add(b'"')
+    .add(b'#')
+    .add(b'%')
+    .add(b'<')
+    .add(b'>')
+    .add(b'?')
+    .add(b'[')
+    .add(b'\\')
+    .add(b']')
+    .add(b'^')
+    .add(b'`')
+    .add(b'{')
+    .add(b'|')
+    .add(b'}');
+
+/// Go's `http.Redirect` with 301: an HTML body for GET and HEAD only.
+fn moved_permanently(path: &str, query: Option<&str>, method: &Method) -> Response {
+    let mut location = percent_encoding::utf8_percent_encode(path, GO_PATH).to_string();
+    if let Some(q) = query {
+        location.push('?');
+        location.push_str(q);
+    }
+    let mut r = if method == Method::GET || method == Method::HEAD {
+        let mut r = format!("<a href=\"{location}\">Moved Permanently</a>.\n\n").into_response();
+        r.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("text/html; charset=utf-8"),
+        );
+        r
+    } else {
+        ().into_response()
+    };
+    *r.status_mut() = StatusCode::MOVED_PERMANENTLY;
+    if let Ok(v) = HeaderValue::from_str(&location) {
+        r.headers_mut().insert(header::LOCATION, v);
+    }
+    r
+}
+
 /// Entry point: routes by path and method like Consul's HTTP mux.
 pub(super) async fn handle(shared: Arc<Shared>, req: Request<Body>) -> Response {
     shared
@@ -245,6 +308,12 @@ async fn route(shared: Arc<Shared>, req: Request<Body>) -> Response {
         // Go's http server refuses unprintable paths with an empty 400.
         _ => return StatusCode::BAD_REQUEST.into_response(),
     };
+    // Go's ServeMux answers a path that is not clean (`a//b`, `a/./b`, `a/../b`) with a 301 to
+    // the cleaned one, which clients follow: `health/web//` lists `health/web/`.
+    let clean = clean_path(&path);
+    if clean != path {
+        return moved_permanently(&clean, req.uri().query(), req.method());
+    }
     let params = Params::parse(req.uri().query());
 
     let (allowed, endpoint): (&[&str], Endpoint) = if let Some(key) = path.strip_prefix("/v1/kv/") {
@@ -1217,5 +1286,27 @@ mod tests {
         assert_eq!(fix_lock_delay(10), Duration::from_secs(10));
         assert_eq!(fix_lock_delay(1000), Duration::from_nanos(1000));
         assert_eq!(fix_lock_delay(0), Duration::ZERO);
+    }
+}
+
+#[cfg(test)]
+mod path_tests {
+    use super::clean_path;
+
+    #[test]
+    fn cleans_as_go_does() {
+        for (p, want) in [
+            ("/v1/kv/a", "/v1/kv/a"),
+            ("/v1/kv/a/", "/v1/kv/a/"),
+            ("/v1/kv/a//b", "/v1/kv/a/b"),
+            ("/v1/kv/health/web//", "/v1/kv/health/web/"),
+            ("/v1/kv/a/./b", "/v1/kv/a/b"),
+            ("/v1/kv/a/../b", "/v1/kv/b"),
+            ("/../x", "/x"),
+            ("/", "/"),
+            ("//", "/"),
+        ] {
+            assert_eq!(clean_path(p), want, "{p}");
+        }
     }
 }

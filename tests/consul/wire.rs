@@ -478,3 +478,38 @@ async fn malformed_inputs_never_crash_or_hang_the_server() {
     let (st, _, _) = send(h.put(format!("{u}/v1/kv/alive")).body("yes")).await;
     assert_eq!(st, StatusCode::OK);
 }
+
+/// Read off a real Consul 0.7.0 agent: Go's ServeMux answers a path that is not clean with a
+/// 301 to the cleaned path, query kept, so `GET /v1/kv/health/web//?recurse` (P2's health
+/// checker asks exactly that) lists `health/web/`.
+#[tokio::test]
+async fn unclean_paths_are_redirected_to_the_clean_one_as_go_does() {
+    let s = server().await;
+    let u = s.url();
+    rcfarm::consul::init_tls();
+    let raw = reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .unwrap();
+    for (path, method, location) in [
+        ("/v1/kv/a/b//?recurse", "GET", "/v1/kv/a/b/?recurse"),
+        ("/v1/kv/a//d", "PUT", "/v1/kv/a/d"),
+        ("/v1/kv//x", "DELETE", "/v1/kv/x"),
+    ] {
+        let m = reqwest::Method::from_bytes(method.as_bytes()).unwrap();
+        let (st, h, body) = send(raw.request(m, format!("{u}{path}"))).await;
+        assert_eq!(st, StatusCode::MOVED_PERMANENTLY, "{method} {path}");
+        assert_eq!(h["location"], location, "{method} {path}");
+        assert_eq!(
+            body.is_empty(),
+            method != "GET",
+            "{method} {path}: {body:?}"
+        );
+    }
+    // Followed, as Go's client (P2's tools) follows it.
+    let h = http();
+    send(h.put(format!("{u}/v1/kv/health/web/n1")).body("{}")).await;
+    let (st, _, body) = send(h.get(format!("{u}/v1/kv/health/web//?recurse"))).await;
+    assert_eq!(st, StatusCode::OK);
+    assert!(body.contains("health/web/n1"), "{body}");
+}

@@ -595,3 +595,57 @@ async fn a_roll_scheduled_by_p2s_own_schedule_update_is_carried_out() {
     );
     c.check_invariants(|_| false);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn p2s_own_rolling_update_cli_completes_against_rcfarms_farms() {
+    if p2_rctl().is_none() {
+        return;
+    }
+    let mut c = Cluster::start().await;
+    nodes(&c, 4, 1).await;
+    let _sim = c.simulate(4, 0.0);
+    c.spawn_farm("f1", &ROLL_FLAGS).await;
+    c.spawn_farm("f2", &ROLL_FLAGS).await;
+    let store = RcStore::new(c.consul.clone());
+    let ids: [RcId; 2] = rcs(&c, 2, 3).await.try_into().unwrap();
+    // Two versions of one pod: the new RC takes the old one's pods over.
+    for (id, v) in [(ids[0], 1), (ids[1], 2)] {
+        c.patch_rc(
+            id,
+            "manifest",
+            Cluster::manifest("web", v).replace("\\n", "\n").into(),
+        )
+        .await;
+    }
+    c.patch_rc(ids[1], "replicas_desired", 0.into()).await;
+    let (old, cr) = (ids[0], &c);
+    c.wait_for(
+        Duration::from_secs(30),
+        "the old RC up",
+        move || async move { cr.all_up(old, 3).await },
+    )
+    .await;
+    // P2's roller, run inside the CLI: it holds both RCs' mutation locks with its own session,
+    // disables the old RC, and moves the replica counts; rcfarm's RC tasks do the rest.
+    let consul = c.server.addr().to_string();
+    let out = tokio::time::timeout(
+        Duration::from_secs(90),
+        tokio::process::Command::new(p2_rctl().unwrap())
+            .args(["--consul", &consul, "rolling-update"])
+            .args(["--old", &ids[0].to_string(), "--new", &ids[1].to_string()])
+            .args(["--desired", "3", "--minimum", "2"])
+            .output(),
+    )
+    .await
+    .expect("p2-rctl rolling-update finishes")
+    .unwrap();
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{log}");
+    assert!(log.contains("msg=Done"), "{log}");
+    assert!(
+        store.get(ids[0]).await.unwrap().is_none(),
+        "P2 deleted the old RC"
+    );
+    assert!(c.all_up(ids[1], 3).await);
+    c.check_invariants(|_| false);
+}
