@@ -8,6 +8,7 @@
 //! - [`worker`]: the task that carries a claimed roll out in fenced transactions.
 //! - [`status`]: what a farm reports about the rolls it carries out.
 
+mod apply;
 pub mod plan;
 pub mod record;
 pub mod status;

@@ -5,6 +5,7 @@
 mod common;
 
 mod labels;
+mod p2;
 mod rcs;
 mod rolls;
 mod schedulers;

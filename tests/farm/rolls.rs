@@ -205,6 +205,66 @@ async fn a_roll_that_grows_takes_over_only_what_the_old_rc_gives_up() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn a_roll_from_an_rc_short_of_pods_counts_what_it_has_and_keeps_its_bound() {
+    // Three nodes; the old RC wants four pods and runs three. Disabled by the roll, it will
+    // never make up the fourth: the roll counts three, and never raises old + new above
+    // its target (the observer checks every step).
+    let mut c = Cluster::start().await;
+    nodes(&c, 3, 1).await;
+    let _sim = c.simulate(3, 0.0);
+    c.spawn_farm("f1", &ROLL_FLAGS).await;
+    let old = rcs(&c, 1, 4).await[0];
+    let cr = &c;
+    c.wait_for(
+        Duration::from_secs(30),
+        "three of four pods up",
+        move || async move {
+            cr.placements()
+                .await
+                .get(&old)
+                .is_some_and(|p| p.len() == 3)
+                && !cr
+                    .audit_events("REPLICATION_CONTROLLER_DESIRES_UNMET")
+                    .await
+                    .is_empty()
+        },
+    )
+    .await;
+    let roll = RollStore::new(c.consul.clone())
+        .start(
+            StartRoll {
+                old_rc: old,
+                manifest: Cluster::manifest("svc-0", 2),
+                desired: Some(3),
+                minimum: Some(2),
+                leave_old: false,
+                roll_delay: Duration::ZERO,
+            },
+            "test",
+            false,
+        )
+        .await
+        .unwrap()
+        .update
+        .new_rc;
+    completed(&c, roll, old, 3, Duration::from_secs(60)).await;
+    let steps = c.audit_events("ROLLING_UPDATE_STEP").await;
+    let first = steps
+        .iter()
+        .find(|s| s["old_replicas"]["old"] == 4)
+        .expect("the first step started from the old RC's 4");
+    assert_eq!(
+        first["old_replicas"]["new"].as_u64().unwrap()
+            + first["replicas_removed"].as_u64().unwrap(),
+        3,
+        "{first:#}"
+    );
+    let o = c.observe(|_| false);
+    let lowest = o.roll_lowest_up.get(&roll.to_string()).copied();
+    assert!(lowest.is_some_and(|l| l >= 2), "lowest pods up {lowest:?}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn a_roll_is_resumed_by_another_farm_after_its_farm_is_killed_or_stopped() {
     let mut c = Cluster::start().await;
     nodes(&c, 6, 1).await;

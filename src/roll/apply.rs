@@ -1,0 +1,298 @@
+//! The roll task's writes: each a transaction fenced by the roll's lock and the roll record's
+//! version, carrying its audit record; then a wait until the farm's views show it.
+
+use std::time::Duration;
+
+use chrono::Utc;
+use serde_json::{Value, json};
+
+use super::plan::RollAction;
+use super::record::{Roll, roll_key, roll_lock_key};
+use super::store::completion_details;
+use super::worker::{Observation, RollError, RollEvent, STARTED_LABEL, Worker, roll_holder};
+use crate::audit::{AuditRecord, events};
+use crate::consul::{ConsulError, TxnFailure, TxnOp};
+use crate::labels::{LabelSet, LabelStore, LabelType};
+use crate::rc::{Mutation, Rc, RcStore};
+
+impl Worker {
+    /// The checks every write of the roll begins with: this farm holds the roll's lock (op 0),
+    /// and the roll is the version planned against (op 1; an abort deletes it).
+    pub(super) fn fence(&self, roll: &Roll) -> Vec<TxnOp> {
+        vec![
+            TxnOp::check_session(roll_lock_key(self.id), &self.session),
+            TxnOp::check_index(roll_key(self.id), roll.modify_index),
+        ]
+    }
+
+    pub(super) async fn apply(
+        &mut self,
+        roll: &Roll,
+        o: &Observation,
+        action: RollAction,
+    ) -> Result<(), RollError> {
+        let u = &roll.update;
+        let (Some(old), Some(new)) = (o.old.clone(), o.new.clone()) else {
+            return Err(RollError::Other("an RC of the roll is missing".into()));
+        };
+        let mut ops = self.fence(roll);
+        let checks = [
+            TxnOp::check_session(u.old_rc.mutation_lock_key(), &self.session),
+            TxnOp::check_session(u.new_rc.mutation_lock_key(), &self.session),
+        ];
+        let rewrite = |rc: &Rc, m: &[Mutation], audit: &AuditRecord| {
+            RcStore::rewrite_op(rc, m, &audit.id.to_string())
+                .map_err(|e| RollError::Other(e.to_string()))
+        };
+        let base = json!({
+            "rolling_update_id": self.id,
+            "old_rc": u.old_rc,
+            "new_rc": u.new_rc,
+            "pod_id": new.pod_id(),
+            "farm_id": self.ctx.farm_id,
+        });
+        let details = |extra: Value| -> Value {
+            let mut m = base.as_object().cloned().unwrap_or_default();
+            if let Value::Object(e) = extra {
+                m.extend(e);
+            }
+            Value::Object(m)
+        };
+        let counts = json!({"old": o.old_counts, "new": o.new_counts});
+        let (mut audits, wait_locks) = match &action {
+            RollAction::Lock => {
+                let holder = roll_holder(self.id);
+                for (id, seen) in [
+                    (u.old_rc, o.mutation_index.0),
+                    (u.new_rc, o.mutation_index.1),
+                ] {
+                    let held = self
+                        .ctx
+                        .locks
+                        .borrow()
+                        .mutation(id)
+                        .is_some_and(|(s, v)| *s == self.session && *v == holder);
+                    if !held {
+                        ops.extend(RcStore::mutation_lock_ops(id, &self.session, &holder, seen));
+                    }
+                }
+                (vec![], true)
+            }
+            RollAction::Start {
+                disable_old,
+                enable_new,
+            } => {
+                let audit = AuditRecord::new(
+                    events::ROLL_STARTED,
+                    details(
+                        json!({"disabled_old": disable_old, "enabled_new": enable_new, "counts": counts, "desired_replicas": u.desired_replicas, "minimum_replicas": u.minimum_replicas}),
+                    ),
+                );
+                ops.extend(checks);
+                let (labels, index) = &o.labels;
+                let started: LabelSet =
+                    [(STARTED_LABEL.to_string(), Utc::now().to_rfc3339())].into();
+                ops.push(LabelStore::apply_op(
+                    LabelType::Rolls,
+                    &self.id.to_string(),
+                    labels,
+                    *index,
+                    &started,
+                    &[],
+                ));
+                if *disable_old {
+                    ops.push(rewrite(&old, &[Mutation::Disable], &audit)?);
+                }
+                if *enable_new {
+                    ops.push(rewrite(&new, &[Mutation::Enable], &audit)?);
+                }
+                (vec![audit], false)
+            }
+            RollAction::Step {
+                add,
+                remove,
+                old_to,
+            } => {
+                let audit = AuditRecord::new(
+                    events::ROLL_STEP,
+                    details(json!({
+                        "action": "transfer",
+                        "replicas_added": add,
+                        "replicas_removed": remove,
+                        "old_replicas": {"old": old.replicas_desired, "new": old_to},
+                        "new_replicas": {"old": new.replicas_desired, "new": new.replicas_desired + add},
+                        "counts": counts,
+                        "minimum_replicas": u.minimum_replicas,
+                    })),
+                );
+                ops.extend(checks);
+                ops.push(rewrite(&old, &[Mutation::SetReplicas(*old_to)], &audit)?);
+                ops.push(rewrite(
+                    &new,
+                    &[Mutation::AddReplicas(*add as i64)],
+                    &audit,
+                )?);
+                (vec![audit], false)
+            }
+            RollAction::RetireOld => {
+                let audit = AuditRecord::new(
+                    events::ROLL_STEP,
+                    details(json!({
+                        "action": "retire_old",
+                        "old_replicas": {"old": old.replicas_desired, "new": 0},
+                        "counts": counts,
+                        "reason": "the new RC is complete; the old RC removes the pods it did not hand over",
+                    })),
+                );
+                ops.extend(checks);
+                ops.push(rewrite(
+                    &old,
+                    &[Mutation::SetReplicas(0), Mutation::Enable],
+                    &audit,
+                )?);
+                (vec![audit], false)
+            }
+            RollAction::Complete => {
+                let (labels, _) = LabelStore::new(self.ctx.consul.clone())
+                    .get(LabelType::Rolls, &self.id.to_string())
+                    .await
+                    .map_err(|e| RollError::Other(e.to_string()))?;
+                let mut completion =
+                    completion_details(self.id, &labels, Some(new.pod_id()), true, false);
+                completion.insert("farm_id".into(), json!(self.ctx.farm_id));
+                completion.insert("old_rc_deleted".into(), json!(!u.leave_old));
+                completion.insert("counts".into(), counts.clone());
+                ops.push(TxnOp::delete_cas(roll_key(self.id), roll.modify_index));
+                ops.push(LabelStore::delete_op(
+                    LabelType::Rolls,
+                    &self.id.to_string(),
+                ));
+                ops.extend(checks);
+                ops.push(TxnOp::delete(u.new_rc.mutation_lock_key()));
+                ops.push(TxnOp::delete(u.old_rc.mutation_lock_key()));
+                let mut audits = vec![AuditRecord::new(
+                    events::ROLL_COMPLETION,
+                    Value::Object(completion),
+                )];
+                if !u.leave_old {
+                    ops.push(TxnOp::delete_cas(old.id.key(), old.modify_index));
+                    ops.push(LabelStore::delete_op(
+                        LabelType::ReplicationController,
+                        &old.id.to_string(),
+                    ));
+                    audits.push(AuditRecord::new(
+                        events::RC_DELETED,
+                        json!({
+                            "replication_controller_id": old.id,
+                            "pod_id": old.pod_id(),
+                            "actor": format!("rcfarm rolling update {} (farm {})", self.id, self.ctx.farm_id),
+                            "replicas_desired": old.replicas_desired,
+                            "forced": false,
+                        }),
+                    ));
+                }
+                // Our own lock last: the farm sees the roll and its lock go together.
+                ops.push(TxnOp::delete(roll_lock_key(self.id)));
+                (audits, false)
+            }
+        };
+        audits.extend(self.progress_record(roll));
+        let index = self.commit(ops, audits).await?;
+        match &action {
+            RollAction::Step {
+                add,
+                remove,
+                old_to,
+            } => {
+                tracing::info!(
+                    add,
+                    remove,
+                    old_to,
+                    "moved replicas from the old RC to the new one"
+                );
+                metrics::counter!("rcfarm_roll_steps_total").increment(1);
+                self.ready_since = None;
+                self.ctx.status.update(self.id, &self.ctx.farm_id, |s| {
+                    s.steps += 1;
+                    s.last_step = Some(Utc::now());
+                });
+            }
+            RollAction::Start { .. } => tracing::info!(
+                "rolling update started: the old RC is disabled, the new one enabled"
+            ),
+            RollAction::Lock => tracing::debug!("took both RCs' mutation locks"),
+            RollAction::RetireOld => {
+                tracing::info!("the new RC is complete; the old RC removes its leftover pods")
+            }
+            RollAction::Complete => {
+                tracing::info!(old_deleted = !u.leave_old, "rolling update complete");
+                metrics::counter!("rcfarm_roll_completions_total").increment(1);
+                self.ctx.status.remove(self.id);
+                let _ = self.events.send(RollEvent::Completed(self.id, index));
+                return Ok(());
+            }
+        }
+        self.await_views(index, wait_locks).await
+    }
+
+    /// Waits until the farm's views show our own write, so the next plan counts it.
+    pub(super) async fn await_views(&self, index: u64, locks: bool) -> Result<(), RollError> {
+        let mut rcs = self.ctx.rcs.clone();
+        let mut lock_view = self.ctx.locks.clone();
+        let wait = async {
+            if locks {
+                let _ = lock_view.wait_for(|v| v.index >= index).await;
+            } else {
+                let _ = rcs
+                    .wait_for(|l| l.as_ref().is_some_and(|l| l.index >= index))
+                    .await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(10), wait)
+            .await
+            .map_err(|_| {
+                RollError::Other(
+                    "the farm's view did not catch up with our own write within 10 s".into(),
+                )
+            })
+    }
+
+    /// Commits `ops` with `audits`; the ops begin with the roll's fence when they write.
+    pub(super) async fn commit(
+        &self,
+        ops: Vec<TxnOp>,
+        audits: Vec<AuditRecord>,
+    ) -> Result<u64, RollError> {
+        if self.cancel.is_cancelled() {
+            return Err(RollError::Fenced);
+        }
+        let fenced = !ops.is_empty();
+        let mut all = Vec::with_capacity(ops.len() + audits.len() + 1);
+        if fenced {
+            all.extend(ops);
+        } else {
+            // A report alone still proves we hold the roll.
+            all.push(TxnOp::check_session(roll_lock_key(self.id), &self.session));
+        }
+        all.extend(audits.iter().map(AuditRecord::txn_op));
+        match self.ctx.consul.txn(&all).await {
+            Ok(resp) => Ok(resp.commit_index()),
+            Err(ConsulError::Conflict(errs)) => {
+                if errs.iter().any(|x| {
+                    x.op_index == 0
+                        && matches!(
+                            x.failure(),
+                            TxnFailure::SessionMismatch | TxnFailure::KeyMissing
+                        )
+                }) {
+                    metrics::counter!("rcfarm_fenced_writes_total").increment(1);
+                    return Err(RollError::Fenced);
+                }
+                // Something moved since the plan (the roll, an RC, a mutation lock): look again.
+                let what: Vec<String> = errs.iter().map(|x| x.what.clone()).collect();
+                Err(RollError::Stale(what.join("; ")))
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+}
