@@ -58,7 +58,8 @@ pub struct Observer {
     pub roll_steps: u64,
     /// Per roll: the fewest pods up seen after a farm's write while the roll ran.
     pub roll_lowest_up: BTreeMap<String, usize>,
-    /// Per roll: the smallest (pods up − minimum) seen after a farm's write.
+    /// Per roll: the smallest (pods up − minimum) right after a farm's write that took pods
+    /// down (a takeover, the old RC's leftovers removed): never negative, or it is a violation.
     pub roll_margin: BTreeMap<String, i64>,
 }
 
@@ -203,9 +204,12 @@ impl Observer {
             let up = self.up(&roll);
             let lowest = self.roll_lowest_up.entry(id.clone()).or_insert(up);
             *lowest = (*lowest).min(up);
-            let margin = up as i64 - roll.minimum as i64;
-            let m = self.roll_margin.entry(id.clone()).or_insert(margin);
-            *m = (*m).min(margin);
+            if up < up_before {
+                // How close a farm's own write came to the minimum.
+                let margin = up as i64 - roll.minimum as i64;
+                let m = self.roll_margin.entry(id.clone()).or_insert(margin);
+                *m = (*m).min(margin);
+            }
             if up < up_before && up < roll.minimum {
                 self.violations.push(Violation {
                     index: c.index,
@@ -420,8 +424,8 @@ impl Observer {
         }
     }
 
-    /// The smallest margin seen above a roll's minimum (pods up − minimum) after a farm's
-    /// write, over every roll.
+    /// The smallest margin above a roll's minimum (pods up − minimum) right after a farm's
+    /// write that took pods down, over every roll.
     pub fn roll_min_margin(&self) -> Option<i64> {
         self.roll_margin.values().min().copied()
     }

@@ -165,7 +165,7 @@ impl ChaosReport {
             )),
         }
         s.push_str(&format!(
-            "rolling updates: {} completed, {} aborted, {} commits of steps; lowest margin above a minimum: {}\n",
+            "rolling updates: {} completed, {} aborted, {} commits of steps; closest a farm's write took pods up to a minimum: {}\n",
             self.rolls_completed,
             self.rolls_aborted,
             self.roll_steps,
