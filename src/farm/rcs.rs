@@ -302,20 +302,7 @@ impl Farm {
                 stray.then(|| (*id, v.clone()))
             })
             .collect();
-        if !stray.is_empty() {
-            let store = RcStore::new(self.consul.clone());
-            for (id, holder) in stray {
-                match store.release_mutation(id, sid, &holder).await {
-                    Ok(false) => {}
-                    Ok(true) => {
-                        tracing::info!(rc_id = %id, %holder, "released the mutation lock of an RC this farm no longer serves")
-                    }
-                    Err(e) => {
-                        tracing::warn!(rc_id = %id, error = %e, "cannot release a stray mutation lock; will retry")
-                    }
-                }
-            }
-        }
+        self.release_stray_mutation_locks(sid, stray).await;
 
         let owned_n = owned.tasks.len();
         metrics::gauge!("rcfarm_owned_rcs").set(owned_n as f64);
@@ -364,6 +351,26 @@ impl Farm {
                 }
             }
             Err(e) => tracing::warn!(error = %e, "consistency sweep failed"),
+        }
+    }
+}
+
+impl Farm {
+    /// Releases mutation locks this farm's session holds for something it no longer does (a
+    /// node transfer or a roll it stopped serving), each as `(RC, value it holds)`: left held,
+    /// they would keep the RC's next owner from ever moving a pod.
+    pub(super) async fn release_stray_mutation_locks(&self, sid: &str, stray: Vec<(RcId, String)>) {
+        let store = RcStore::new(self.consul.clone());
+        for (id, holder) in stray {
+            match store.release_mutation(id, sid, &holder).await {
+                Ok(false) => {}
+                Ok(true) => {
+                    tracing::info!(rc_id = %id, %holder, "released the mutation lock of an RC this farm no longer serves")
+                }
+                Err(e) => {
+                    tracing::warn!(rc_id = %id, error = %e, "cannot release a stray mutation lock; will retry")
+                }
+            }
         }
     }
 }

@@ -251,17 +251,7 @@ impl Farm {
                 (s == sid && !owned.tasks.contains_key(&roll)).then(|| (*rc, roll_holder(roll)))
             })
             .collect();
-        let store = RcStore::new(self.consul.clone());
-        for (rc, holder) in stray {
-            match store.release_mutation(rc, sid, &holder).await {
-                Ok(_) => {
-                    tracing::info!(rc_id = %rc, "released the mutation lock of a rolling update this farm no longer carries out")
-                }
-                Err(e) => {
-                    tracing::warn!(rc_id = %rc, error = %e, "cannot release a stray roll mutation lock; will retry")
-                }
-            }
-        }
+        self.release_stray_mutation_locks(sid, stray).await;
 
         metrics::gauge!("rcfarm_owned_rolls").set(owned.tasks.len() as f64);
         metrics::gauge!("rcfarm_rolls").set(rolls.rolls.len() as f64);

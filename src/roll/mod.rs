@@ -5,7 +5,8 @@
 //! - [`record`]: P2's `Update` record at `rolls/<new-rc-id>`, byte for byte.
 //! - [`store`]: list, watch, create (P2's `update_creation` protocol), start, abort.
 //! - [`plan`]: the pure planner (P2's algorithm) from observed counts to the next action.
-//! - [`worker`]: the task that carries a claimed roll out in fenced transactions.
+//! - [`worker`]: the task that carries a claimed roll out (its writes, fenced transactions,
+//!   in `apply`).
 //! - [`status`]: what a farm reports about the rolls it carries out.
 
 mod apply;
