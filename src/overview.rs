@@ -25,6 +25,9 @@ pub struct RcOverview {
     pub pod_id: Option<String>,
     pub desired: Option<u64>,
     pub current: usize,
+    /// Current pods passing their health check; `None` when nothing reports this pod id's
+    /// health (no node agent, or P2's preparer without health checks).
+    pub healthy: Option<usize>,
     pub nodes: Vec<String>,
     pub owner_farm: Option<String>,
     pub owner_session: Option<String>,
@@ -96,6 +99,27 @@ impl Overview {
                 pods_of.entry(rc).or_default().insert(node.to_string());
             }
         }
+        let (health_entries, _) = consul.kv_list(HEALTH_PREFIX, &q).await?;
+        // pod id → node → passing.
+        let mut health: BTreeMap<&str, BTreeMap<&str, bool>> = BTreeMap::new();
+        for e in &health_entries {
+            if let Some((pod, node)) = e
+                .key
+                .strip_prefix(HEALTH_PREFIX)
+                .and_then(|k| k.split_once('/'))
+            {
+                let passing = parse_health(e.value_bytes()).is_ok_and(|h| h.is_passing());
+                health.entry(pod).or_default().insert(node, passing);
+            }
+        }
+        let healthy = |pod: &str, nodes: &[String]| {
+            health.get(pod).map(|by_node| {
+                nodes
+                    .iter()
+                    .filter(|n| by_node.get(n.as_str()) == Some(&true))
+                    .count()
+            })
+        };
         let (rc_label_entries, _) = consul
             .kv_list(&LabelType::ReplicationController.prefix(), &q)
             .await?;
@@ -162,6 +186,7 @@ impl Overview {
                 pod_id: Some(rc.pod_id().to_string()),
                 desired: Some(rc.replicas_desired),
                 current: nodes.len(),
+                healthy: healthy(rc.pod_id(), &nodes),
                 nodes,
                 owner_farm,
                 owner_session: session,
@@ -185,6 +210,7 @@ impl Overview {
                 .map(|f| f.to_string());
             rcs.push(RcOverview {
                 current: pods_of.get(&id).map_or(0, |s| s.len()),
+                healthy: None,
                 nodes: pods_of
                     .get(&id)
                     .map(|s| s.iter().cloned().collect())

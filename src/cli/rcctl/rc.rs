@@ -205,7 +205,7 @@ async fn list(ctx: &Ctx, selector: &str) -> Result<(), CliError> {
     let mut t = Table::new(&[
         "ID",
         "POD",
-        "DESIRED/CURRENT",
+        "DESIRED/CURRENT/HEALTHY",
         "OWNER",
         "DISABLED",
         "CONDITIONS",
@@ -215,9 +215,10 @@ async fn list(ctx: &Ctx, selector: &str) -> Result<(), CliError> {
             r.id.clone(),
             cell(&r.pod_id),
             format!(
-                "{}/{}",
+                "{}/{}/{}",
                 r.desired.map_or("?".to_string(), |d| d.to_string()),
-                r.current
+                r.current,
+                r.healthy.map_or("-".to_string(), |h| h.to_string())
             ),
             cell(&r.owner_farm),
             if r.disabled {
@@ -282,6 +283,12 @@ async fn show(ctx: &Ctx, id: &str, audit_db: Option<&str>) -> Result<(), CliErro
         } else {
             r.nodes.join(", ")
         }
+    );
+    println!(
+        "Healthy:        {}",
+        r.healthy
+            .map_or("- (nothing reports this pod's health)".to_string(), |h| h
+                .to_string())
     );
     println!(
         "Node selector:  {}",
