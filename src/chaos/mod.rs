@@ -12,10 +12,14 @@
 //!   within the roll's bound, never a farm write that takes the pods up below the minimum, and
 //!   every roll that can complete (enough eligible nodes) completes after the faults stop.
 
+pub mod agent;
+mod backend;
 mod check;
 mod mutate;
 pub mod proxy;
 
+use backend::Backend;
+pub use backend::ChaosConsul;
 use check::shipper_diagnosis;
 pub use check::{not_converged, rolls_not_done};
 use mutate::{mutate, new_rc, node_labels};
@@ -37,7 +41,6 @@ use crate::consul::{Consul, ConsulConfig};
 use crate::invariants::{Observer, Violation};
 use crate::labels::{LabelStore, LabelType};
 use crate::rc::RcStore;
-use crate::server::{EmbeddedServer, ServerConfig};
 use crate::simulator::{NodeSimulator, SimConfig};
 use proxy::{FaultyProxy, ProxyFaults};
 
@@ -57,6 +60,14 @@ pub struct ChaosConfig {
     pub proxy: Option<ProxyFaults>,
     /// Farm logs go here.
     pub log_dir: PathBuf,
+    /// The Consul to run against.
+    pub consul: ChaosConsul,
+    /// Fault the farms (kill, stop, terminate, restart).
+    pub farm_faults: bool,
+    /// Fault Consul servers too (a cluster of 3 or more only).
+    pub consul_faults: bool,
+    /// Change RCs and node labels, start and abort rolls, while faulting.
+    pub mutations: bool,
 }
 
 /// What happened and what was found.
@@ -99,6 +110,16 @@ pub struct ChaosReport {
     pub rolls_done_after: Option<Duration>,
     /// The smallest margin seen above a roll's minimum (pods up − minimum), over all rolls.
     pub roll_min_margin: Option<i64>,
+    /// Which Consul: "embedded", "real agent", "real cluster of N servers".
+    pub backend: String,
+    /// Raft elections (term increases) seen, on real Consul.
+    pub elections: Option<u64>,
+    /// Times an RC's ownership lock went from one session to another (outside observer).
+    pub handovers: Option<u64>,
+    /// Audit records seen in the outbox but not found in SQL (outside observer).
+    pub audit_missing: u64,
+    /// Snapshots the outside observer took and how many reads failed.
+    pub external_snapshots: Option<(u64, u64)>,
 }
 
 impl ChaosReport {
@@ -107,16 +128,26 @@ impl ChaosReport {
             && self.rolls_unfinished.is_empty()
             && self.unconverged_at_start == self.rcs_at_start
             && self.converged_after.is_some()
-            && self.audit_in_sql == self.audit_written
-            && self.retargets_in_sql == self.retargets_committed
+            && self.audit_missing == 0
+            && self.drain_problem.is_none()
+            && if self.external_snapshots.is_some() {
+                // From outside, records that came and went between two snapshots are not
+                // seen: what was seen must be in SQL.
+                self.audit_in_sql >= self.audit_written
+                    && self.retargets_in_sql >= self.retargets_committed
+            } else {
+                self.audit_in_sql == self.audit_written
+                    && self.retargets_in_sql == self.retargets_committed
+            }
     }
 
     pub fn summary(&self) -> String {
         let mut s = String::new();
         let total = |m: &BTreeMap<&str, u64>| m.values().sum::<u64>();
         s.push_str(&format!(
-            "chaos ran for {:.0} s\n",
-            self.ran_for.as_secs_f64()
+            "chaos ran for {:.0} s on {}\n",
+            self.ran_for.as_secs_f64(),
+            self.backend
         ));
         s.push_str(&format!(
             "faults injected: {} {:?}\n",
@@ -134,10 +165,23 @@ impl ChaosReport {
                 "proxy: {c} connections, {l} chunks delayed, {d} connections cut mid-request\n"
             ));
         }
-        s.push_str(&format!(
-            "commits observed: {}, fenced pod writes checked: {}\n",
-            self.commits, self.fenced_writes
-        ));
+        match self.external_snapshots {
+            Some((snaps, errors)) => s.push_str(&format!(
+                "observed from outside: {snaps} snapshots of the whole KV store ({errors} reads failed)\n"
+            )),
+            None => s.push_str(&format!(
+                "commits observed: {}, fenced pod writes checked: {}\n",
+                self.commits, self.fenced_writes
+            )),
+        }
+        if let Some(e) = self.elections {
+            s.push_str(&format!("Consul elections (raft term increases): {e}\n"));
+        }
+        if let Some(h) = self.handovers {
+            s.push_str(&format!(
+                "RC handovers (ownership lock changed session): {h}\n"
+            ));
+        }
         s.push_str(&format!(
             "checker self-test: {} of {} RCs unconverged before the farms started\n",
             self.unconverged_at_start, self.rcs_at_start
@@ -150,8 +194,19 @@ impl ChaosReport {
             }
         ));
         s.push_str(&format!(
-            "audit records committed: {}, in SQL: {}\n",
-            self.audit_written, self.audit_in_sql
+            "audit records {}: {}, in SQL: {}{}\n",
+            if self.external_snapshots.is_some() {
+                "seen in the outbox"
+            } else {
+                "committed"
+            },
+            self.audit_written,
+            self.audit_in_sql,
+            if self.audit_missing > 0 {
+                format!(", {} seen but MISSING from SQL", self.audit_missing)
+            } else {
+                String::new()
+            }
         ));
         s.push_str(&format!(
             "RETARGET records committed: {}, in SQL: {}\n",
@@ -209,7 +264,7 @@ struct Farm {
 
 struct Cluster {
     cfg: ChaosConfig,
-    server: EmbeddedServer,
+    backend: Backend,
     consul: Consul,
     audit_db: String,
     proxy: Option<FaultyProxy>,
@@ -228,7 +283,7 @@ impl Cluster {
     fn start_farm(&mut self, i: usize) -> Result<(), String> {
         let consul = match (&self.proxy, i) {
             (Some(p), 0) => p.url(),
-            _ => self.server.url(),
+            _ => format!("http://{}", self.backend.farm_addr(i)),
         };
         let id = self.farms[i].id.clone();
         let log = std::fs::OpenOptions::new()
@@ -295,19 +350,13 @@ const DRAIN_LIMIT: Duration = Duration::from_secs(150);
 /// Runs the chaos and reports.
 pub async fn run(cfg: ChaosConfig) -> Result<ChaosReport, String> {
     let started = Instant::now();
-    let server = EmbeddedServer::start(ServerConfig {
-        session_ttl_min: Duration::from_secs(1),
-        record_commits: true,
-        ..ServerConfig::ephemeral()
-    })
-    .await
-    .map_err(|e| e.to_string())?;
-    let consul = Consul::new(ConsulConfig::new(server.url())).map_err(|e| e.to_string())?;
+    let backend = Backend::start(&cfg.consul, cfg.farms).await?;
+    let consul = Consul::new(ConsulConfig::new(backend.url())).map_err(|e| e.to_string())?;
     std::fs::create_dir_all(&cfg.log_dir).map_err(|e| e.to_string())?;
     let audit_db = format!("sqlite://{}", cfg.log_dir.join("audit.db").display());
     let proxy = match cfg.proxy {
         Some(f) => Some(
-            FaultyProxy::start(server.addr(), f)
+            FaultyProxy::start(backend.farm_addr(0), f)
                 .await
                 .map_err(|e| e.to_string())?,
         ),
@@ -355,7 +404,7 @@ pub async fn run(cfg: ChaosConfig) -> Result<ChaosReport, String> {
         .collect();
     let mut cl = Cluster {
         cfg: cfg.clone(),
-        server,
+        backend,
         consul: consul.clone(),
         audit_db,
         proxy,
@@ -367,61 +416,49 @@ pub async fn run(cfg: ChaosConfig) -> Result<ChaosReport, String> {
 
     let report = Arc::new(Mutex::new(ChaosReport::default()));
     let stop = CancellationToken::new();
-    let mutator = tokio::spawn(mutate(
-        consul.clone(),
-        cfg.seed.wrapping_add(1),
-        cfg.rcs,
-        cfg.nodes,
-        report.clone(),
-        stop.clone(),
-    ));
+    let mutator = cfg.mutations.then(|| {
+        tokio::spawn(mutate(
+            consul.clone(),
+            cfg.seed.wrapping_add(1),
+            cfg.rcs,
+            cfg.nodes,
+            report.clone(),
+            stop.clone(),
+        ))
+    });
 
-    // Faults, one at a time, every 2-5 s.
+    // Faults, one at a time, every 2-5 s: on a farm, or on a Consul server.
     let deadline = started + cfg.duration;
+    let server_faults = cfg.consul_faults && cl.backend.faults_servers();
     while Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(rng.random_range(2000..5000))).await;
         if Instant::now() >= deadline {
             break;
         }
-        let i = rng.random_range(0..cl.farms.len());
-        let kind = ["sigkill", "sigstop", "sigterm", "restart"][rng.random_range(0..4)];
-        *report.lock().faults.entry(kind).or_default() += 1;
-        let pid = cl.farms[i].pid;
-        match kind {
-            "sigkill" => {
-                signal(pid, "KILL");
-                cl.reap(i, Duration::from_secs(5)).await;
-                tokio::time::sleep(Duration::from_millis(rng.random_range(0..2000))).await;
-                cl.start_farm(i)?;
+        let on_server = server_faults && (!cfg.farm_faults || rng.random_bool(0.4));
+        if on_server {
+            if let Some(kind) = cl.backend.server_fault(&mut rng).await {
+                *report.lock().faults.entry(kind).or_default() += 1;
             }
-            "sigstop" => {
-                // Past the session's expiry: the others take over, and the stalled farm must
-                // not write when it wakes.
-                signal(pid, "STOP");
-                tokio::time::sleep(cfg.session_ttl * 5 / 2).await;
-                signal(pid, "CONT");
-            }
-            "sigterm" => {
-                signal(pid, "TERM");
-                cl.reap(i, Duration::from_secs(15)).await;
-                tokio::time::sleep(Duration::from_millis(rng.random_range(0..2000))).await;
-                cl.start_farm(i)?;
-            }
-            _ => {
-                signal(pid, "TERM");
-                cl.reap(i, Duration::from_secs(15)).await;
-                cl.start_farm(i)?;
-            }
+            continue;
         }
+        if !cfg.farm_faults {
+            continue;
+        }
+        farm_fault(&mut cl, &mut rng, &report).await?;
     }
     stop.cancel();
-    let _ = mutator.await;
-    // A last crash, not restarted: convergence below includes the survivors taking its RCs.
-    let last = rng.random_range(0..cl.farms.len());
-    signal(cl.farms[last].pid, "CONT");
-    signal(cl.farms[last].pid, "KILL");
-    cl.reap(last, Duration::from_secs(5)).await;
-    *report.lock().faults.entry("final-sigkill").or_default() += 1;
+    if let Some(m) = mutator {
+        let _ = m.await;
+    }
+    if cfg.farm_faults {
+        // A last crash, not restarted: convergence below includes the survivors taking its RCs.
+        let last = rng.random_range(0..cl.farms.len());
+        signal(cl.farms[last].pid, "CONT");
+        signal(cl.farms[last].pid, "KILL");
+        cl.reap(last, Duration::from_secs(5)).await;
+        *report.lock().faults.entry("final-sigkill").or_default() += 1;
+    }
     let ran_for = started.elapsed();
 
     // Convergence: every RC as desired, within 2×TTL plus the margin.
@@ -459,21 +496,32 @@ pub async fn run(cfg: ChaosConfig) -> Result<ChaosReport, String> {
     }
 
     // The audit outbox drains into SQL.
-    let srv = &cl.server;
     let drained = Instant::now();
+    let outbox = async || {
+        cl.backend
+            .count_prefix(&cl.consul, crate::audit::AUDIT_PREFIX)
+            .await
+            .unwrap_or(usize::MAX)
+    };
     // Generous: the promise is that nothing is lost or stored twice, not how fast; a slow
     // drain is reported as a figure (one loaded run once needed about a minute).
-    while srv.count_prefix(crate::audit::AUDIT_PREFIX) > 0 && drained.elapsed() < DRAIN_LIMIT {
+    while outbox().await > 0 && drained.elapsed() < DRAIN_LIMIT {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     let drained_after = drained.elapsed();
-    let left = srv.count_prefix(crate::audit::AUDIT_PREFIX);
+    let left = outbox().await;
     let drain_problem = if left > 0 {
         Some(shipper_diagnosis(&cl.consul, left).await)
     } else {
         None
     };
-    let observer = Observer::replay(&cl.server.commit_log());
+    // What was written, before SQL is read: a record the farms write after this is not
+    // expected in SQL yet.
+    let replayed = cl
+        .backend
+        .embedded()
+        .map(|server| Observer::replay(&server.commit_log()));
+    let seen = cl.backend.observer().map(|o| o.report());
     let sql = AuditStore::connect(&cl.audit_db)
         .await
         .map_err(|e| e.to_string())?;
@@ -501,35 +549,56 @@ pub async fn run(cfg: ChaosConfig) -> Result<ChaosReport, String> {
         .iter()
         .filter(|r| r.details["succeeded"] == true)
         .count() as u64;
+    let sql_ids = all_ids(&sql).await?;
     sql.close().await;
 
+    let mut r = std::mem::take(&mut *report.lock());
+    r.ran_for = ran_for;
+    r.unconverged_at_start = unconverged_at_start;
+    r.rcs_at_start = cfg.rcs;
+    r.converged_after = converged_after;
+    r.unconverged = unconverged;
+    r.audit_in_sql = audit_in_sql;
+    r.retargets_in_sql = retargets_in_sql;
+    r.drain_problem = drain_problem;
+    r.drained_after = drained_after;
+    r.outbox_left = left as u64;
+    r.rolls_completed = rolls_completed;
+    r.rolls_unfinished = rolls_unfinished;
+    r.rolls_impossible = rolls_impossible;
+    r.rolls_done_after = rolls_done_after;
+    r.backend = match &cfg.consul {
+        ChaosConsul::Embedded => "the embedded server".into(),
+        ChaosConsul::Agent(_) => "a real Consul agent".into(),
+        ChaosConsul::Cluster { servers, .. } => {
+            format!("a real Consul cluster of {servers} servers and a client agent per farm")
+        }
+    };
+    if let Some(observer) = replayed {
+        r.commits = observer.commits;
+        r.fenced_writes = observer.fenced_writes;
+        r.violations = observer.violations.clone();
+        r.audit_written = observer.audit_ids.len() as u64;
+        r.audit_missing = observer.audit_ids.difference(&sql_ids).count() as u64;
+        r.retargets_committed = observer.retarget_commits;
+        r.roll_steps = observer.roll_steps;
+        r.roll_min_margin = observer.roll_min_margin();
+    }
+    if let Some(seen) = seen {
+        r.violations = seen.violations;
+        r.audit_written = seen.audit_ids.len() as u64;
+        r.audit_missing = seen.audit_ids.difference(&sql_ids).count() as u64;
+        r.retargets_committed = seen.retarget_ids.len() as u64;
+        r.handovers = Some(seen.handovers);
+        r.external_snapshots = Some((seen.snapshots, seen.errors));
+    }
+    r.elections = cl.backend.elections();
+    // Only now: what the farms record as they shut down is not part of the run.
     for i in 0..cl.farms.len() {
         signal(cl.farms[i].pid, "CONT");
         signal(cl.farms[i].pid, "TERM");
         cl.reap(i, Duration::from_secs(15)).await;
     }
-    let mut r = std::mem::take(&mut *report.lock());
-    r.ran_for = ran_for;
-    r.unconverged_at_start = unconverged_at_start;
-    r.rcs_at_start = cfg.rcs;
-    r.commits = observer.commits;
-    r.fenced_writes = observer.fenced_writes;
-    r.violations = observer.violations.clone();
-    r.converged_after = converged_after;
-    r.unconverged = unconverged;
-    r.audit_written = observer.audit_ids.len() as u64;
-    r.audit_in_sql = audit_in_sql;
-    r.retargets_committed = observer.retarget_commits;
-    r.retargets_in_sql = retargets_in_sql;
-    r.drain_problem = drain_problem;
-    r.drained_after = drained_after;
-    r.outbox_left = left as u64;
-    r.roll_steps = observer.roll_steps;
-    r.rolls_completed = rolls_completed;
-    r.rolls_unfinished = rolls_unfinished;
-    r.rolls_impossible = rolls_impossible;
-    r.rolls_done_after = rolls_done_after;
-    r.roll_min_margin = observer.roll_min_margin();
     sim_stop.cancel();
     r.proxy = cl.proxy.as_ref().map(|p| {
         let s = p.stats();
@@ -540,6 +609,63 @@ pub async fn run(cfg: ChaosConfig) -> Result<ChaosReport, String> {
             s.delayed.load(Relaxed),
         )
     });
-    cl.server.shutdown().await;
+    cl.backend.shutdown().await;
     Ok(r)
+}
+
+/// One fault on a random farm: SIGKILL and restart, SIGSTOP past its session's expiry,
+/// SIGTERM and restart later, or a quick restart.
+async fn farm_fault(
+    cl: &mut Cluster,
+    rng: &mut StdRng,
+    report: &Mutex<ChaosReport>,
+) -> Result<(), String> {
+    let i = rng.random_range(0..cl.farms.len());
+    let kind = ["sigkill", "sigstop", "sigterm", "restart"][rng.random_range(0..4)];
+    *report.lock().faults.entry(kind).or_default() += 1;
+    let pid = cl.farms[i].pid;
+    match kind {
+        "sigkill" => {
+            signal(pid, "KILL");
+            cl.reap(i, Duration::from_secs(5)).await;
+            tokio::time::sleep(Duration::from_millis(rng.random_range(0..2000))).await;
+            cl.start_farm(i)?;
+        }
+        "sigstop" => {
+            // Past the session's expiry: the others take over, and the stalled farm must
+            // not write when it wakes.
+            signal(pid, "STOP");
+            tokio::time::sleep(cl.cfg.session_ttl * 5 / 2).await;
+            signal(pid, "CONT");
+        }
+        "sigterm" => {
+            signal(pid, "TERM");
+            cl.reap(i, Duration::from_secs(15)).await;
+            tokio::time::sleep(Duration::from_millis(rng.random_range(0..2000))).await;
+            cl.start_farm(i)?;
+        }
+        _ => {
+            signal(pid, "TERM");
+            cl.reap(i, Duration::from_secs(15)).await;
+            cl.start_farm(i)?;
+        }
+    }
+    Ok(())
+}
+
+/// Every audit record id in SQL.
+async fn all_ids(sql: &AuditStore) -> Result<BTreeSet<String>, String> {
+    let mut ids = BTreeSet::new();
+    let mut q = AuditQuery {
+        limit: Some(1000),
+        ..Default::default()
+    };
+    loop {
+        let page = sql.query(&q).await.map_err(|e| e.to_string())?;
+        ids.extend(page.records.into_iter().map(|r| r.id));
+        match page.next_cursor {
+            Some(c) => q.cursor = Some(c),
+            None => return Ok(ids),
+        }
+    }
 }

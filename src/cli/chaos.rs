@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use super::{CliError, parse_duration_flag};
-use crate::chaos::{ChaosConfig, proxy::ProxyFaults};
+use crate::chaos::{ChaosConfig, ChaosConsul, proxy::ProxyFaults};
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct ChaosArgs {
@@ -34,6 +34,23 @@ pub struct ChaosArgs {
     /// The binary to run farms with (default: this one).
     #[arg(long)]
     pub farm_binary: Option<PathBuf>,
+    /// Run against real Consul started from this binary (e.g. ../shared/consul/consul)
+    /// instead of the embedded server.
+    #[arg(long, value_name = "PATH")]
+    pub consul_bin: Option<PathBuf>,
+    /// With --consul-bin: 1 runs a dev agent; 3 or more run a cluster of that many servers and
+    /// a client agent per farm, and the chaos faults the servers too (the leader included).
+    #[arg(long, default_value_t = 1, requires = "consul_bin")]
+    pub consul_servers: usize,
+    /// Leave the farms alone (fault only Consul servers).
+    #[arg(long)]
+    pub no_farm_faults: bool,
+    /// Leave the Consul servers alone.
+    #[arg(long)]
+    pub no_consul_faults: bool,
+    /// Change nothing (no RC, node or roll changes): faults only, to count handovers.
+    #[arg(long)]
+    pub no_mutations: bool,
 }
 
 pub async fn run(args: ChaosArgs) -> Result<(), CliError> {
@@ -52,6 +69,39 @@ pub async fn run(args: ChaosArgs) -> Result<(), CliError> {
             "--session-ttl must be at least 1s (Consul's minimum is 10s; the embedded server allows 1s for tests)".into(),
         ));
     }
+    if args.consul_servers == 2 || args.consul_servers == 0 {
+        return Err(CliError::Usage(format!(
+            "--consul-servers {}: use 1 (a dev agent) or 3 or more (a cluster that keeps a quorum while one server is faulted)",
+            args.consul_servers
+        )));
+    }
+    if args.no_farm_faults && (args.no_consul_faults || args.consul_servers < 3) {
+        return Err(CliError::Usage(
+            "nothing to fault: --no-farm-faults needs a cluster (--consul-servers 3) whose servers are faulted".into(),
+        ));
+    }
+    let consul = match &args.consul_bin {
+        None => ChaosConsul::Embedded,
+        Some(bin) => {
+            if !bin.is_file() {
+                return Err(CliError::Usage(format!(
+                    "--consul-bin {}: no such file (point it at a Consul binary, e.g. ../shared/consul/consul)",
+                    bin.display()
+                )));
+            }
+            let bin = bin
+                .canonicalize()
+                .map_err(|e| CliError::Failed(format!("{}: {e}", bin.display())))?;
+            if args.consul_servers == 1 {
+                ChaosConsul::Agent(bin)
+            } else {
+                ChaosConsul::Cluster {
+                    bin,
+                    servers: args.consul_servers,
+                }
+            }
+        }
+    };
     let farm_binary = match args.farm_binary {
         Some(p) => p,
         None => std::env::current_exe().map_err(|e| {
@@ -77,12 +127,18 @@ pub async fn run(args: ChaosArgs) -> Result<(), CliError> {
         drop_per_mille: 10,
     });
     println!(
-        "chaos: {} farms, {} nodes, {} RCs, TTL {:?}, seed {seed}, for {:?}{}; logs in {}",
+        "chaos: {} farms, {} nodes, {} RCs, TTL {:?}, seed {seed}, for {:?} on {}{}; logs in {}",
         args.farms,
         args.nodes,
         args.rcs,
         args.session_ttl,
         args.duration,
+        match &consul {
+            ChaosConsul::Embedded => "the embedded server".to_string(),
+            ChaosConsul::Agent(b) => format!("a real Consul agent ({})", b.display()),
+            ChaosConsul::Cluster { servers, .. } =>
+                format!("a real Consul cluster of {servers} servers"),
+        },
         if proxy.is_some() {
             ", farm 0 behind a faulty proxy"
         } else {
@@ -101,6 +157,10 @@ pub async fn run(args: ChaosArgs) -> Result<(), CliError> {
         settle_margin: Duration::from_secs(10),
         proxy,
         log_dir,
+        consul,
+        farm_faults: !args.no_farm_faults,
+        consul_faults: !args.no_consul_faults,
+        mutations: !args.no_mutations,
     })
     .await
     .map_err(CliError::Failed)?;

@@ -10,7 +10,8 @@ use rcfarm::rc::RcId;
 use rcfarm::server::ServerConfig;
 use serde_json::{Value, json};
 
-use crate::harness::{Cluster, nodes};
+use crate::harness::{Backend, Cluster, nodes};
+use crate::on_both_backends;
 
 fn record(id: &str, extra: Value) -> Vec<u8> {
     let mut v = json!({
@@ -28,17 +29,26 @@ fn record(id: &str, extra: Value) -> Vec<u8> {
     v.to_string().into_bytes()
 }
 
-#[tokio::test]
-async fn every_malformed_input_is_reported_once_and_skipped_while_the_rest_is_served() {
-    // Values up to 1.25 MiB are accepted, so an RC with a 1 MiB manifest can be stored; the
-    // transaction writing its pod carries the manifest base64-encoded (1.33 MiB), over
-    // Consul's transaction limit (the larger of kv_max_value_size and txn_max_req_len): the
-    // farm cannot write that pod and must say so.
-    let mut c = Cluster::start_with(ServerConfig {
-        kv_max_value_size: 1280 << 10,
-        ..Cluster::server_config()
-    })
-    .await;
+on_both_backends!(every_malformed_input_is_reported_once_and_skipped_while_the_rest_is_served);
+async fn every_malformed_input_is_reported_once_and_skipped_while_the_rest_is_served(
+    backend: Backend,
+) {
+    // Embedded: values up to 1.25 MiB are accepted, so an RC with a 1 MiB manifest can be
+    // stored; the transaction writing its pod carries the manifest base64-encoded (1.33 MiB),
+    // over Consul 1.x's transaction limit (the larger of kv_max_value_size and
+    // txn_max_req_len): the farm cannot write that pod and must say so. Real Consul 0.7 limits
+    // each value to 512 KiB and a transaction only by its decoded values, so there such an RC
+    // cannot be stored at all (checked below) and any RC that can be stored can be scheduled.
+    let mut c = match &backend {
+        Backend::Embedded => {
+            Cluster::start_with(ServerConfig {
+                kv_max_value_size: 1280 << 10,
+                ..Cluster::server_config()
+            })
+            .await
+        }
+        Backend::Real(_) => Cluster::start_on(&backend).await,
+    };
     nodes(&c, 3, 1).await;
     let kv = |k: String, v: Vec<u8>| {
         let consul = c.consul.clone();
@@ -144,13 +154,18 @@ async fn every_malformed_input_is_reported_once_and_skipped_while_the_rest_is_se
         "id: big\nlaunchables: {{}}\nconfig:\n  blob: \"{}\"\n",
         "x".repeat(1 << 20)
     );
-    put_bad(
-        "1 MiB manifest",
-        big.key(),
-        record(&big.to_string(), json!({"manifest": huge})),
-        "HTTP 413",
-    )
-    .await;
+    let huge_record = record(&big.to_string(), json!({"manifest": huge}));
+    if c.is_real() {
+        let refused = c.consul.kv_put(&big.key(), &huge_record, None).await;
+        assert!(
+            refused
+                .as_ref()
+                .is_err_and(|e| e.to_string().contains("413")),
+            "real Consul refuses a 1 MiB value: {refused:?}"
+        );
+    } else {
+        put_bad("1 MiB manifest", big.key(), huge_record, "HTTP 413").await;
+    }
 
     // Garbage under the lock prefix and in the audit outbox.
     kv(
@@ -233,7 +248,7 @@ async fn every_malformed_input_is_reported_once_and_skipped_while_the_rest_is_se
     c.wait_for(
         Duration::from_secs(30),
         "outbox drained",
-        move || async move { cr.server.count_prefix("audit_logs/") == 0 },
+        move || async move { cr.count_prefix("audit_logs/").await == 0 },
     )
     .await;
     let store = AuditStore::connect(&c.audit_db).await.unwrap();

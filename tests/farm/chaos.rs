@@ -4,27 +4,26 @@
 
 use std::time::Duration;
 
-use rcfarm::chaos::{ChaosConfig, proxy::ProxyFaults, run};
+use rcfarm::chaos::{ChaosConfig, ChaosConsul, ChaosReport, proxy::ProxyFaults, run};
 
-use crate::harness::{BIN, TTL};
+use crate::harness::{BIN, Backend, TTL};
+use crate::on_both_backends;
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn thirty_seconds_of_chaos_break_no_promise() {
+on_both_backends!(thirty_seconds_of_chaos_break_no_promise);
+async fn thirty_seconds_of_chaos_break_no_promise(backend: Backend) {
     let dir = tempfile::tempdir().unwrap();
+    let consul = match backend {
+        Backend::Embedded => ChaosConsul::Embedded,
+        Backend::Real(bin) => ChaosConsul::Agent(bin),
+    };
     let report = run(ChaosConfig {
-        farm_binary: BIN.into(),
-        duration: Duration::from_secs(30),
         farms: 3,
-        nodes: 10,
-        rcs: 12,
-        session_ttl: TTL,
         seed: 7,
-        settle_margin: Duration::from_secs(10),
         proxy: Some(ProxyFaults {
             max_delay: Duration::from_millis(200),
             drop_per_mille: 10,
         }),
-        log_dir: dir.path().to_path_buf(),
+        ..thirty_seconds(consul, dir.path())
     })
     .await
     .unwrap();
@@ -34,10 +33,66 @@ async fn thirty_seconds_of_chaos_break_no_promise() {
     let mutations: u64 = report.mutations.values().sum();
     assert!(faults >= 5, "faults were injected: {summary}");
     assert!(mutations >= 30, "RCs and nodes changed: {summary}");
-    assert!(report.fenced_writes > 0, "the farms scheduled: {summary}");
+    assert!(
+        report.fenced_writes > 0 || report.external_snapshots.is_some_and(|(s, _)| s > 0),
+        "the farms scheduled: {summary}"
+    );
     assert!(report.audit_written > 0, "{summary}");
+    explain_failure(&report, dir.path());
+}
+
+/// On a real 3-server cluster with a client agent per farm: farms and Consul servers (the
+/// leader included) faulted while RCs change, every promise checked from outside.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn thirty_seconds_of_chaos_on_a_consul_cluster_break_no_promise() {
+    let Some(Backend::Real(bin)) = Backend::real() else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let report = run(ChaosConfig {
+        farms: 2,
+        seed: 12,
+        ..thirty_seconds(ChaosConsul::Cluster { bin, servers: 3 }, dir.path())
+    })
+    .await
+    .unwrap();
+    let summary = report.summary();
+    println!("{summary}");
+    let server_faults: u64 = report
+        .faults
+        .iter()
+        .filter(|(k, _)| k.starts_with("consul-"))
+        .map(|(_, n)| n)
+        .sum();
+    assert!(server_faults >= 2, "Consul servers were faulted: {summary}");
+    assert!(report.elections.is_some_and(|e| e >= 1), "{summary}");
+    explain_failure(&report, dir.path());
+}
+
+/// 30 s of every fault and mutation on 10 nodes and 12 RCs.
+fn thirty_seconds(consul: ChaosConsul, dir: &std::path::Path) -> ChaosConfig {
+    ChaosConfig {
+        farm_binary: BIN.into(),
+        duration: Duration::from_secs(30),
+        farms: 3,
+        nodes: 10,
+        rcs: 12,
+        session_ttl: TTL,
+        seed: 0,
+        settle_margin: Duration::from_secs(10),
+        proxy: None,
+        log_dir: dir.to_path_buf(),
+        consul,
+        farm_faults: true,
+        consul_faults: true,
+        mutations: true,
+    }
+}
+
+fn explain_failure(report: &ChaosReport, dir: &std::path::Path) {
+    let summary = report.summary();
     if !report.ok() {
-        for e in std::fs::read_dir(dir.path()).unwrap().flatten() {
+        for e in std::fs::read_dir(dir).unwrap().flatten() {
             if e.path().extension().is_some_and(|x| x == "log") {
                 let log = std::fs::read_to_string(e.path()).unwrap_or_default();
                 let tail: Vec<&str> = log.lines().rev().take(40).collect();

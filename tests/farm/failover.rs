@@ -8,7 +8,8 @@ use rcfarm::consul::QueryOptions;
 use rcfarm::rc::RcId;
 use serde_json::json;
 
-use crate::harness::{Cluster, TTL, nodes, rcs, signal};
+use crate::harness::{Backend, Cluster, TTL, nodes, rcs, signal};
+use crate::on_both_backends;
 
 async fn all_owned_by(c: &Cluster, ids: &[RcId], farms: &[&str]) -> bool {
     let owners = c.owner_farms().await;
@@ -16,9 +17,9 @@ async fn all_owned_by(c: &Cluster, ids: &[RcId], farms: &[&str]) -> bool {
         .all(|id| owners.get(id).is_some_and(|f| farms.contains(&f.as_str())))
 }
 
-#[tokio::test]
-async fn kill_9_a_farm_and_its_rcs_are_served_again_within_two_ttls() {
-    let mut c = Cluster::start().await;
+on_both_backends!(kill_9_a_farm_and_its_rcs_are_served_again_within_two_ttls);
+async fn kill_9_a_farm_and_its_rcs_are_served_again_within_two_ttls(b: Backend) {
+    let mut c = Cluster::start_on(&b).await;
     nodes(&c, 4, 1).await;
     // f1 must own something to be worth killing.
     c.farms_sharing(3, 12, 1).await;
@@ -64,9 +65,9 @@ async fn kill_9_a_farm_and_its_rcs_are_served_again_within_two_ttls() {
     c.check_invariants(|_| false);
 }
 
-#[tokio::test]
-async fn sigterm_hands_over_within_about_a_second() {
-    let mut c = Cluster::start().await;
+on_both_backends!(sigterm_hands_over_within_about_a_second);
+async fn sigterm_hands_over_within_about_a_second(b: Backend) {
+    let mut c = Cluster::start_on(&b).await;
     nodes(&c, 3, 1).await;
     let ids = c.farms_sharing(2, 10, 1).await;
     let cr = &c;
@@ -116,9 +117,9 @@ async fn sigterm_hands_over_within_about_a_second() {
     c.check_invariants(|_| false);
 }
 
-#[tokio::test]
-async fn a_stalled_farm_past_its_session_expiry_writes_nothing_and_rejoins() {
-    let mut c = Cluster::start().await;
+on_both_backends!(a_stalled_farm_past_its_session_expiry_writes_nothing_and_rejoins);
+async fn a_stalled_farm_past_its_session_expiry_writes_nothing_and_rejoins(b: Backend) {
+    let mut c = Cluster::start_on(&b).await;
     nodes(&c, 4, 1).await;
     let ids = c.farms_sharing(2, 8, 1).await;
     let cr = &c;
@@ -150,7 +151,9 @@ async fn a_stalled_farm_past_its_session_expiry_writes_nothing_and_rejoins() {
     for id in &victims {
         c.patch_rc(*id, "replicas_desired", json!(2)).await;
     }
-    let cut = c.server.commit_log().last().map_or(0, |x| x.index);
+    // (Real Consul keeps no commit log: there Consul's own check-session refuses such a write,
+    // and the farm's log below shows it noticed.)
+    let cut = (!c.is_real()).then(|| c.server.commit_log().last().map_or(0, |x| x.index));
     signal(c.farms[0].pid, "CONT");
     // f1 notices its session is gone and comes back with a new one.
     let old_session = f1_session.clone();
@@ -180,14 +183,16 @@ async fn a_stalled_farm_past_its_session_expiry_writes_nothing_and_rejoins() {
     )
     .await;
     // No write after the stall was made under f1's old session.
-    let old = c
-        .server
-        .commit_log()
-        .into_iter()
-        .filter(|x| x.index > cut)
-        .filter(|x| x.checks.iter().any(|(_, s)| *s == f1_session))
-        .count();
-    assert_eq!(old, 0, "commits under f1's old session after it stalled");
+    if let Some(cut) = cut {
+        let old = c
+            .server
+            .commit_log()
+            .into_iter()
+            .filter(|x| x.index > cut)
+            .filter(|x| x.checks.iter().any(|(_, s)| *s == f1_session))
+            .count();
+        assert_eq!(old, 0, "commits under f1's old session after it stalled");
+    }
     let log = c.farm_log(0);
     assert!(
         log.contains("session lost"),
@@ -197,9 +202,9 @@ async fn a_stalled_farm_past_its_session_expiry_writes_nothing_and_rejoins() {
     c.check_invariants(|_| false);
 }
 
-#[tokio::test]
-async fn farms_joining_late_get_their_fair_share_handed_over() {
-    let mut c = Cluster::start().await;
+on_both_backends!(farms_joining_late_get_their_fair_share_handed_over);
+async fn farms_joining_late_get_their_fair_share_handed_over(b: Backend) {
+    let mut c = Cluster::start_on(&b).await;
     nodes(&c, 3, 1).await;
     c.spawn_farm("f1", &[]).await;
     let ids = rcs(&c, 24, 1).await;
@@ -249,8 +254,9 @@ async fn farms_joining_late_get_their_fair_share_handed_over() {
     // write was fenced by the lock of the farm holding it.
     let p = c.placements().await;
     assert!(ids.iter().all(|id| p.get(id).is_some_and(|s| s.len() == 1)));
-    let checked = c.check_invariants(|_| false);
-    assert!(checked >= 24);
+    if let Some(checked) = c.check_invariants(|_| false) {
+        assert!(checked >= 24);
+    }
 }
 
 #[tokio::test]
@@ -279,7 +285,7 @@ async fn open_blocking_queries_do_not_grow_with_the_number_of_rcs() {
         })
         .await;
         tokio::time::sleep(Duration::from_secs(2)).await;
-        let blocked = c.server.stats().blocked_queries;
+        let blocked = c.server.embedded().stats().blocked_queries;
         figures.push((target, blocked));
     }
     println!("FIGURE open blocking queries for one farm: {figures:?}");
@@ -287,9 +293,9 @@ async fn open_blocking_queries_do_not_grow_with_the_number_of_rcs() {
     assert!(figures[0].1 <= 10, "a handful: {}", figures[0].1);
 }
 
-#[tokio::test]
-async fn node_transfer_with_the_pool_scheduler() {
-    let mut c = Cluster::start().await;
+on_both_backends!(node_transfer_with_the_pool_scheduler);
+async fn node_transfer_with_the_pool_scheduler(b: Backend) {
+    let mut c = Cluster::start_on(&b).await;
     c.label_node("fixed-1", &[("env", "prod")]).await;
     c.label_node("fixed-2", &[("env", "prod")]).await;
     c.label_node("spare-1", &[("env", "prod"), ("rcfarm.io/pool", "spare")])
@@ -376,13 +382,13 @@ async fn node_transfer_with_the_pool_scheduler() {
     c.check_invariants(|_| false);
 }
 
+on_both_backends!(a_stray_mutation_lock_must_not_block_the_next_owner_forever);
 /// A mutation lock left behind by a farm that stopped serving an RC mid-transfer (a handover,
 /// fencing, or an acquire that landed after its task stopped) must not keep the RC's next
 /// owner from ever moving a pod (chaos found an RC stuck this way). The farm whose session
 /// holds it without serving the RC frees it, and so does a task with no transfer in flight.
-#[tokio::test]
-async fn a_stray_mutation_lock_must_not_block_the_next_owner_forever() {
-    let mut c = Cluster::start().await;
+async fn a_stray_mutation_lock_must_not_block_the_next_owner_forever(b: Backend) {
+    let mut c = Cluster::start_on(&b).await;
     nodes(&c, 4, 1).await;
     c.farms_sharing(2, 6, 1).await;
     let cr = &c;

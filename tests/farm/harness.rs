@@ -1,6 +1,7 @@
-//! A cluster for farm tests: the embedded server in this process (recording every commit), real
+//! A cluster for farm tests: a Consul — the embedded server in this process (recording every
+//! commit), or a real Consul agent (`RCFARM_TEST_CONSUL_BIN`, watched from outside) — real
 //! `rcfarm serve` processes around it, and helpers to set up nodes and RCs and to check what
-//! the farms did.
+//! the farms did. [`on_both_backends!`] runs a test against each.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::process::Stdio;
@@ -8,8 +9,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
+use rcfarm::chaos::agent::{AgentConfig, ConsulAgent};
 use rcfarm::consul::{Consul, QueryOptions};
 use rcfarm::invariants::Observer;
+use rcfarm::invariants::external::ExternalObserver;
 use rcfarm::labels::{LabelSet, LabelStore, LabelType, parse_labels, split_pod_label_id};
 use rcfarm::rc::{RcId, RcStore};
 use rcfarm::server::{EmbeddedServer, LoggedCommit, ServerConfig};
@@ -18,7 +21,7 @@ use serde_json::Value;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
-use crate::common::{client, init_tracing};
+use crate::common::{client, client_for, init_tracing};
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_rcfarm");
 /// Session TTL the test farms use (the server accepts down to 1 s).
@@ -31,12 +34,92 @@ pub struct FarmProc {
     pub log: Arc<Mutex<String>>,
 }
 
+/// Which Consul a test runs against.
+#[derive(Debug, Clone)]
+pub enum Backend {
+    Embedded,
+    /// A real Consul agent from this binary.
+    Real(std::path::PathBuf),
+}
+
+impl Backend {
+    /// The real Consul of `RCFARM_TEST_CONSUL_BIN`, or `None` after saying loudly that the
+    /// test is skipped.
+    pub fn real() -> Option<Backend> {
+        match rcfarm::chaos::agent::consul_bin() {
+            Some(p) => Some(Backend::Real(p)),
+            None => {
+                eprintln!(
+                    "SKIPPED on real Consul: set {} to a Consul binary (.ci/run sets it to ../shared/consul/consul)",
+                    rcfarm::chaos::agent::CONSUL_BIN_ENV
+                );
+                None
+            }
+        }
+    }
+}
+
+/// Runs an `async fn(Backend)` test against the embedded server and against real Consul.
+#[macro_export]
+macro_rules! on_both_backends {
+    ($name:ident) => {
+        mod $name {
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn embedded() {
+                super::$name($crate::harness::Backend::Embedded).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn real_consul() {
+                if let Some(b) = $crate::harness::Backend::real() {
+                    super::$name(b).await
+                }
+            }
+        }
+    };
+}
+
+/// The Consul of a cluster.
+pub enum Server {
+    Embedded(EmbeddedServer),
+    Real(Box<ConsulAgent>),
+}
+
+impl Server {
+    pub fn url(&self) -> String {
+        match self {
+            Server::Embedded(s) => s.url(),
+            Server::Real(a) => a.http_url(),
+        }
+    }
+
+    pub fn addr(&self) -> std::net::SocketAddr {
+        match self {
+            Server::Embedded(s) => s.addr(),
+            Server::Real(a) => a.http_addr(),
+        }
+    }
+
+    /// The embedded server (a test of what only it offers: its commit log, its counters).
+    pub fn embedded(&self) -> &EmbeddedServer {
+        match self {
+            Server::Embedded(s) => s,
+            Server::Real(_) => panic!("this check needs the embedded server's commit log"),
+        }
+    }
+
+    pub fn commit_log(&self) -> Vec<LoggedCommit> {
+        self.embedded().commit_log()
+    }
+}
+
 pub struct Cluster {
-    pub server: EmbeddedServer,
+    pub server: Server,
     pub consul: Consul,
     pub farms: Vec<FarmProc>,
     /// The SQLite audit database every farm of the cluster ships to.
     pub audit_db: String,
+    /// On real Consul, the observer that watches from outside.
+    external: Option<ExternalObserver>,
     _dir: tempfile::TempDir,
 }
 
@@ -67,6 +150,29 @@ impl Cluster {
         init_tracing();
         let server = EmbeddedServer::start(config).await.unwrap();
         let consul = client(&server);
+        Cluster::around(Server::Embedded(server), consul)
+    }
+
+    /// A cluster on `backend`: the embedded server as [`Cluster::start`] makes it, or a real
+    /// Consul dev agent (sessions down to 1 s allowed).
+    pub async fn start_on(backend: &Backend) -> Cluster {
+        match backend {
+            Backend::Embedded => Cluster::start().await,
+            Backend::Real(bin) => Cluster::start_real(AgentConfig::dev(bin, "rcfarm-test")).await,
+        }
+    }
+
+    /// A cluster around a real Consul agent run with `config`.
+    pub async fn start_real(config: AgentConfig) -> Cluster {
+        init_tracing();
+        let agent = ConsulAgent::start(config).await.unwrap();
+        let consul = client_for(&agent.http_url());
+        let mut c = Cluster::around(Server::Real(Box::new(agent)), consul.clone());
+        c.external = Some(ExternalObserver::spawn(consul));
+        c
+    }
+
+    fn around(server: Server, consul: Consul) -> Cluster {
         let dir = tempfile::tempdir().unwrap();
         let audit_db = format!("sqlite://{}", dir.path().join("audit.db").display());
         Cluster {
@@ -74,7 +180,25 @@ impl Cluster {
             consul,
             farms: Vec::new(),
             audit_db,
+            external: None,
             _dir: dir,
+        }
+    }
+
+    pub fn is_real(&self) -> bool {
+        matches!(self.server, Server::Real(_))
+    }
+
+    /// Keys under a prefix, however many.
+    pub async fn count_prefix(&self, prefix: &str) -> usize {
+        match &self.server {
+            Server::Embedded(s) => s.count_prefix(prefix),
+            Server::Real(_) => self
+                .consul
+                .kv_keys(prefix, None, &QueryOptions::default())
+                .await
+                .map(|(k, _)| k.len())
+                .unwrap_or(0),
         }
     }
 
@@ -354,33 +478,77 @@ impl Cluster {
     }
 
     /// Stops the server, keeps it down for `down`, and starts it again on the same address
-    /// with `config`. Returns the commits the stopped server recorded.
+    /// (the embedded one with `config`; a real agent as it was: with its data unless it is a
+    /// dev agent). Returns the commits the stopped embedded server recorded.
     pub async fn restart_server(
         &mut self,
         down: Duration,
         mut config: ServerConfig,
     ) -> Vec<LoggedCommit> {
         let addr = self.server.addr();
-        // A stand-in so that `self.server` stays a value while the real one is down.
-        let stand_in = EmbeddedServer::start(Cluster::server_config())
-            .await
-            .unwrap();
-        let old = std::mem::replace(&mut self.server, stand_in);
-        let log = old.commit_log();
-        old.shutdown().await;
-        tokio::time::sleep(down).await;
-        config.listen = addr;
-        let new = EmbeddedServer::start(config).await.unwrap();
-        std::mem::replace(&mut self.server, new).shutdown().await;
-        log
+        match &mut self.server {
+            Server::Real(agent) => {
+                agent.stop().await;
+                tokio::time::sleep(down).await;
+                agent.restart().await.unwrap();
+                Vec::new()
+            }
+            Server::Embedded(_) => {
+                // A stand-in so that `self.server` stays a value while the real one is down.
+                let stand_in = EmbeddedServer::start(Cluster::server_config())
+                    .await
+                    .unwrap();
+                let Server::Embedded(old) =
+                    std::mem::replace(&mut self.server, Server::Embedded(stand_in))
+                else {
+                    unreachable!("matched above")
+                };
+                let log = old.commit_log();
+                old.shutdown().await;
+                tokio::time::sleep(down).await;
+                config.listen = addr;
+                let new = EmbeddedServer::start(config).await.unwrap();
+                if let Server::Embedded(s) =
+                    std::mem::replace(&mut self.server, Server::Embedded(new))
+                {
+                    s.shutdown().await;
+                }
+                log
+            }
+        }
     }
 
     /// Replays every committed write through [`Observer`] and fails the test on a broken
     /// promise (a pod write not fenced by its RC's lock held by the writer, or an RC raised
     /// above its desired count +1 during a transfer). `unfenced_ok` exempts the test's own
     /// direct writes. Returns the number of fenced scheduling commits checked.
-    pub fn check_invariants(&self, unfenced_ok: impl Fn(&LoggedCommit) -> bool) -> usize {
-        self.observe(unfenced_ok).fenced_writes as usize
+    pub fn check_invariants(&self, unfenced_ok: impl Fn(&LoggedCommit) -> bool) -> Option<usize> {
+        if let Some(ext) = &self.external {
+            // Real Consul keeps no commit log: what the outside observer could check.
+            let r = ext.report();
+            assert_kept(&r.violations, "seen from outside");
+            assert!(r.snapshots > 0, "the outside observer saw nothing");
+            return None;
+        }
+        Some(self.observe(unfenced_ok).fenced_writes as usize)
+    }
+
+    /// Every promise checked (see [`Cluster::check_invariants`]); rolling update → the fewest
+    /// pods of its two RCs up at once after a farm's write (embedded) or in any snapshot (real).
+    pub fn roll_lowest_up(&self) -> BTreeMap<String, usize> {
+        match &self.external {
+            Some(ext) => {
+                self.check_invariants(|_| false);
+                ext.report().roll_lowest_up
+            }
+            None => self.observe(|_| false).roll_lowest_up,
+        }
+    }
+
+    /// Commits that carried a roll's start, step or completion (embedded only: real Consul
+    /// shows no commits).
+    pub fn roll_steps(&self) -> Option<u64> {
+        (!self.is_real()).then(|| self.observe(|_| false).roll_steps)
     }
 
     /// Like [`Cluster::check_invariants`], returning the observer (its roll figures).
@@ -394,17 +562,7 @@ impl Cluster {
                 o.violations.truncate(before);
             }
         }
-        let shown: Vec<String> = o
-            .violations
-            .iter()
-            .take(10)
-            .map(|v| v.to_string())
-            .collect();
-        assert!(
-            o.violations.is_empty(),
-            "{} broken promises, first: {shown:#?}",
-            o.violations.len()
-        );
+        assert_kept(&o.violations, "in the commit log");
         o
     }
 
@@ -461,6 +619,16 @@ impl Cluster {
                     .is_some_and(|h| h.is_passing())
         })
     }
+}
+
+/// Fails the test on any broken promise, showing the first ten.
+fn assert_kept(violations: &[rcfarm::invariants::Violation], how: &str) {
+    let shown: Vec<String> = violations.iter().take(10).map(|v| v.to_string()).collect();
+    assert!(
+        violations.is_empty(),
+        "{} broken promises {how}, first: {shown:#?}",
+        violations.len()
+    );
 }
 
 /// Sets up `n` nodes `node-00…` with `zone=z<i%zones>` and `env=prod`.

@@ -11,7 +11,8 @@ use rcfarm::rc::{RcId, RcStore};
 use rcfarm::roll::{RollStore, StartRoll, roll_key, roll_lock_key};
 use serde_json::Value;
 
-use crate::harness::{Cluster, nodes, rcs, signal};
+use crate::harness::{Backend, Cluster, nodes, rcs, signal};
+use crate::on_both_backends;
 
 /// Farm flags for roll tests: a short resync and stall timeout.
 const ROLL_FLAGS: [&str; 4] = ["--roll-resync", "300ms", "--roll-stall-after", "3s"];
@@ -76,9 +77,9 @@ async fn completed(c: &Cluster, roll: RcId, old: RcId, n: usize, timeout: Durati
     .await;
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn a_roll_replaces_pods_in_place_and_never_takes_them_below_the_minimum() {
-    let mut c = Cluster::start().await;
+on_both_backends!(a_roll_replaces_pods_in_place_and_never_takes_them_below_the_minimum);
+async fn a_roll_replaces_pods_in_place_and_never_takes_them_below_the_minimum(backend: Backend) {
+    let mut c = Cluster::start_on(&backend).await;
     nodes(&c, 6, 1).await;
     let _sim = c.simulate(6, 0.0);
     c.spawn_farm("f1", &ROLL_FLAGS).await;
@@ -116,14 +117,11 @@ async fn a_roll_replaces_pods_in_place_and_never_takes_them_below_the_minimum() 
                 .is_none()
         );
     }
-    let o = c.observe(|_| false);
-    let lowest = o.roll_lowest_up.get(&roll.to_string()).copied();
+    let lowest = c.roll_lowest_up().get(&roll.to_string()).copied();
     assert!(lowest.is_some_and(|l| l >= 3), "lowest pods up {lowest:?}");
-    assert!(
-        o.roll_steps >= 3,
-        "start, steps and completion: {}",
-        o.roll_steps
-    );
+    if let Some(steps) = c.roll_steps() {
+        assert!(steps >= 3, "start, steps and completion: {steps}");
+    }
 
     // The audit trail: P2's creation and completion records, the start, each step.
     let cr = &c;
@@ -159,9 +157,9 @@ async fn a_roll_replaces_pods_in_place_and_never_takes_them_below_the_minimum() 
     assert_eq!(deleted[0]["replication_controller_id"], old.to_string());
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn a_roll_that_grows_takes_over_only_what_the_old_rc_gives_up() {
-    let mut c = Cluster::start().await;
+on_both_backends!(a_roll_that_grows_takes_over_only_what_the_old_rc_gives_up);
+async fn a_roll_that_grows_takes_over_only_what_the_old_rc_gives_up(backend: Backend) {
+    let mut c = Cluster::start_on(&backend).await;
     nodes(&c, 5, 1).await;
     let _sim = c.simulate(5, 0.0);
     c.spawn_farm("f1", &ROLL_FLAGS).await;
@@ -199,8 +197,7 @@ async fn a_roll_that_grows_takes_over_only_what_the_old_rc_gives_up() {
     );
     // P2's arithmetic lets the first step add the two extra replicas and take one old pod:
     // only one old pod may go down at once, so the minimum of 2 holds.
-    let o = c.observe(|_| false);
-    let lowest = o.roll_lowest_up.get(&roll.to_string()).copied();
+    let lowest = c.roll_lowest_up().get(&roll.to_string()).copied();
     assert!(lowest.is_some_and(|l| l >= 2), "lowest pods up {lowest:?}");
 }
 
@@ -259,14 +256,13 @@ async fn a_roll_from_an_rc_short_of_pods_counts_what_it_has_and_keeps_its_bound(
         3,
         "{first:#}"
     );
-    let o = c.observe(|_| false);
-    let lowest = o.roll_lowest_up.get(&roll.to_string()).copied();
+    let lowest = c.roll_lowest_up().get(&roll.to_string()).copied();
     assert!(lowest.is_some_and(|l| l >= 2), "lowest pods up {lowest:?}");
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn a_roll_is_resumed_by_another_farm_after_its_farm_is_killed_or_stopped() {
-    let mut c = Cluster::start().await;
+on_both_backends!(a_roll_is_resumed_by_another_farm_after_its_farm_is_killed_or_stopped);
+async fn a_roll_is_resumed_by_another_farm_after_its_farm_is_killed_or_stopped(backend: Backend) {
+    let mut c = Cluster::start_on(&backend).await;
     nodes(&c, 6, 1).await;
     let _sim = c.simulate(6, 0.0);
     c.spawn_farm("f1", &ROLL_FLAGS).await;
@@ -320,9 +316,9 @@ async fn a_roll_is_resumed_by_another_farm_after_its_farm_is_killed_or_stopped()
         claimed.len() >= 3,
         "each roll claimed, one of them again after its farm died: {claimed:#?}"
     );
-    let o = c.observe(|_| false);
+    let lowest_up = c.roll_lowest_up();
     for r in rolls {
-        let lowest = o.roll_lowest_up.get(&r.to_string()).copied();
+        let lowest = lowest_up.get(&r.to_string()).copied();
         assert!(
             lowest.is_some_and(|l| l >= 4),
             "{r}: lowest pods up {lowest:?}"
@@ -331,9 +327,9 @@ async fn a_roll_is_resumed_by_another_farm_after_its_farm_is_killed_or_stopped()
     assert_eq!(c.audit_events("ROLLING_UPDATE_COMPLETION").await.len(), 2);
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn a_roll_that_cannot_progress_says_why_once_and_resumes_when_fixed() {
-    let mut c = Cluster::start().await;
+on_both_backends!(a_roll_that_cannot_progress_says_why_once_and_resumes_when_fixed);
+async fn a_roll_that_cannot_progress_says_why_once_and_resumes_when_fixed(backend: Backend) {
+    let mut c = Cluster::start_on(&backend).await;
     nodes(&c, 4, 1).await;
     let sim = c.simulate(4, 0.0);
     c.spawn_farm("f1", &ROLL_FLAGS).await;
@@ -410,9 +406,9 @@ async fn a_roll_that_cannot_progress_says_why_once_and_resumes_when_fixed() {
     c.check_invariants(|_| false);
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn bad_roll_records_are_reported_once_and_never_acted_on() {
-    let mut c = Cluster::start().await;
+on_both_backends!(bad_roll_records_are_reported_once_and_never_acted_on);
+async fn bad_roll_records_are_reported_once_and_never_acted_on(backend: Backend) {
+    let mut c = Cluster::start_on(&backend).await;
     nodes(&c, 4, 1).await;
     let _sim = c.simulate(4, 0.0);
     c.spawn_farm("f1", &ROLL_FLAGS).await;
@@ -572,12 +568,12 @@ async fn p2(args: &[&str], consul: &str) -> (bool, String) {
     )
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn a_roll_scheduled_by_p2s_own_schedule_update_is_carried_out() {
+on_both_backends!(a_roll_scheduled_by_p2s_own_schedule_update_is_carried_out);
+async fn a_roll_scheduled_by_p2s_own_schedule_update_is_carried_out(backend: Backend) {
     if p2_rctl().is_none() {
         return;
     }
-    let mut c = Cluster::start().await;
+    let mut c = Cluster::start_on(&backend).await;
     nodes(&c, 4, 1).await;
     let _sim = c.simulate(4, 0.0);
     c.spawn_farm("f1", &ROLL_FLAGS).await;
@@ -656,12 +652,12 @@ async fn a_roll_scheduled_by_p2s_own_schedule_update_is_carried_out() {
     c.check_invariants(|_| false);
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn p2s_own_rolling_update_cli_completes_against_rcfarms_farms() {
+on_both_backends!(p2s_own_rolling_update_cli_completes_against_rcfarms_farms);
+async fn p2s_own_rolling_update_cli_completes_against_rcfarms_farms(backend: Backend) {
     if p2_rctl().is_none() {
         return;
     }
-    let mut c = Cluster::start().await;
+    let mut c = Cluster::start_on(&backend).await;
     nodes(&c, 4, 1).await;
     let _sim = c.simulate(4, 0.0);
     c.spawn_farm("f1", &ROLL_FLAGS).await;

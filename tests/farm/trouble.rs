@@ -12,7 +12,10 @@ use rcfarm::rc::RcId;
 use rcfarm::server::{LoggedCommit, ServerConfig};
 use serde_json::json;
 
-use crate::harness::{Cluster, TTL, nodes, rcs};
+use rcfarm::chaos::agent::AgentConfig;
+
+use crate::harness::{Backend, Cluster, TTL, nodes, rcs};
+use crate::on_both_backends;
 
 /// Every RC owned by one of `farms` (by registry) and placed on `replicas` nodes.
 async fn converged(c: &Cluster, ids: &[RcId], farms: &[&str], replicas: usize) -> bool {
@@ -39,6 +42,17 @@ fn assert_no_violations(logs: &[&[LoggedCommit]]) -> u64 {
     o.fenced_writes
 }
 
+/// Checks every promise: on the embedded server, from the commit logs of `before` (a server
+/// that was replaced) and of the current one; on real Consul, from outside. Returns the
+/// fenced writes checked (embedded only).
+fn assert_no_violations_in(c: &Cluster, before: &[LoggedCommit]) -> Option<u64> {
+    if c.is_real() {
+        c.check_invariants(|_| false);
+        return None;
+    }
+    Some(assert_no_violations(&[before, &c.server.commit_log()]))
+}
+
 fn assert_running(c: &mut Cluster) {
     for f in &mut c.farms {
         assert!(
@@ -49,14 +63,25 @@ fn assert_running(c: &mut Cluster) {
     }
 }
 
-#[tokio::test]
-async fn consul_down_past_the_ttl_and_back_with_its_data_dir() {
+on_both_backends!(consul_down_past_the_ttl_and_back_with_its_data_dir);
+async fn consul_down_past_the_ttl_and_back_with_its_data_dir(backend: Backend) {
     let dir = tempfile::tempdir().unwrap();
     let config = ServerConfig {
         data_dir: Some(dir.path().to_path_buf()),
         ..Cluster::server_config()
     };
-    let mut c = Cluster::start_with(config.clone()).await;
+    let mut c = match &backend {
+        Backend::Embedded => Cluster::start_with(config.clone()).await,
+        // A one-server cluster that keeps its raft log and snapshots on disk.
+        Backend::Real(bin) => {
+            Cluster::start_real(AgentConfig {
+                dev: false,
+                bootstrap_expect: Some(1),
+                ..AgentConfig::dev(bin, "rcfarm-data")
+            })
+            .await
+        }
+    };
     nodes(&c, 4, 1).await;
     // Both farms serving (not one that converged everything while the other was still
     // starting): the test is about farms that lose Consul mid-service.
@@ -90,15 +115,17 @@ async fn consul_down_past_the_ttl_and_back_with_its_data_dir() {
     }
     // The pods survived with the data; re-claiming found them in place.
     assert_eq!(c.placements().await, placed, "no pod moved");
-    let after = c.server.commit_log();
-    let fenced = assert_no_violations(&[&before, &after]);
-    assert!(fenced > 0);
-    println!("re-claimed and converged {took:?} after the restart; {fenced} fenced writes checked");
+    let fenced = assert_no_violations_in(&c, &before);
+    assert!(fenced.is_none_or(|f| f > 0));
+    println!(
+        "re-claimed and converged {took:?} after the restart; {fenced:?} fenced writes checked"
+    );
 }
 
-#[tokio::test]
-async fn consul_down_past_the_ttl_and_back_empty() {
-    let mut c = Cluster::start().await;
+on_both_backends!(consul_down_past_the_ttl_and_back_empty);
+async fn consul_down_past_the_ttl_and_back_empty(backend: Backend) {
+    // A dev agent keeps nothing: it comes back empty.
+    let mut c = Cluster::start_on(&backend).await;
     nodes(&c, 4, 1).await;
     // Both farms serving (not one that converged everything while the other was still
     // starting): the test is about farms that lose Consul mid-service.
@@ -139,14 +166,18 @@ async fn consul_down_past_the_ttl_and_back_empty() {
         move || async move { converged(cr, idr, &["f1", "f2"], 2).await },
     )
     .await;
-    assert_no_violations(&[&before]);
-    let fenced = assert_no_violations(&[&c.server.commit_log()]);
-    assert!(fenced > 0, "the new server saw scheduling writes");
+    if c.is_real() {
+        c.check_invariants(|_| false);
+    } else {
+        assert_no_violations(&[&before]);
+        let fenced = assert_no_violations(&[&c.server.commit_log()]);
+        assert!(fenced > 0, "the new server saw scheduling writes");
+    }
 }
 
-#[tokio::test]
-async fn a_farm_behind_a_lossy_slow_proxy_never_writes_without_its_lock() {
-    let mut c = Cluster::start().await;
+on_both_backends!(a_farm_behind_a_lossy_slow_proxy_never_writes_without_its_lock);
+async fn a_farm_behind_a_lossy_slow_proxy_never_writes_without_its_lock(backend: Backend) {
+    let mut c = Cluster::start_on(&backend).await;
     nodes(&c, 6, 1).await;
     // Chunks delayed up to 1.5 s (renewals are due every TTL/2 = 1 s) and 5% of them cut
     // mid-request: the farm behind it loses its session now and then, and retries writes whose
@@ -202,8 +233,8 @@ async fn a_farm_behind_a_lossy_slow_proxy_never_writes_without_its_lock() {
     let stats = proxy.stats();
     let dropped = stats.dropped.load(std::sync::atomic::Ordering::Relaxed);
     assert!(dropped > 0, "the proxy cut connections");
-    let fenced = assert_no_violations(&[&c.server.commit_log()]);
-    println!("{dropped} connections cut; {fenced} fenced writes checked");
+    let fenced = assert_no_violations_in(&c, &[]);
+    println!("{dropped} connections cut; {fenced:?} fenced writes checked");
 }
 
 /// A farm talking to Consul through a proxy with no random faults (the test arms targeted
@@ -237,12 +268,12 @@ fn faulted_once(proxy: &FaultyProxy, c: &Cluster, what: &str) -> String {
     log
 }
 
+on_both_backends!(a_transfer_started_with_its_answer_lost_is_finished_not_forgotten);
 /// A node transfer whose start reached Consul but whose answer was lost (the farm sees a write
 /// of unknown fate) is finished from what Consul holds, not forgotten: the status key must not
 /// keep a transfer that no one will ever complete, and the move is recorded once.
-#[tokio::test]
-async fn a_transfer_started_with_its_answer_lost_is_finished_not_forgotten() {
-    let mut c = Cluster::start().await;
+async fn a_transfer_started_with_its_answer_lost_is_finished_not_forgotten(backend: Backend) {
+    let mut c = Cluster::start_on(&backend).await;
     c.label_node("node-a", &[("env", "prod"), ("zone", "a")])
         .await;
     c.label_node("node-b", &[("env", "prod"), ("zone", "c")])
@@ -318,14 +349,14 @@ async fn a_transfer_started_with_its_answer_lost_is_finished_not_forgotten() {
         },
     )
     .await;
-    assert_no_violations(&[&c.server.commit_log()]);
+    assert_no_violations_in(&c, &[]);
 }
 
+on_both_backends!(an_observed_change_whose_record_failed_is_recorded_on_the_next_pass);
 /// A direct KV change to an RC whose audit record could not be written (the request never
 /// reached Consul) is recorded by the next pass, once: a failed write loses no record.
-#[tokio::test]
-async fn an_observed_change_whose_record_failed_is_recorded_on_the_next_pass() {
-    let mut c = Cluster::start().await;
+async fn an_observed_change_whose_record_failed_is_recorded_on_the_next_pass(backend: Backend) {
+    let mut c = Cluster::start_on(&backend).await;
     nodes(&c, 3, 1).await;
     let (proxy, id) = lossy_farm_serving(&mut c, "env=prod").await;
     let placed = |n: usize| {
@@ -359,5 +390,5 @@ async fn an_observed_change_whose_record_failed_is_recorded_on_the_next_pass() {
         },
     )
     .await;
-    assert_no_violations(&[&c.server.commit_log()]);
+    assert_no_violations_in(&c, &[]);
 }

@@ -15,6 +15,8 @@
 //! It also counts scheduling transactions and audit records, to check that every committed
 //! change reached the audit log.
 
+pub mod external;
+
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use serde_json::Value;

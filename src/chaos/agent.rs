@@ -1,0 +1,399 @@
+//! Real Consul agents on loopback, for tests and the chaos runs: a dev agent, or the servers
+//! and client agents of a cluster, each with its own ports and data directory. The binary is
+//! whatever `RCFARM_TEST_CONSUL_BIN` names (CI points it at HashiCorp Consul 0.7.0 in
+//! `../shared/consul/`); nothing here works without one.
+
+use std::net::{SocketAddr, TcpListener};
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+use tokio::process::{Child, Command};
+
+/// The environment variable naming the Consul binary tests and chaos runs use.
+pub const CONSUL_BIN_ENV: &str = "RCFARM_TEST_CONSUL_BIN";
+
+/// The Consul binary from [`CONSUL_BIN_ENV`], if it names an existing file.
+pub fn consul_bin() -> Option<PathBuf> {
+    let p = PathBuf::from(std::env::var_os(CONSUL_BIN_ENV)?);
+    p.is_file().then_some(p)
+}
+
+/// A free TCP port on loopback (free when asked: good enough for tests on one machine).
+fn free_port() -> std::io::Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// TLS for an agent's HTTPS listener.
+#[derive(Debug, Clone)]
+pub struct AgentTls {
+    pub ca_file: PathBuf,
+    pub cert_file: PathBuf,
+    pub key_file: PathBuf,
+}
+
+/// How to run one agent.
+#[derive(Debug, Clone)]
+pub struct AgentConfig {
+    pub bin: PathBuf,
+    pub node_name: String,
+    /// `-dev`: a single in-memory server that elects itself.
+    pub dev: bool,
+    pub server: bool,
+    pub bootstrap_expect: Option<usize>,
+    /// Serf LAN addresses of agents to join (`retry_join`).
+    pub join: Vec<SocketAddr>,
+    /// Keep state here (for a restart "with its data"); a fresh temporary one when `None`.
+    pub data_dir: Option<PathBuf>,
+    /// ACLs on, with this master token and default policy deny.
+    pub acl_master_token: Option<String>,
+    /// An HTTPS listener beside the HTTP one.
+    pub tls: Option<AgentTls>,
+    /// Lowest session TTL the agent accepts (tests run farms with TTLs below Consul's 10 s).
+    pub session_ttl_min: Duration,
+}
+
+impl AgentConfig {
+    pub fn dev(bin: &Path, node_name: &str) -> Self {
+        AgentConfig {
+            bin: bin.to_path_buf(),
+            node_name: node_name.to_string(),
+            dev: true,
+            server: true,
+            bootstrap_expect: None,
+            join: Vec::new(),
+            data_dir: None,
+            acl_master_token: None,
+            tls: None,
+            session_ttl_min: Duration::from_secs(1),
+        }
+    }
+}
+
+/// The ports an agent listens on.
+#[derive(Debug, Clone, Copy)]
+pub struct AgentPorts {
+    pub http: u16,
+    pub https: Option<u16>,
+    pub rpc: u16,
+    pub serf_lan: u16,
+    pub serf_wan: u16,
+    pub server: u16,
+}
+
+/// A running (or stopped) agent. Dropping it kills the process.
+pub struct ConsulAgent {
+    pub config: AgentConfig,
+    pub ports: AgentPorts,
+    dir: PathBuf,
+    data_dir: PathBuf,
+    child: Option<Child>,
+    _tmp: Option<tempfile::TempDir>,
+}
+
+impl ConsulAgent {
+    /// Starts an agent and waits until its HTTP API answers (and, for a dev agent, until it
+    /// has elected itself).
+    pub async fn start(config: AgentConfig) -> Result<ConsulAgent, String> {
+        let mut agent = ConsulAgent::prepare(config)?;
+        agent.spawn()?;
+        let wait_leader = agent.config.dev;
+        agent
+            .wait_ready(wait_leader, Duration::from_secs(60))
+            .await?;
+        Ok(agent)
+    }
+
+    /// Picks the ports and the directories; starts nothing.
+    fn prepare(config: AgentConfig) -> Result<ConsulAgent, String> {
+        let tmp = tempfile::Builder::new()
+            .prefix(&format!("rcfarm-consul-{}-", config.node_name))
+            .tempdir()
+            .map_err(|e| e.to_string())?;
+        let dir = tmp.path().to_path_buf();
+        let data_dir = config.data_dir.clone().unwrap_or_else(|| dir.join("data"));
+        let e = |e: std::io::Error| e.to_string();
+        let ports = AgentPorts {
+            http: free_port().map_err(e)?,
+            https: match &config.tls {
+                Some(_) => Some(free_port().map_err(e)?),
+                None => None,
+            },
+            rpc: free_port().map_err(e)?,
+            serf_lan: free_port().map_err(e)?,
+            serf_wan: free_port().map_err(e)?,
+            server: free_port().map_err(e)?,
+        };
+        Ok(ConsulAgent {
+            config,
+            ports,
+            dir,
+            data_dir,
+            child: None,
+            _tmp: Some(tmp),
+        })
+    }
+
+    fn config_json(&self) -> serde_json::Value {
+        let c = &self.config;
+        let mut v = json!({
+            "node_name": c.node_name,
+            "bind_addr": "127.0.0.1",
+            "client_addr": "127.0.0.1",
+            "disable_update_check": true,
+            "session_ttl_min": crate::util::format_go_duration(c.session_ttl_min),
+            "performance": {"raft_multiplier": 1},
+            "ports": {
+                "dns": -1,
+                "http": self.ports.http,
+                "https": self.ports.https.map_or(-1, i64::from),
+                "rpc": self.ports.rpc,
+                "serf_lan": self.ports.serf_lan,
+                "serf_wan": self.ports.serf_wan,
+                "server": self.ports.server,
+            },
+        });
+        if !c.dev {
+            v["data_dir"] = json!(self.data_dir);
+            v["server"] = json!(c.server);
+            if let Some(n) = c.bootstrap_expect {
+                v["bootstrap_expect"] = json!(n);
+            }
+            if !c.join.is_empty() {
+                v["retry_join"] = json!(c.join.iter().map(|a| a.to_string()).collect::<Vec<_>>());
+                v["retry_interval"] = json!("1s");
+            }
+        }
+        if let Some(t) = &c.acl_master_token {
+            v["acl_datacenter"] = json!("dc1");
+            v["acl_master_token"] = json!(t);
+            v["acl_default_policy"] = json!("deny");
+            v["acl_down_policy"] = json!("deny");
+        }
+        if let Some(t) = &c.tls {
+            v["ca_file"] = json!(t.ca_file);
+            v["cert_file"] = json!(t.cert_file);
+            v["key_file"] = json!(t.key_file);
+        }
+        v
+    }
+
+    fn spawn(&mut self) -> Result<(), String> {
+        let cfg_path = self.dir.join("agent.json");
+        std::fs::write(&cfg_path, self.config_json().to_string()).map_err(|e| e.to_string())?;
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.log_path())
+            .map_err(|e| e.to_string())?;
+        let mut cmd = Command::new(&self.config.bin);
+        cmd.arg("agent");
+        if self.config.dev {
+            cmd.arg("-dev");
+        }
+        cmd.arg("-config-file")
+            .arg(&cfg_path)
+            .stdout(Stdio::from(log.try_clone().map_err(|e| e.to_string())?))
+            .stderr(Stdio::from(log))
+            .kill_on_drop(true);
+        let child = cmd
+            .spawn()
+            .map_err(|e| format!("cannot start {}: {e}", self.config.bin.display()))?;
+        self.child = Some(child);
+        Ok(())
+    }
+
+    /// Where the agent's output goes.
+    pub fn log_path(&self) -> PathBuf {
+        self.dir.join("agent.log")
+    }
+
+    /// The last lines of the agent's log, for failure messages.
+    pub fn log_tail(&self, lines: usize) -> String {
+        let log = std::fs::read_to_string(self.log_path()).unwrap_or_default();
+        let tail: Vec<&str> = log.lines().rev().take(lines).collect();
+        tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+    }
+
+    /// Waits until the HTTP API answers, and with `leader` until it names a leader.
+    pub async fn wait_ready(&self, leader: bool, timeout: Duration) -> Result<(), String> {
+        let url = format!("{}/v1/status/leader", self.http_url());
+        crate::consul::init_tls();
+        let http = reqwest::Client::builder()
+            .timeout(Duration::from_secs(2))
+            .build()
+            .map_err(|e| e.to_string())?;
+        let started = Instant::now();
+        loop {
+            if let Ok(r) = http.get(&url).send().await
+                && let Ok(body) = r.text().await
+                && (!leader || body.trim() != "\"\"")
+            {
+                return Ok(());
+            }
+            if started.elapsed() > timeout {
+                return Err(format!(
+                    "Consul agent {} not ready after {timeout:?}:\n{}",
+                    self.config.node_name,
+                    self.log_tail(30)
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    pub fn http_url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.ports.http)
+    }
+
+    pub fn https_url(&self) -> Option<String> {
+        self.ports.https.map(|p| format!("https://127.0.0.1:{p}"))
+    }
+
+    pub fn http_addr(&self) -> SocketAddr {
+        SocketAddr::from(([127, 0, 0, 1], self.ports.http))
+    }
+
+    /// The Serf LAN address others join.
+    pub fn serf_lan(&self) -> SocketAddr {
+        SocketAddr::from(([127, 0, 0, 1], self.ports.serf_lan))
+    }
+
+    /// The raft address `/v1/status/leader` names when this agent leads.
+    pub fn raft_addr(&self) -> String {
+        format!("127.0.0.1:{}", self.ports.server)
+    }
+
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().and_then(Child::id)
+    }
+
+    pub fn is_running(&self) -> bool {
+        self.child.is_some()
+    }
+
+    /// Sends a signal (`STOP`, `CONT`, …) to the agent.
+    pub fn signal(&self, sig: &str) {
+        if let Some(pid) = self.pid() {
+            let _ = std::process::Command::new("kill")
+                .arg(format!("-{sig}"))
+                .arg(pid.to_string())
+                .stderr(Stdio::null())
+                .status();
+        }
+    }
+
+    /// SIGKILL, and reaps it.
+    pub async fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.start_kill();
+            let _ = c.wait().await;
+        }
+    }
+
+    /// SIGTERM (a graceful leave), waiting up to 15 s before killing it.
+    pub async fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            if let Some(pid) = c.id() {
+                let _ = std::process::Command::new("kill")
+                    .arg("-TERM")
+                    .arg(pid.to_string())
+                    .status();
+            }
+            if tokio::time::timeout(Duration::from_secs(15), c.wait())
+                .await
+                .is_err()
+            {
+                let _ = c.start_kill();
+                let _ = c.wait().await;
+            }
+        }
+    }
+
+    /// Starts a stopped agent again with the same ports and data (a dev agent comes back
+    /// empty: it keeps nothing).
+    pub async fn restart(&mut self) -> Result<(), String> {
+        if self.child.is_some() {
+            self.stop().await;
+        }
+        self.spawn()?;
+        self.wait_ready(self.config.dev, Duration::from_secs(60))
+            .await
+    }
+}
+
+/// A cluster on loopback: `servers` servers that elect a leader among themselves, and client
+/// agents joined to them (one per farm, as production runs them).
+pub struct ConsulCluster {
+    pub servers: Vec<ConsulAgent>,
+    pub clients: Vec<ConsulAgent>,
+}
+
+impl ConsulCluster {
+    pub async fn start(
+        bin: &Path,
+        servers: usize,
+        clients: usize,
+    ) -> Result<ConsulCluster, String> {
+        // Ports first, so every server can name the others to join.
+        let mut agents = Vec::new();
+        for i in 0..servers {
+            let mut c = AgentConfig::dev(bin, &format!("s{}", i + 1));
+            c.dev = false;
+            c.bootstrap_expect = Some(servers);
+            agents.push(c);
+        }
+        let mut started: Vec<ConsulAgent> = agents
+            .into_iter()
+            .map(ConsulAgent::prepare)
+            .collect::<Result<_, _>>()?;
+        let join: Vec<SocketAddr> = started.iter().map(ConsulAgent::serf_lan).collect();
+        for a in &mut started {
+            a.config.join = join.clone();
+            a.spawn()?;
+        }
+        for a in &started {
+            a.wait_ready(true, Duration::from_secs(60)).await?;
+        }
+        let mut cluster = ConsulCluster {
+            servers: started,
+            clients: Vec::new(),
+        };
+        for i in 0..clients {
+            let mut c = AgentConfig::dev(bin, &format!("c{}", i + 1));
+            c.dev = false;
+            c.server = false;
+            c.join = join.clone();
+            let mut a = ConsulAgent::prepare(c)?;
+            a.spawn()?;
+            a.wait_ready(true, Duration::from_secs(60)).await?;
+            cluster.clients.push(a);
+        }
+        Ok(cluster)
+    }
+
+    /// The server that leads now, per the first server that answers.
+    pub async fn leader(&self) -> Option<usize> {
+        crate::consul::init_tls();
+        let http = reqwest::Client::builder()
+            .timeout(Duration::from_secs(2))
+            .build()
+            .ok()?;
+        for s in self.servers.iter().filter(|s| s.is_running()) {
+            let Ok(r) = http
+                .get(format!("{}/v1/status/leader", s.http_url()))
+                .send()
+                .await
+            else {
+                continue;
+            };
+            let Ok(body) = r.text().await else { continue };
+            let addr = body.trim().trim_matches('"');
+            if let Some(i) = self.servers.iter().position(|x| x.raft_addr() == addr) {
+                return Some(i);
+            }
+        }
+        None
+    }
+}

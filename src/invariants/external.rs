@@ -1,0 +1,185 @@
+//! An observer that works from outside, for a Consul without a commit log (a real agent or
+//! cluster): one blocking query on the whole KV store keeps a history of every RC's record,
+//! lock holder, pods and intents, and checks, at every snapshot, what can be checked from
+//! there: never more pods than desired (+1 while a transfer is in flight). It also collects the
+//! id of every audit record it saw in the outbox (for "every audit record in SQL, once") and
+//! counts how often RCs changed hands.
+//!
+//! A blocking query returns the store as it is when it answers: changes in between are
+//! coalesced, so a transient excess lasting less than one round trip can be missed. The
+//! commit-log [`super::Observer`] of the embedded server sees every commit.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use serde_json::Value;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use super::Violation;
+use crate::audit::{AUDIT_PREFIX, AuditRecord, events};
+use crate::consul::{Consul, KvPair, QueryOptions};
+use crate::labels::parse_labels;
+use crate::rc::{RC_ID_LABEL, RC_LOCK_PREFIX, RC_PREFIX};
+
+/// What the observer found.
+#[derive(Debug, Clone, Default)]
+pub struct ExternalReport {
+    pub snapshots: u64,
+    pub violations: Vec<Violation>,
+    /// Ids of every audit record seen in `audit_logs/`.
+    pub audit_ids: BTreeSet<String>,
+    /// Ids of the `RC_RETARGET` records among them.
+    pub retarget_ids: BTreeSet<String>,
+    /// Times an RC's ownership lock went from one session to another (through a gap or not).
+    pub handovers: u64,
+    /// Read errors (Consul unreachable, an election): the history has gaps there.
+    pub errors: u64,
+    /// Rolling update → the fewest pods of its two RCs seen up at once after it started.
+    pub roll_lowest_up: BTreeMap<String, usize>,
+}
+
+#[derive(Default)]
+struct State {
+    report: ExternalReport,
+    /// RC → pods last seen.
+    pods: BTreeMap<String, usize>,
+    /// RC → last session seen holding its ownership lock.
+    owner: BTreeMap<String, String>,
+}
+
+/// A running observer; [`ExternalObserver::finish`] stops it and reports.
+pub struct ExternalObserver {
+    state: Arc<Mutex<State>>,
+    stop: CancellationToken,
+    task: JoinHandle<()>,
+}
+
+impl ExternalObserver {
+    pub fn spawn(consul: Consul) -> ExternalObserver {
+        let state = Arc::new(Mutex::new(State::default()));
+        let stop = CancellationToken::new();
+        let (st, token) = (state.clone(), stop.clone());
+        let task = tokio::spawn(async move {
+            let mut index = 0;
+            loop {
+                let q = QueryOptions::blocking(index, Duration::from_secs(5));
+                let read = tokio::select! {
+                    _ = token.cancelled() => return,
+                    r = consul.kv_list("", &q) => r,
+                };
+                match read {
+                    Ok((entries, meta)) => {
+                        // An index going backwards (a restored or emptied Consul) starts over.
+                        index = if meta.index < index { 0 } else { meta.index };
+                        st.lock().observe(meta.index, &entries);
+                    }
+                    Err(_) => {
+                        st.lock().report.errors += 1;
+                        index = 0;
+                        tokio::select! {
+                            _ = token.cancelled() => return,
+                            _ = tokio::time::sleep(Duration::from_millis(100)) => {}
+                        }
+                    }
+                }
+            }
+        });
+        ExternalObserver { state, stop, task }
+    }
+
+    /// What it found so far.
+    pub fn report(&self) -> ExternalReport {
+        self.state.lock().report.clone()
+    }
+
+    /// Stops watching; what it found.
+    pub async fn finish(self) -> ExternalReport {
+        self.stop.cancel();
+        let _ = self.task.await;
+        self.state.lock().report.clone()
+    }
+}
+
+impl State {
+    fn observe(&mut self, index: u64, entries: &[KvPair]) {
+        self.report.snapshots += 1;
+        let mut desired: BTreeMap<&str, i64> = BTreeMap::new();
+        let mut intents: BTreeSet<&str> = BTreeSet::new();
+        let mut transfers: BTreeSet<&str> = BTreeSet::new();
+        let mut owners: BTreeMap<String, String> = BTreeMap::new();
+        let mut labels: Vec<(&str, &KvPair)> = Vec::new();
+        for e in entries {
+            let k = e.key.as_str();
+            if let Some(id) = k.strip_prefix(RC_PREFIX) {
+                let n = serde_json::from_slice::<Value>(e.value_bytes())
+                    .ok()
+                    .and_then(|v| v["replicas_desired"].as_i64())
+                    .unwrap_or(0);
+                desired.insert(id, n);
+            } else if let Some(rest) = k.strip_prefix("intent/") {
+                intents.insert(rest);
+            } else if let Some(rest) = k.strip_prefix("labels/pod/") {
+                labels.push((rest, e));
+            } else if let Some(rest) = k.strip_prefix("status/replication_controllers/") {
+                if let Some(id) = rest.split('/').next() {
+                    transfers.insert(id);
+                }
+            } else if let Some(id) = k.strip_prefix(RC_LOCK_PREFIX) {
+                if !id.contains('/')
+                    && let Some(s) = &e.session
+                {
+                    owners.insert(id.to_string(), s.clone());
+                }
+            } else if let Some(id) = k.strip_prefix(AUDIT_PREFIX)
+                && self.report.audit_ids.insert(id.to_string())
+                && AuditRecord::from_kv(k, e.value_bytes())
+                    .is_ok_and(|r| r.event_type == events::RC_RETARGET)
+            {
+                self.report.retarget_ids.insert(id.to_string());
+            }
+        }
+        let mut pods: BTreeMap<String, usize> = BTreeMap::new();
+        for (node_pod, e) in labels {
+            if !intents.contains(node_pod) {
+                continue;
+            }
+            if let Some(rc) = parse_labels(e.value_bytes())
+                .ok()
+                .and_then(|l| l.get(RC_ID_LABEL).cloned())
+            {
+                *pods.entry(rc).or_default() += 1;
+            }
+        }
+        for (rc, n) in &pods {
+            let limit = desired.get(rc.as_str()).copied().unwrap_or(0).max(0) as usize
+                + usize::from(transfers.contains(rc.as_str()));
+            let before = self.pods.get(rc).copied().unwrap_or(0);
+            if *n > limit && *n > before && desired.contains_key(rc.as_str()) {
+                self.report.violations.push(Violation {
+                    index,
+                    what: format!("{rc} rose to {n} pods, desired {}", limit),
+                });
+            }
+        }
+        // The rolls, judged by the commit-log observer's own rules on this snapshot.
+        let mut replica = super::Observer::default();
+        for e in entries {
+            replica.set(&e.key, Some((e.value_bytes(), e.session.as_ref())));
+        }
+        for (id, roll) in replica.started_rolls() {
+            let up = replica.up(&roll);
+            let lowest = self.report.roll_lowest_up.entry(id).or_insert(up);
+            *lowest = (*lowest).min(up);
+        }
+        for (rc, s) in &owners {
+            if self.owner.get(rc).is_some_and(|old| old != s) {
+                self.report.handovers += 1;
+            }
+            self.owner.insert(rc.clone(), s.clone());
+        }
+        self.pods = pods;
+    }
+}
