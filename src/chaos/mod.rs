@@ -16,6 +16,7 @@ pub mod agent;
 mod backend;
 mod check;
 mod mutate;
+pub mod procfs;
 pub mod proxy;
 
 use backend::Backend;

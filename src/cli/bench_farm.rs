@@ -11,6 +11,8 @@ use serde_json::json;
 use tokio::process::{Child, Command};
 
 use super::{CliError, parse_duration_flag};
+use crate::chaos::agent::{AgentConfig, ConsulAgent};
+use crate::chaos::procfs as bench_probe;
 use crate::consul::{Consul, ConsulConfig, QueryOptions, TxnOp};
 use crate::labels::{LabelSet, LabelStore, LabelType};
 use crate::rc::{RcId, parse_locks};
@@ -35,6 +37,13 @@ pub struct BenchFarmArgs {
     /// How long to watch the idle farms.
     #[arg(long, default_value = "30s", value_parser = parse_duration_flag)]
     pub idle: Duration,
+    /// Run against a real Consul agent (`consul agent -dev`) started from this binary instead
+    /// of the embedded server.
+    #[arg(long)]
+    pub consul_bin: Option<std::path::PathBuf>,
+    /// The farms' `--consul-max-conns` (0: their default).
+    #[arg(long, default_value_t = 0)]
+    pub consul_max_conns: usize,
     /// Give up on convergence after this long.
     #[arg(long, default_value = "300s", value_parser = parse_duration_flag)]
     pub timeout: Duration,
@@ -48,6 +57,13 @@ pub(super) struct FarmProc {
     pub child: Child,
     pub pid: u32,
     pub session: Option<String>,
+    /// Where the farm serves `/metrics`.
+    pub metrics: String,
+}
+
+fn free_port() -> Result<u16, CliError> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").map_err(failed)?;
+    Ok(l.local_addr().map_err(failed)?.port())
 }
 
 /// Starts `n` farms (`bench-0` …) against `consul`, logging to `dir`, and waits until they
@@ -65,6 +81,7 @@ pub(super) async fn spawn_farms(
     let mut farms: Vec<FarmProc> = Vec::new();
     for i in 0..n {
         let log = std::fs::File::create(dir.join(format!("farm-{i}.log"))).map_err(failed)?;
+        let http = format!("127.0.0.1:{}", free_port()?);
         let child = Command::new(&exe)
             .args([
                 "serve",
@@ -75,13 +92,13 @@ pub(super) async fn spawn_farms(
             ])
             .args([
                 "--http",
-                "off",
+                &http,
                 "--audit-db",
                 &audit_db,
                 "--session-ttl",
                 &ttl,
             ])
-            .args(["--lock-delay", "500ms", "--watch-wait", "60s"])
+            .args(["--lock-delay", "500ms"])
             .args(extra)
             .env("RUST_LOG", "warn")
             .stdout(Stdio::null())
@@ -94,6 +111,7 @@ pub(super) async fn spawn_farms(
             child,
             pid,
             session: None,
+            metrics: format!("http://{http}/metrics"),
         });
     }
     let c = Consul::new(ConsulConfig::new(consul_url)).map_err(failed)?;
@@ -195,16 +213,106 @@ pub(super) fn pct(v: &mut [Duration], q: f64) -> f64 {
         .map_or(0.0, |d| d.as_secs_f64() * 1e3)
 }
 
+/// The Consul a benchmark runs against.
+enum Target {
+    Embedded(EmbeddedServer),
+    Real(Box<ConsulAgent>),
+}
+
+impl Target {
+    async fn start(args: &BenchFarmArgs) -> Result<Target, CliError> {
+        Ok(match &args.consul_bin {
+            None => Target::Embedded(
+                EmbeddedServer::start(ServerConfig {
+                    session_ttl_min: Duration::from_secs(1),
+                    record_commits: true,
+                    ..ServerConfig::ephemeral()
+                })
+                .await
+                .map_err(failed)?,
+            ),
+            Some(bin) => {
+                let mut cfg = AgentConfig::dev(bin, "bench");
+                cfg.session_ttl_min = Duration::from_secs(1);
+                Target::Real(Box::new(ConsulAgent::start(cfg).await.map_err(failed)?))
+            }
+        })
+    }
+
+    fn url(&self) -> String {
+        match self {
+            Target::Embedded(s) => s.url(),
+            Target::Real(a) => a.http_url(),
+        }
+    }
+
+    fn port(&self) -> u16 {
+        match self {
+            Target::Embedded(s) => s.addr().port(),
+            Target::Real(a) => a.ports.http,
+        }
+    }
+
+    fn name(&self) -> &'static str {
+        match self {
+            Target::Embedded(_) => "embedded",
+            Target::Real(_) => "consul",
+        }
+    }
+
+    /// CPU time of the Consul process (the embedded server shares this process).
+    fn cpu(&self) -> Option<Duration> {
+        match self {
+            Target::Embedded(_) => None,
+            Target::Real(a) => bench_probe::cpu_time(a.pid()?),
+        }
+    }
+
+    async fn count(&self, consul: &Consul, prefix: &str) -> usize {
+        match self {
+            Target::Embedded(s) => s.count_prefix(prefix),
+            Target::Real(_) => consul
+                .kv_keys(prefix, None, &QueryOptions::default())
+                .await
+                .map_or(0, |(k, _)| k.len()),
+        }
+    }
+
+    async fn shutdown(self) {
+        match self {
+            Target::Embedded(s) => s.shutdown().await,
+            Target::Real(mut a) => a.kill().await,
+        }
+    }
+}
+
+/// Sum over the farms of a counter, by label value.
+async fn farm_counter(
+    http: &reqwest::Client,
+    farms: &[FarmProc],
+    metric: &str,
+    label: &str,
+) -> BTreeMap<String, f64> {
+    let mut out = BTreeMap::new();
+    for f in farms {
+        if let Some(m) = bench_probe::scrape_counter(http, &f.metrics, metric, label).await {
+            for (k, v) in m {
+                *out.entry(k).or_insert(0.0) += v;
+            }
+        }
+    }
+    out
+}
+
+fn total(m: &BTreeMap<String, f64>) -> f64 {
+    m.values().sum()
+}
+
 pub async fn run(args: BenchFarmArgs) -> Result<(), CliError> {
     let dir = tempfile::tempdir().map_err(failed)?;
-    let server = EmbeddedServer::start(ServerConfig {
-        session_ttl_min: Duration::from_secs(1),
-        record_commits: true,
-        ..ServerConfig::ephemeral()
-    })
-    .await
-    .map_err(failed)?;
-    let consul = Consul::new(ConsulConfig::new(server.url())).map_err(failed)?;
+    let target = Target::start(&args).await?;
+    let consul = Consul::new(ConsulConfig::new(target.url())).map_err(failed)?;
+    let scraper = reqwest::Client::new();
 
     // Nodes.
     let label_ops: Vec<TxnOp> = (0..args.nodes)
@@ -222,17 +330,24 @@ pub async fn run(args: BenchFarmArgs) -> Result<(), CliError> {
     }
 
     // Farms.
+    let max_conns = args.consul_max_conns.to_string();
+    let mut extra = vec!["--resync-interval", "30s", "--consistency-interval", "60s"];
+    if args.consul_max_conns > 0 {
+        extra.extend(["--consul-max-conns", &max_conns]);
+    }
     let mut farms = spawn_farms(
-        &server.url(),
+        &target.url(),
         args.farms,
         args.session_ttl,
         dir.path(),
-        &["--resync-interval", "30s", "--consistency-interval", "60s"],
+        &extra,
     )
     .await?;
     farm_sessions(&consul, &mut farms).await?;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let rss_idle: Vec<u64> = farms.iter().filter_map(|f| rss_kib(f.pid)).collect();
 
-    // RCs, written as P2 tools do (raw records), 21 per transaction.
+    // RCs, written as P2 tools do (raw records), 63 per transaction.
     let ids: Vec<RcId> = (0..args.rcs).map(|_| RcId::new()).collect();
     let mut ops = Vec::new();
     for (i, id) in ids.iter().enumerate() {
@@ -243,59 +358,92 @@ pub async fn run(args: BenchFarmArgs) -> Result<(), CliError> {
         ops.push(TxnOp::cas(id.key(), record.to_string().into_bytes(), 0));
     }
     let pods = args.rcs * args.replicas;
-    let before = server.stats();
+    let req0 = farm_counter(&scraper, &farms, "rcfarm_consul_requests_total", "endpoint").await;
+    let cpu0 = target.cpu();
     let t0 = Instant::now();
     for chunk in ops.chunks(63) {
         consul.txn(chunk).await.map_err(failed)?;
     }
-    let srv = &server;
+
+    // Connections, sampled while the farms converge.
+    let sampling = tokio_util::sync::CancellationToken::new();
+    let pids: Vec<u32> = farms.iter().map(|f| f.pid).collect();
+    let port = target.port();
+    let sampler = {
+        let stop = sampling.clone();
+        tokio::task::spawn_blocking(move || {
+            let mut peak = vec![0usize; pids.len()];
+            while !stop.is_cancelled() {
+                for (p, pid) in peak.iter_mut().zip(&pids) {
+                    *p = (*p).max(bench_probe::connections_to(*pid, port));
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            peak
+        })
+    };
+    let (tgt, c) = (&target, &consul);
     let converge = wait_until(args.timeout, "convergence", || async move {
-        srv.count_prefix("intent/") == pods && srv.count_prefix("labels/pod/") == pods
+        tgt.count(c, "intent/").await == pods && tgt.count(c, "labels/pod/").await == pods
     })
     .await?
     .max(t0.elapsed());
-    let after = server.stats();
-    let requests_per_pod = (after.requests - before.requests) as f64 / pods as f64;
-    let txns_per_pod = (after.txns - before.txns) as f64 / pods as f64;
+    let consul_cpu = match (cpu0, target.cpu()) {
+        (Some(a), Some(b)) => Some(b.saturating_sub(a)),
+        _ => None,
+    };
+    let req1 = farm_counter(&scraper, &farms, "rcfarm_consul_requests_total", "endpoint").await;
+    let by_endpoint: Vec<String> = req1
+        .iter()
+        .map(|(k, v)| format!("{k} {:.0}", v - req0.get(k).copied().unwrap_or(0.0)))
+        .collect();
+    let converge_requests = total(&req1) - total(&req0);
+    let requests_per_rc = converge_requests / args.rcs as f64;
 
-    // Change → write latency, one change at a time.
+    // Change → write latency, one change at a time (the embedded server's commit log shows
+    // when the write landed).
     let mut latencies = Vec::new();
-    for (k, &id) in ids.iter().enumerate().take(args.changes) {
-        let (e, _) = consul
-            .kv_get(&id.key(), &QueryOptions::default())
-            .await
-            .map_err(failed)?;
-        let Some(e) = e else { continue };
-        let mut v: serde_json::Value = serde_json::from_slice(e.value_bytes()).map_err(failed)?;
-        v["replicas_desired"] = json!(args.replicas + 1);
-        let sent = Instant::now();
-        let resp = consul
-            .txn(&[TxnOp::cas(
-                id.key(),
-                v.to_string().into_bytes(),
-                e.modify_index,
-            )])
-            .await
-            .map_err(failed)?;
-        let index = resp.results.first().map_or(0, |r| r.modify_index);
-        let prefix = "intent/".to_string();
-        let pod = format!("/bench-{k}");
-        let srv = &server;
-        let written = wait_until(Duration::from_secs(30), "the farm's write", || {
-            let (prefix, pod) = (prefix.clone(), pod.clone());
-            async move {
-                srv.commit_log().iter().rev().take_while(|c| c.index > index).any(|c| {
-                    c.changes.iter().any(|ch| matches!(ch, Change::Put(key, _) if key.starts_with(&prefix) && key.ends_with(&pod)))
-                })
-            }
-        })
-        .await;
-        if written.is_ok()
-            && let Some(c) = server.commit_log().iter().find(|c| {
-                c.index > index && c.changes.iter().any(|ch| matches!(ch, Change::Put(key, _) if key.starts_with("intent/") && key.ends_with(&pod)))
+    if let Target::Embedded(server) = &target {
+        for (k, &id) in ids.iter().enumerate().take(args.changes) {
+            let (e, _) = consul
+                .kv_get(&id.key(), &QueryOptions::default())
+                .await
+                .map_err(failed)?;
+            let Some(e) = e else { continue };
+            let mut v: serde_json::Value =
+                serde_json::from_slice(e.value_bytes()).map_err(failed)?;
+            v["replicas_desired"] = json!(args.replicas + 1);
+            let sent = Instant::now();
+            let resp = consul
+                .txn(&[TxnOp::cas(
+                    id.key(),
+                    v.to_string().into_bytes(),
+                    e.modify_index,
+                )])
+                .await
+                .map_err(failed)?;
+            let index = resp.results.first().map_or(0, |r| r.modify_index);
+            let pod = format!("/bench-{k}");
+            let is_write = |c: &crate::server::LoggedCommit| {
+                c.index > index
+                    && c.changes.iter().any(|ch| {
+                        matches!(ch, Change::Put(key, _) if key.starts_with("intent/") && key.ends_with(&pod))
+                    })
+            };
+            let written = wait_until(Duration::from_secs(30), "the farm's write", || async {
+                server
+                    .commit_log()
+                    .iter()
+                    .rev()
+                    .take_while(|c| c.index > index)
+                    .any(is_write)
             })
-        {
-            latencies.push(c.at.saturating_duration_since(sent));
+            .await;
+            if written.is_ok()
+                && let Some(c) = server.commit_log().iter().find(|c| is_write(c))
+            {
+                latencies.push(c.at.saturating_duration_since(sent));
+            }
         }
     }
 
@@ -303,27 +451,58 @@ pub async fn run(args: BenchFarmArgs) -> Result<(), CliError> {
     wait_until(
         Duration::from_secs(120),
         "the audit outbox to drain",
-        || async move { srv.count_prefix("audit_logs/") == 0 },
+        || async move { tgt.count(c, "audit_logs/").await == 0 },
     )
     .await?;
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let idle0 = server.stats();
+    sampling.cancel();
+    let peak_conns = sampler.await.map_err(failed)?;
+    let idle_by0 = farm_counter(&scraper, &farms, "rcfarm_consul_requests_total", "endpoint").await;
+    let idle_req0 = total(&idle_by0);
+    let farm_cpu0: Vec<Option<Duration>> =
+        farms.iter().map(|f| bench_probe::cpu_time(f.pid)).collect();
+    let consul_idle0 = target.cpu();
     tokio::time::sleep(args.idle).await;
-    let idle1 = server.stats();
-    let idle_rpm =
-        (idle1.requests - idle0.requests) as f64 / args.farms as f64 / args.idle.as_secs_f64()
-            * 60.0;
-    let blocking = idle1.blocked_queries as f64 / args.farms as f64;
+    let idle_by1 = farm_counter(&scraper, &farms, "rcfarm_consul_requests_total", "endpoint").await;
+    let idle_req1 = total(&idle_by1);
+    let idle_by_endpoint: Vec<String> = idle_by1
+        .iter()
+        .map(|(k, v)| format!("{k} {:.0}", v - idle_by0.get(k).copied().unwrap_or(0.0)))
+        .collect();
+    let idle_rps = (idle_req1 - idle_req0) / args.farms as f64 / args.idle.as_secs_f64();
+    let farm_cpu_pct: Vec<f64> = farms
+        .iter()
+        .zip(&farm_cpu0)
+        .filter_map(|(f, c0)| {
+            let d = bench_probe::cpu_time(f.pid)?.saturating_sub((*c0)?);
+            Some(d.as_secs_f64() / args.idle.as_secs_f64() * 100.0)
+        })
+        .collect();
+    let consul_idle_pct = match (consul_idle0, target.cpu()) {
+        (Some(a), Some(b)) => {
+            Some(b.saturating_sub(a).as_secs_f64() / args.idle.as_secs_f64() * 100.0)
+        }
+        _ => None,
+    };
+    let idle_conns: Vec<usize> = farms
+        .iter()
+        .map(|f| bench_probe::connections_to(f.pid, port))
+        .collect();
+    let time_wait = bench_probe::time_wait_to(port);
+    let losses = total(&farm_counter(&scraper, &farms, "rcfarm_session_losses_total", "").await);
     let rss: Vec<u64> = farms.iter().filter_map(|f| rss_kib(f.pid)).collect();
     let rss_mib = rss.iter().sum::<u64>() as f64 / rss.len().max(1) as f64 / 1024.0;
-    let rss_per_rc_kib = rss.iter().sum::<u64>() as f64 / args.rcs as f64;
+    let above_idle = rss
+        .iter()
+        .sum::<u64>()
+        .saturating_sub(rss_idle.iter().sum::<u64>());
+    let rss_per_rc_kib = above_idle as f64 / args.rcs as f64;
 
     // Handover and failover need another farm to take over.
     let (mut handover, mut failover) = (None, None);
     if args.farms >= 2 {
         let gone = farms[0].session.clone().unwrap_or_default();
         signal(farms[0].pid, "TERM");
-        let c = consul.clone();
         let n = args.rcs;
         handover = Some(
             wait_until(Duration::from_secs(60), "handover", || {
@@ -339,7 +518,6 @@ pub async fn run(args: BenchFarmArgs) -> Result<(), CliError> {
         let _ = farms[0].child.wait().await;
         let gone = farms[1].session.clone().unwrap_or_default();
         signal(farms[1].pid, "KILL");
-        let c = consul.clone();
         failover = Some(
             wait_until(
                 args.session_ttl * 4 + Duration::from_secs(30),
@@ -362,30 +540,67 @@ pub async fn run(args: BenchFarmArgs) -> Result<(), CliError> {
 
     let secs =
         |d: Option<Duration>| d.map_or("n/a".to_string(), |d| format!("{:.2}", d.as_secs_f64()));
+    let list = |v: &[f64]| {
+        v.iter()
+            .map(|x| format!("{x:.0}"))
+            .collect::<Vec<_>>()
+            .join("/")
+    };
+    let ints = |v: &[usize]| {
+        v.iter()
+            .map(|x| x.to_string())
+            .collect::<Vec<_>>()
+            .join("/")
+    };
+    let lat = if latencies.is_empty() {
+        "n/a".to_string()
+    } else {
+        format!(
+            "{:.1} / {:.1}",
+            pct(&mut latencies.clone(), 0.5),
+            pct(&mut latencies, 0.99)
+        )
+    };
+    eprintln!(
+        "requests while converging, by endpoint: {}",
+        by_endpoint.join(", ")
+    );
+    eprintln!(
+        "requests of all farms while idle for {:?}, by endpoint: {}",
+        args.idle,
+        idle_by_endpoint.join(", ")
+    );
     println!(
-        "| {} | {}×{} | {} | {:.2} | {:.0} | {:.2} | {:.3} | {:.1} / {:.1} | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} |",
+        "| {} | {} | {}×{} | {} | {:.2} | {:.0} | {:.2} | {} | {} | {} | {} | {} | {:.2} | {} | {} | {:.0} | {:.1} | {} | {:.0} |",
+        target.name(),
         args.farms,
         args.rcs,
         args.replicas,
         args.nodes,
         converge.as_secs_f64(),
         pods as f64 / converge.as_secs_f64(),
-        requests_per_pod,
-        txns_per_pod,
-        pct(&mut latencies.clone(), 0.5),
-        pct(&mut latencies, 0.99),
+        requests_per_rc,
+        lat,
         secs(handover),
         secs(failover),
-        blocking,
-        idle_rpm,
+        ints(&peak_conns),
+        ints(&idle_conns),
+        idle_rps,
+        list(&farm_cpu_pct),
+        match (consul_cpu, consul_idle_pct) {
+            (Some(c), Some(i)) => format!("{:.1} s / {i:.1} %", c.as_secs_f64()),
+            _ => "n/a".into(),
+        },
         rss_mib,
         rss_per_rc_kib,
+        time_wait,
+        losses,
     );
-    server.shutdown().await;
+    target.shutdown().await;
     Ok(())
 }
 
 /// The header of the table rows `run` prints.
 pub fn header() -> &'static str {
-    "| farms | RCs×replicas | nodes | converge s | pods/s | Consul req/pod | txn/pod | change→write p50 / p99 ms | SIGTERM handover s | kill -9 failover s | idle blocking queries/farm | idle req/min/farm | RSS MiB/farm | RSS KiB/RC |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    "| Consul | farms | RCs×replicas | nodes | converge s | pods/s | Consul req/RC | change→write p50 / p99 ms | SIGTERM handover s | kill -9 failover s | peak conns/farm | idle conns/farm | idle req/s/farm | idle CPU %/farm | Consul CPU converging / idle | RSS MiB/farm | RSS KiB/owned RC above idle | TIME-WAIT | session losses |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 }

@@ -33,6 +33,15 @@ pub struct ConsulDevArgs {
     /// Refuse transactions with more operations (Consul < 1.14: 64, later: 128).
     #[arg(long, default_value_t = 64)]
     pub max_txn_ops: usize,
+    /// Most concurrent connections from one client IP, loopback included (Consul's
+    /// limits.http_max_conns_per_client; 1.x defaults to 200); the next one gets a 429 and is
+    /// closed. 0 = no limit.
+    #[arg(
+        long,
+        env = "RCFARM_CONSUL_DEV_HTTP_MAX_CONNS_PER_CLIENT",
+        default_value_t = crate::server::DEFAULT_HTTP_MAX_CONNS_PER_CLIENT
+    )]
+    pub http_max_conns_per_client: usize,
 }
 
 impl ConsulDevArgs {
@@ -44,6 +53,7 @@ impl ConsulDevArgs {
             acl_token: self.acl_token.clone(),
             node_name: self.node_name.clone(),
             max_txn_ops: self.max_txn_ops,
+            http_max_conns_per_client: self.http_max_conns_per_client,
             ..ServerConfig::default()
         }
     }

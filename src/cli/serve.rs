@@ -71,6 +71,11 @@ pub struct FarmArgs {
     /// `reality/`, is not watched).
     #[arg(long, env = "RCFARM_ROLL_RESYNC", default_value = "5s", value_parser = parse_duration_flag)]
     pub roll_resync: Duration,
+    /// Most TCP connections this farm opens to Consul (one is kept for session renewals; the
+    /// rest are shared, blocking queries included). Consul 1.x refuses a client's connection
+    /// beyond `limits.http_max_conns_per_client` (200 by default).
+    #[arg(long, env = "RCFARM_CONSUL_MAX_CONNS", default_value_t = crate::consul::DEFAULT_MAX_CONNS)]
+    pub consul_max_conns: usize,
     /// The `wait` of the farm's blocking queries.
     #[arg(long, env = "RCFARM_WATCH_WAIT", default_value = "5m", value_parser = parse_duration_flag)]
     pub watch_wait: Duration,
@@ -128,6 +133,17 @@ impl FarmArgs {
                 "--session-ttl must be at least 1s (Consul's own minimum is 10s)".into(),
             ));
         }
+        if self.consul_max_conns < crate::consul::MIN_MAX_CONNS {
+            return Err(CliError::Usage(format!(
+                "--consul-max-conns {}: a farm needs at least {} (about a dozen blocking queries each hold one)",
+                self.consul_max_conns,
+                crate::consul::MIN_MAX_CONNS
+            )));
+        }
+        let consul = ConsulConfig {
+            max_conns: self.consul_max_conns,
+            ..consul
+        };
         let farm_id = self
             .farm_id
             .clone()
@@ -182,6 +198,10 @@ pub struct ServeArgs {
     /// ACL token for Consul.
     #[arg(long, env = "CONSUL_HTTP_TOKEN", hide_env_values = true)]
     pub consul_token: Option<String>,
+    /// PEM file of the CA that signs Consul's HTTPS certificate (for `--consul https://…`);
+    /// only its CAs are then trusted. Default: the system's roots.
+    #[arg(long, env = "CONSUL_CACERT", value_name = "PATH")]
+    pub consul_ca_file: Option<std::path::PathBuf>,
     #[command(flatten)]
     pub farm: FarmArgs,
 }
@@ -268,7 +288,9 @@ fn install_metrics() -> Option<metrics_exporter_prometheus::PrometheusHandle> {
 }
 
 pub async fn serve(args: ServeArgs) -> Result<(), CliError> {
-    let consul = ConsulConfig::new(args.consul.clone()).with_token(args.consul_token.clone());
+    let consul = ConsulConfig::new(args.consul.clone())
+        .with_token(args.consul_token.clone())
+        .with_ca_file(args.consul_ca_file.clone());
     let config = args.farm.to_config(consul, &default_farm_id())?;
     let http = args.farm.http_addr()?;
     let shutdown = CancellationToken::new();

@@ -70,6 +70,10 @@ pub struct SimulateArgs {
     /// ACL token for Consul.
     #[arg(long, env = "CONSUL_HTTP_TOKEN", hide_env_values = true)]
     pub consul_token: Option<String>,
+    /// PEM file of the CA that signs Consul's HTTPS certificate (for `--consul https://…`);
+    /// only its CAs are then trusted. Default: the system's roots.
+    #[arg(long, env = "CONSUL_CACERT", value_name = "PATH")]
+    pub consul_ca_file: Option<std::path::PathBuf>,
     /// How many nodes to play.
     #[arg(long, default_value_t = 3)]
     pub nodes: usize,
@@ -90,8 +94,12 @@ pub fn spawn(consul: Consul, config: SimConfig, stop: CancellationToken) -> Resu
 
 pub async fn run(args: SimulateArgs) -> Result<(), CliError> {
     let config = args.behaviour.to_config(args.nodes)?;
-    let consul = Consul::new(ConsulConfig::new(args.consul).with_token(args.consul_token))
-        .map_err(|e| CliError::Usage(format!("--consul: {e}")))?;
+    let consul = Consul::new(
+        ConsulConfig::new(args.consul)
+            .with_token(args.consul_token)
+            .with_ca_file(args.consul_ca_file),
+    )
+    .map_err(|e| CliError::Usage(format!("--consul: {e}")))?;
     let sim = NodeSimulator::new(consul, config).map_err(|e| CliError::Usage(e.to_string()))?;
     let stop = CancellationToken::new();
     let s = stop.clone();

@@ -51,7 +51,21 @@ pub struct ConsulConfig {
     pub attempts: u32,
     pub retry_base: Duration,
     pub retry_cap: Duration,
+    /// Most TCP connections to Consul at once: one is kept for session calls, the rest are
+    /// shared by every other request (blocking queries included), which wait their turn rather
+    /// than open another connection. Consul 1.x refuses a client's 201st connection.
+    pub max_conns: usize,
+    /// PEM file of the CA(s) that sign Consul's HTTPS certificate (`CONSUL_CACERT`). When set,
+    /// only these are trusted, as Consul's own CLI does; otherwise the system's roots are.
+    pub ca_file: Option<std::path::PathBuf>,
 }
+
+/// Default of [`ConsulConfig::max_conns`].
+pub const DEFAULT_MAX_CONNS: usize = 32;
+
+/// The smallest [`ConsulConfig::max_conns`] that leaves room for a farm's blocking queries
+/// (about a dozen, each holding a connection for minutes) beside its bulk work.
+pub const MIN_MAX_CONNS: usize = 16;
 
 impl Default for ConsulConfig {
     fn default() -> Self {
@@ -62,6 +76,8 @@ impl Default for ConsulConfig {
             attempts: 4,
             retry_base: Duration::from_millis(50),
             retry_cap: Duration::from_secs(2),
+            max_conns: DEFAULT_MAX_CONNS,
+            ca_file: None,
         }
     }
 }
@@ -74,7 +90,7 @@ impl ConsulConfig {
         }
     }
 
-    /// Reads `CONSUL_HTTP_ADDR` and `CONSUL_HTTP_TOKEN` as the Consul CLI does.
+    /// Reads `CONSUL_HTTP_ADDR`, `CONSUL_HTTP_TOKEN` and `CONSUL_CACERT` as the Consul CLI does.
     pub fn from_env() -> Self {
         let mut c = Self::default();
         if let Ok(a) = std::env::var("CONSUL_HTTP_ADDR")
@@ -85,6 +101,9 @@ impl ConsulConfig {
         c.token = std::env::var("CONSUL_HTTP_TOKEN")
             .ok()
             .filter(|t| !t.is_empty());
+        c.ca_file = std::env::var_os("CONSUL_CACERT")
+            .filter(|p| !p.is_empty())
+            .map(Into::into);
         c
     }
 
@@ -92,6 +111,44 @@ impl ConsulConfig {
         self.token = token;
         self
     }
+
+    pub fn with_ca_file(mut self, ca_file: Option<std::path::PathBuf>) -> Self {
+        self.ca_file = ca_file;
+        self
+    }
+
+    /// The certificates of [`ConsulConfig::ca_file`], or `None` without one. An unreadable
+    /// file, or one without a PEM certificate, is an error naming it.
+    pub fn ca_certificates(&self) -> Result<Option<Vec<reqwest::Certificate>>> {
+        let Some(path) = &self.ca_file else {
+            return Ok(None);
+        };
+        let what = || {
+            format!(
+                "the Consul CA file {} (--consul-ca-file / CONSUL_CACERT)",
+                path.display()
+            )
+        };
+        let pem = std::fs::read(path)
+            .map_err(|e| ConsulError::Config(format!("{}: cannot read it: {e}", what())))?;
+        let certs = reqwest::Certificate::from_pem_bundle(&pem)
+            .map_err(|e| ConsulError::Config(format!("{}: not a PEM bundle: {e}", what())))?;
+        if certs.is_empty() {
+            return Err(ConsulError::Config(format!(
+                "{}: no PEM certificate (\"-----BEGIN CERTIFICATE-----\") in it",
+                what()
+            )));
+        }
+        Ok(Some(certs))
+    }
+}
+
+/// Requests in flight at once on the shared connections. The pool returns a connection a
+/// moment after its answer was read, and a request that starts in that moment opens another;
+/// the headroom keeps those rare extra connections within `max_conns`.
+fn shared_permits(max_conns: usize) -> usize {
+    let headroom = (max_conns / 8).max(1);
+    max_conns.saturating_sub(1 + headroom).max(1)
 }
 
 /// Installs rustls' crypto provider for every HTTPS client of the process (reqwest is built
@@ -105,6 +162,8 @@ pub fn init_tls() {
 #[derive(Debug, Default)]
 pub struct ClientStats {
     pub requests: AtomicU64,
+    /// Requests that found every connection busy and waited for one.
+    pub waited: AtomicU64,
     pub txns: AtomicU64,
     pub errors: AtomicU64,
     pub blocking_open: AtomicI64,
@@ -114,6 +173,7 @@ pub struct ClientStats {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 pub struct ClientStatsSnapshot {
     pub requests: u64,
+    pub waited: u64,
     pub txns: u64,
     pub errors: u64,
     pub blocking_open: i64,
@@ -126,7 +186,12 @@ pub struct Consul {
 }
 
 struct Inner {
+    /// Every request but session calls; at most `permits` of them in flight.
     http: reqwest::Client,
+    permits: tokio::sync::Semaphore,
+    /// Session create/renew/destroy, on a connection of their own so that renewals never queue
+    /// behind bulk work (a starved renewal loses every lock the farm holds).
+    session_http: reqwest::Client,
     base: String,
     cfg: ConsulConfig,
     stats: ClientStats,
@@ -198,12 +263,9 @@ impl Consul {
     pub fn new(cfg: ConsulConfig) -> Result<Self> {
         init_tls();
         let base = normalize_address(&cfg.address)?;
-        let mut builder = reqwest::Client::builder()
-            .pool_idle_timeout(Duration::from_secs(90))
-            .connect_timeout(Duration::from_secs(5))
-            .tcp_nodelay(true);
+        let max_conns = cfg.max_conns.max(2);
+        let mut headers = reqwest::header::HeaderMap::new();
         if let Some(token) = &cfg.token {
-            let mut headers = reqwest::header::HeaderMap::new();
             let value = reqwest::header::HeaderValue::from_str(token).map_err(|_| {
                 ConsulError::Rejected {
                     status: 0,
@@ -211,14 +273,32 @@ impl Consul {
                 }
             })?;
             headers.insert("X-Consul-Token", value);
-            builder = builder.default_headers(headers);
         }
-        let http = builder
-            .build()
-            .map_err(|e| ConsulError::BadResponse(format!("cannot build HTTP client: {e}")))?;
+        let build = |idle: usize| {
+            let builder = reqwest::Client::builder()
+                // Idle connections are kept (up to the bound) for reuse instead of being
+                // closed and reopened: churn leaves thousands of sockets in TIME-WAIT.
+                .pool_max_idle_per_host(idle)
+                .pool_idle_timeout(Duration::from_secs(90))
+                .connect_timeout(Duration::from_secs(5))
+                .tcp_nodelay(true)
+                .default_headers(headers.clone());
+            // With a CA file, only its CAs are trusted (as Consul's CLI does with CONSUL_CACERT).
+            let builder = match cfg.ca_certificates()? {
+                Some(roots) => builder.tls_certs_only(roots),
+                None => builder,
+            };
+            builder
+                .build()
+                .map_err(|e| ConsulError::BadResponse(format!("cannot build HTTP client: {e}")))
+        };
+        let http = build(max_conns - 1)?;
+        let session_http = build(1)?;
         Ok(Self {
             inner: Arc::new(Inner {
                 http,
+                permits: tokio::sync::Semaphore::new(shared_permits(max_conns)),
+                session_http,
                 base,
                 cfg,
                 stats: ClientStats::default(),
@@ -235,6 +315,7 @@ impl Consul {
         let s = &self.inner.stats;
         ClientStatsSnapshot {
             requests: s.requests.load(Ordering::Relaxed),
+            waited: s.waited.load(Ordering::Relaxed),
             txns: s.txns.load(Ordering::Relaxed),
             errors: s.errors.load(Ordering::Relaxed),
             blocking_open: s.blocking_open.load(Ordering::Relaxed),
@@ -261,6 +342,7 @@ impl Consul {
         retry: Retry,
         timeout: Duration,
         attempts: u32,
+        lane: Lane,
         build: impl Fn() -> reqwest::RequestBuilder,
     ) -> Result<Raw> {
         let cfg = &self.inner.cfg;
@@ -270,12 +352,22 @@ impl Consul {
             attempt += 1;
             self.inner.stats.requests.fetch_add(1, Ordering::Relaxed);
             metrics::counter!("rcfarm_consul_requests_total", "endpoint" => endpoint).increment(1);
+            // Held until the answer's body is read, so that the connection is back in the pool
+            // before another request may start.
+            let _permit = match lane {
+                Lane::Session => None,
+                Lane::Shared => Some(self.permit().await?),
+            };
             let (err, may_retry) = match build().timeout(timeout).send().await {
                 Ok(resp) => {
                     let status = resp.status();
                     let headers = resp.headers().clone();
                     match resp.bytes().await {
                         Ok(body) => {
+                            // hyper puts the connection back in the pool from a task of its
+                            // own once the body is done; let it run before the permit goes,
+                            // or the next request finds no idle connection and opens one more.
+                            tokio::task::yield_now().await;
                             let raw = Raw {
                                 status,
                                 headers,
@@ -309,6 +401,19 @@ impl Consul {
             tracing::debug!(endpoint, attempt, error = %err, "retrying Consul request");
             tokio::time::sleep(backoff.next_delay()).await;
         }
+    }
+
+    async fn permit(&self) -> Result<tokio::sync::SemaphorePermit<'_>> {
+        let permits = &self.inner.permits;
+        if let Ok(p) = permits.try_acquire() {
+            return Ok(p);
+        }
+        self.inner.stats.waited.fetch_add(1, Ordering::Relaxed);
+        permits
+            .acquire()
+            .await
+            // The semaphore is never closed while the client exists.
+            .map_err(|_| self.unavailable("the client is shutting down".into()))
     }
 
     fn unavailable(&self, reason: String) -> ConsulError {
@@ -388,9 +493,14 @@ impl Consul {
         let blocking = opts.index > 0;
         let _open = blocking.then(|| BlockingGuard::new(&self.inner.stats));
         let attempts = if blocking { 1 } else { self.inner.cfg.attempts };
-        self.execute(endpoint, Retry::Idempotent, timeout, attempts, || {
-            self.inner.http.get(&url).query(&query)
-        })
+        self.execute(
+            endpoint,
+            Retry::Idempotent,
+            timeout,
+            attempts,
+            Lane::Shared,
+            || self.inner.http.get(&url).query(&query),
+        )
         .await
     }
 }
@@ -474,6 +584,16 @@ struct Write<'a> {
     query: Vec<(&'a str, String)>,
     body: Option<Vec<u8>>,
     retry: Retry,
+    lane: Lane,
+}
+
+/// Which connections a request uses.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Lane {
+    /// The bounded pool shared by every request but session calls.
+    Shared,
+    /// The session's own connection.
+    Session,
 }
 
 impl Consul {
@@ -484,12 +604,13 @@ impl Consul {
             w.retry,
             timeout,
             self.inner.cfg.attempts,
+            w.lane,
             || {
-                let mut rb = self
-                    .inner
-                    .http
-                    .request(w.method.clone(), &w.url)
-                    .query(&w.query);
+                let http = match w.lane {
+                    Lane::Shared => &self.inner.http,
+                    Lane::Session => &self.inner.session_http,
+                };
+                let mut rb = http.request(w.method.clone(), &w.url).query(&w.query);
                 if let Some(b) = &w.body {
                     rb = rb.body(b.clone());
                 }
@@ -533,6 +654,7 @@ impl Consul {
             query,
             body: None,
             retry: Retry::Idempotent,
+            lane: Lane::Shared,
         }
     }
 
@@ -743,6 +865,7 @@ impl Consul {
                 query: vec![],
                 body: Some(body),
                 retry: Retry::ConnectOnly,
+                lane: Lane::Session,
             })
             .await?;
         match raw.status.as_u16() {
@@ -771,6 +894,7 @@ impl Consul {
                 query: vec![],
                 body: None,
                 retry: Retry::Idempotent,
+                lane: Lane::Session,
             })
             .await?;
         match raw.status.as_u16() {
@@ -796,6 +920,7 @@ impl Consul {
                 query: vec![],
                 body: None,
                 retry: Retry::Idempotent,
+                lane: Lane::Session,
             })
             .await?;
         self.bool_answer(&raw).map(|_| ())
@@ -879,6 +1004,7 @@ impl Consul {
                 } else {
                     Retry::ConnectOnly
                 },
+                lane: Lane::Shared,
             })
             .await;
         let raw = match raw {

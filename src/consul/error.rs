@@ -38,6 +38,10 @@ pub enum ConsulError {
     /// about availability).
     #[error("Consul rejected the request (HTTP {status}): {body}")]
     Rejected { status: u16, body: String },
+
+    /// The client cannot be built as configured (a CA file that cannot be read, say).
+    #[error("{0}")]
+    Config(String),
 }
 
 fn join(errs: &[TxnOpError]) -> String {
@@ -51,6 +55,20 @@ impl ConsulError {
     /// Whether retrying the same call later can help (only meaningful for idempotent calls).
     pub fn is_retryable(&self) -> bool {
         matches!(self, ConsulError::Unavailable { .. })
+    }
+
+    /// For a connection that failed in its TLS handshake because Consul's certificate could not
+    /// be verified (an unknown CA, a name or address the certificate does not cover, an expired
+    /// one) or because the port does not speak TLS: what rustls said. Retrying never helps.
+    pub fn tls_problem(&self) -> Option<&str> {
+        let ConsulError::Unavailable { reason, .. } = self else {
+            return None;
+        };
+        // rustls' own wording, at the end of the reqwest error chain.
+        ["invalid peer certificate", "received corrupt message"]
+            .iter()
+            .find_map(|m| reason.find(m))
+            .map(|i| &reason[i..])
     }
 
     /// For a rolled-back transaction, the failures of its ops.
@@ -86,6 +104,7 @@ impl ConsulError {
             ConsulError::TooManyOps { .. } => "too_many_ops",
             ConsulError::InvalidSession(_) => "invalid_session",
             ConsulError::Rejected { .. } => "rejected",
+            ConsulError::Config(_) => "config",
         }
     }
 }

@@ -12,7 +12,9 @@ mod txn;
 mod types;
 mod watch;
 
-pub use client::{ClientStatsSnapshot, Consul, ConsulConfig, init_tls};
+pub use client::{
+    ClientStatsSnapshot, Consul, ConsulConfig, DEFAULT_MAX_CONNS, MIN_MAX_CONNS, init_tls,
+};
 pub use error::{ConsulError, Result};
 pub use session::{Session, SessionConfig};
 pub use tree_cache::{ParseFn, TreeCache};

@@ -1,8 +1,14 @@
 //! A session kept alive in the background, with prompt notice of its loss.
 //!
-//! Consul invalidates a session 2×TTL after its last renewal; this renewer gives up earlier, when
-//! no renewal has succeeded for one TTL, so that whoever relies on the session stops acting on it
-//! while Consul still honours it. A 404 on renew means Consul already dropped it.
+//! Consul invalidates a session 2×TTL after its last renewal, and a new raft leader restarts
+//! every session's timer at 2×TTL when it takes over (`initializeSessionTimers`). So renewals
+//! that fail for a while (an election: "No cluster leader") do not mean the session is gone,
+//! and giving it up then would hand every lock it holds to another farm for nothing. After one
+//! TTL without a successful renewal the session is *in doubt*: its holder stops taking on new
+//! work and reports itself not ready, and renewing goes on. It is lost only when Consul says so
+//! (404 on renew), which it does at the first renewal that reaches a leader after the session
+//! expired. Acting in doubt is safe because every write made under the session is fenced by it
+//! (`check-session` in the same transaction): a write under an expired session fails.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -37,6 +43,7 @@ pub struct Session {
     stop: CancellationToken,
     reason: Arc<Mutex<Option<String>>>,
     renewals: Arc<AtomicU64>,
+    doubt: tokio::sync::watch::Receiver<bool>,
     task: Option<JoinHandle<()>>,
 }
 
@@ -66,6 +73,7 @@ impl Session {
         let stop = CancellationToken::new();
         let reason = Arc::new(Mutex::new(None));
         let renewals = Arc::new(AtomicU64::new(0));
+        let (doubt_tx, doubt) = tokio::sync::watch::channel(false);
         let task = tokio::spawn(renew_loop(RenewLoop {
             consul: consul.clone(),
             id: id.clone(),
@@ -75,6 +83,8 @@ impl Session {
             stop: stop.clone(),
             reason: reason.clone(),
             renewals: renewals.clone(),
+            doubt: doubt_tx,
+            doubt_since: None,
         }));
         tracing::info!(session = %id, name = %config.name, ttl = ?config.ttl, "created Consul session");
         Ok(Session {
@@ -86,6 +96,7 @@ impl Session {
             stop,
             reason,
             renewals,
+            doubt,
             task: Some(task),
         })
     }
@@ -115,6 +126,12 @@ impl Session {
     /// Why the session was lost, once it was.
     pub fn loss_reason(&self) -> Option<String> {
         self.reason.lock().clone()
+    }
+
+    /// True while no renewal has succeeded for a TTL and Consul has not said the session is
+    /// gone: it may still hold (an election resets session timers), or may have expired.
+    pub fn doubt(&self) -> tokio::sync::watch::Receiver<bool> {
+        self.doubt.clone()
     }
 
     /// Successful renewals so far.
@@ -148,6 +165,26 @@ struct RenewLoop {
     stop: CancellationToken,
     reason: Arc<Mutex<Option<String>>>,
     renewals: Arc<AtomicU64>,
+    doubt: tokio::sync::watch::Sender<bool>,
+    doubt_since: Option<Instant>,
+}
+
+impl RenewLoop {
+    fn enter_doubt(&mut self, why: &str) {
+        if self.doubt_since.is_none() {
+            self.doubt_since = Some(Instant::now());
+            self.doubt.send_replace(true);
+            metrics::counter!("rcfarm_session_doubts_total").increment(1);
+            tracing::warn!(session = %self.id, ttl = ?self.ttl, %why, "no successful session renewal within the TTL: the session is in doubt; renewing on until Consul answers (a new leader restarts session timers)");
+        }
+    }
+
+    fn leave_doubt(&mut self) {
+        if let Some(since) = self.doubt_since.take() {
+            self.doubt.send_replace(false);
+            tracing::info!(session = %self.id, in_doubt = ?since.elapsed(), "session renewed: it held");
+        }
+    }
 }
 
 async fn renew_loop(mut s: RenewLoop) {
@@ -157,17 +194,22 @@ async fn renew_loop(mut s: RenewLoop) {
             _ = s.stop.cancelled() => return,
             _ = tokio::time::sleep_until(next) => {}
         }
-        let deadline = s.last_ok + s.ttl;
         let now = Instant::now();
+        let deadline = s.last_ok + s.ttl;
         if now >= deadline {
-            return declare_lost(&s, "no successful renewal within the session TTL".into());
+            s.enter_doubt("renewals failing");
         }
+        // An attempt may take what is left of the TTL, and at least a few seconds once in
+        // doubt (an answer, even late, is what ends the doubt).
+        let limit = deadline
+            .saturating_duration_since(now)
+            .max(Duration::from_secs(2).min(s.ttl / 2));
         let sent_at = now;
         let attempt = tokio::select! {
             _ = s.stop.cancelled() => return,
-            r = tokio::time::timeout(deadline - now, s.consul.session_renew(&s.id)) => r,
+            r = tokio::time::timeout(limit, s.consul.session_renew(&s.id)) => r,
         };
-        match attempt {
+        let failure = match attempt {
             Ok(Ok(entry)) => {
                 s.last_ok = sent_at;
                 s.renewals.fetch_add(1, Ordering::Relaxed);
@@ -179,7 +221,9 @@ async fn renew_loop(mut s: RenewLoop) {
                 {
                     s.ttl = ttl;
                 }
+                s.leave_doubt();
                 next = s.last_ok + s.ttl / 2;
+                continue;
             }
             Ok(Err(ConsulError::NotFound(_))) => {
                 return declare_lost(
@@ -187,22 +231,26 @@ async fn renew_loop(mut s: RenewLoop) {
                     "Consul no longer knows the session (404 on renew)".into(),
                 );
             }
-            Ok(Err(e)) => {
-                metrics::counter!("rcfarm_session_renew_failures_total").increment(1);
-                let left = deadline.saturating_duration_since(Instant::now());
-                tracing::warn!(session = %s.id, error = %e, time_left = ?left, "session renewal failed; retrying");
-                // Retry quickly but leave room for a few attempts before the deadline.
-                let retry = jitter_half(
-                    (left / 4).clamp(Duration::from_millis(50), Duration::from_secs(1)),
-                );
-                next = Instant::now() + retry;
-            }
-            Err(_elapsed) => {
-                return declare_lost(
-                    &s,
-                    "renewal did not answer before the session TTL ran out".into(),
-                );
-            }
+            Ok(Err(e)) => e.to_string(),
+            Err(_elapsed) => format!("no answer within {limit:?}"),
+        };
+        metrics::counter!("rcfarm_session_renew_failures_total").increment(1);
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            s.enter_doubt(&failure);
+        }
+        tracing::warn!(session = %s.id, error = %failure, time_left = ?left, in_doubt = s.doubt_since.is_some(), "session renewal failed; retrying");
+        // Retry quickly but leave room for a few attempts before the deadline; in doubt, about
+        // once a second.
+        let retry = if left.is_zero() {
+            Duration::from_secs(1)
+        } else {
+            (left / 4).clamp(Duration::from_millis(50), Duration::from_secs(1))
+        };
+        next = Instant::now() + jitter_half(retry);
+        if !left.is_zero() {
+            // Say "in doubt" when the TTL runs out, not at the next attempt after it.
+            next = next.min(deadline);
         }
     }
 }

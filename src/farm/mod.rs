@@ -5,6 +5,7 @@
 //! tree, the farm registry, the label trees (RCs, nodes, pods), health, and the pool scheduler's
 //! reservations. Changes are dispatched to the tasks they concern.
 
+mod access;
 pub mod claims;
 mod ownership;
 mod rcs;
@@ -114,6 +115,31 @@ fn hostname() -> String {
 pub enum FarmError {
     #[error(transparent)]
     Consul(#[from] ConsulError),
+
+    /// At start, Consul refused what the farm needs with the token it was given (or without
+    /// one); the farm stopped before creating a session or claiming anything.
+    #[error(
+        "Consul refused {}: {detail}. The farm needs {needs}",
+        if *.token_given {
+            "the ACL token given by --consul-token / CONSUL_HTTP_TOKEN"
+        } else {
+            "requests without an ACL token (Consul's anonymous token); give one with --consul-token or CONSUL_HTTP_TOKEN"
+        }
+    )]
+    AclRefused {
+        token_given: bool,
+        detail: String,
+        needs: String,
+    },
+
+    /// At start, no TLS connection to Consul could be made: its certificate was not trusted or
+    /// the port does not speak TLS.
+    #[error(
+        "cannot talk TLS to Consul at {addr}: {detail} (give the CA that signs Consul's \
+         certificate with --consul-ca-file / CONSUL_CACERT, and check that the address is \
+         Consul's HTTPS port)"
+    )]
+    Tls { addr: String, detail: String },
 }
 
 fn apply_roll_event(rolls: &mut OwnedRolls, ev: RollEvent) {
@@ -217,7 +243,13 @@ impl Farm {
     }
 
     /// Runs until `shutdown`: then stops tasks, releases every lock, destroys the session.
+    /// Fails at start, having done nothing, if Consul refuses the farm's ACL token or its TLS.
     pub async fn run(&self, shutdown: CancellationToken) -> Result<(), FarmError> {
+        // The audit database does not depend on Consul: connect it while Consul is checked.
+        self.connect_audit(&shutdown);
+        if !self.check_access(&shutdown).await? {
+            return Ok(());
+        }
         let cfg = &self.config;
         let w = cfg.watch.clone();
         let views = Views {
@@ -248,8 +280,9 @@ impl Farm {
             )),
         };
         tracing::info!(farm_id = %cfg.farm_id, scheduler = scheduler.name(), rc_selector = %cfg.rc_selector, "farm starting");
-        self.connect_audit(&shutdown);
         let mut backoff = Backoff::new(Duration::from_millis(500), Duration::from_secs(30));
+        // Until the first session: what Consul refuses then is a setup mistake.
+        let mut started = false;
         loop {
             if shutdown.is_cancelled() {
                 return Ok(());
@@ -261,6 +294,9 @@ impl Farm {
             let (session, info) = match session {
                 Ok(s) => s,
                 Err(e) => {
+                    if !started && let Some(fatal) = self.fatal_at_start(&e) {
+                        return Err(fatal);
+                    }
                     let wait = backoff.next_delay();
                     tracing::warn!(error = %e, retry_in = ?wait, "cannot create a Consul session");
                     tokio::select! {
@@ -270,6 +306,7 @@ impl Farm {
                 }
             };
             backoff.reset();
+            started = true;
             let (locks_tx, locks_rx) = watch::channel(Arc::new(LockView::default()));
             let roll_ctx = Arc::new(RollContext {
                 consul: self.consul.clone(),
@@ -288,6 +325,7 @@ impl Farm {
                 health: views.health.clone(),
                 scheduler: scheduler.clone(),
                 intents: Arc::new(IntentView::default()),
+                transfers: Arc::new(crate::rctask::TransferReader::new(self.consul.clone())),
                 status: self.status.clone(),
                 locks: locks_rx,
                 rcs: views.rcs.subscribe(),
@@ -368,25 +406,83 @@ impl Farm {
             version: env!("CARGO_PKG_VERSION").to_string(),
         };
         let body = serde_json::to_vec(&info).unwrap_or_default();
-        if !self
+        let registered = self
             .consul
             .kv_acquire(&info.key(), &body, session.id(), None)
-            .await?
-        {
-            let _ = session.destroy().await;
-            return Err(ConsulError::Rejected {
+            .await;
+        let failed = match registered {
+            Ok(true) => None,
+            Ok(false) => Some(ConsulError::Rejected {
                 status: 0,
                 body: format!("could not register {}", info.key()),
-            });
+            }),
+            Err(e) => Some(e),
+        };
+        if let Some(e) = failed {
+            // Never a session without the registration that tells other farms about it.
+            let _ = tokio::time::timeout(Duration::from_secs(2), session.destroy()).await;
+            return Err(e);
         }
         self.status
             .update_farm(|f| f.session = Some(session.id().to_string()));
         Ok((session, info))
     }
 
+    /// Before anything else: checks that Consul lets the farm's token do what the farm does
+    /// (see [`access`]), retrying while Consul is unavailable. `false`: shut down meanwhile.
+    async fn check_access(&self, shutdown: &CancellationToken) -> Result<bool, FarmError> {
+        let pool = matches!(self.config.scheduler, SchedulerKind::Pool(_));
+        let ships_audit = self.config.audit_db.is_some();
+        let mut backoff = Backoff::new(Duration::from_millis(500), Duration::from_secs(30));
+        loop {
+            let checked = tokio::select! {
+                _ = shutdown.cancelled() => return Ok(false),
+                r = access::check(&self.consul, pool, ships_audit) => r,
+            };
+            let e = match checked {
+                Ok(()) => return Ok(true),
+                Err(e) => e,
+            };
+            if let Some(fatal) = self.fatal_at_start(&e) {
+                return Err(fatal);
+            }
+            let wait = backoff.next_delay();
+            tracing::warn!(error = %e, retry_in = ?wait, "cannot check the farm's access to Consul");
+            tokio::select! {
+                _ = shutdown.cancelled() => return Ok(false),
+                _ = tokio::time::sleep(wait) => {}
+            }
+        }
+    }
+
+    /// Errors that retrying cannot mend, when they happen before the farm first served: a
+    /// refused ACL token, a TLS certificate not trusted.
+    fn fatal_at_start(&self, e: &ConsulError) -> Option<FarmError> {
+        if let ConsulError::PermissionDenied(detail) = e {
+            let detail = if detail.contains("ACL not found") {
+                format!("{detail} (Consul knows no such token)")
+            } else {
+                detail.clone()
+            };
+            return Some(FarmError::AclRefused {
+                token_given: self.config.consul.token.is_some(),
+                detail,
+                needs: access::needs(
+                    matches!(self.config.scheduler, SchedulerKind::Pool(_)),
+                    self.config.audit_db.is_some(),
+                ),
+            });
+        }
+        e.tls_problem().map(|detail| FarmError::Tls {
+            addr: self.consul.address().to_string(),
+            detail: detail.to_string(),
+        })
+    }
+
     async fn serve(&self, views: &Views, sv: &Serving<'_>, shutdown: &CancellationToken) -> Ended {
         let session = sv.session;
         let lost = session.lost().clone();
+        let mut doubt_rx = session.doubt();
         let (ev_tx, mut ev_rx) = mpsc::unbounded_channel::<TaskEvent>();
         let (roll_ev_tx, mut roll_ev_rx) = mpsc::unbounded_channel::<RollEvent>();
         let mut owned = OwnedRcs::new(RcKind {
@@ -427,7 +523,11 @@ impl Farm {
                 && views.pods.is_synced()
                 && views.rc_labels.is_synced()
                 && views.health.tree().is_synced();
-            if ready && dirty {
+            // In doubt, what the farm holds is kept but nothing is claimed or given up: a
+            // claim could not commit anyway, and a release would hand RCs over for nothing if
+            // the session holds (see consul::session).
+            let in_doubt = *doubt_rx.borrow_and_update();
+            if ready && dirty && !in_doubt {
                 dirty = false;
                 let locks_before = sv.locks_tx.borrow().clone();
                 let claimed = self
@@ -452,7 +552,7 @@ impl Farm {
                 }
                 sweep_soon |= claimed;
             }
-            if ready && dirty_rolls {
+            if ready && dirty_rolls && !in_doubt {
                 dirty_rolls = false;
                 // News from roll tasks first: a task that ended because its roll completed
                 // must not be started again from a view that still shows the roll.
@@ -471,13 +571,13 @@ impl Farm {
             }
             if ready {
                 let _ = self.ready.send_if_modified(|r| {
-                    let changed = !*r;
-                    *r = true;
+                    let changed = *r == in_doubt;
+                    *r = !in_doubt;
                     changed
                 });
                 self.status.update_farm(|f| f.synced = true);
             }
-            if ready && (sweep_soon || Instant::now() >= next_sweep) {
+            if ready && !in_doubt && (sweep_soon || Instant::now() >= next_sweep) {
                 self.sweep(views, &sv.ctx, &owned).await;
                 next_sweep = Instant::now()
                     + jitter_half(self.config.consistency_interval * 2)
@@ -496,6 +596,13 @@ impl Farm {
                     owned.cancel_all();
                     rolls.cancel_all();
                     return Ended::SessionLost(session.loss_reason().unwrap_or_default());
+                }
+                r = doubt_rx.changed() => {
+                    if r.is_err() { return Ended::SessionLost("session renewer ended".into()); }
+                    let in_doubt = *doubt_rx.borrow();
+                    self.status.update_farm(|f| f.session_in_doubt = in_doubt);
+                    dirty = true;
+                    dirty_rolls = true;
                 }
                 Some(ev) = ev_rx.recv() => {
                     let TaskEvent::Fenced(id) = ev;

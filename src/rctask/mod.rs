@@ -7,10 +7,12 @@ pub mod plan;
 mod reports;
 pub mod status;
 mod transfer;
+mod transfers;
 mod worker;
 mod writes;
 
 pub use intents::{IntentState, IntentView, intent_key};
 pub use plan::{Action, Observed, Plan, Transfer, plan};
 pub use status::{Condition, FarmStatus, RcStatus, StatusRegistry, set_condition};
+pub use transfers::TransferReader;
 pub use worker::{RcState, TaskConfig, TaskContext, TaskEvent, TaskHandle, spawn};

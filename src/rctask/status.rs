@@ -97,6 +97,8 @@ pub struct FarmStatus {
     pub invalid_rolls: usize,
     pub synced: bool,
     pub session_losses: u64,
+    /// No renewal has succeeded for a TTL; the farm holds on and takes nothing new.
+    pub session_in_doubt: bool,
 }
 
 /// Shared status of a farm and its RCs.

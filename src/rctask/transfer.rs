@@ -12,7 +12,7 @@ use super::plan::{Observed, Transfer};
 use super::worker::{TaskError, Worker, status_key};
 use super::writes::Applied;
 use crate::audit::{AuditRecord, events};
-use crate::consul::{QueryOptions, TxnOp};
+use crate::consul::TxnOp;
 use crate::rc::{Rc, RcStore};
 use crate::scheduler::{NodeName, SchedulerError};
 
@@ -21,15 +21,11 @@ impl Worker {
         if self.transfer_loaded {
             return Ok(());
         }
-        let (entry, _) = self
+        let stored = self
             .ctx
-            .consul
-            .kv_get(&status_key(self.id), &QueryOptions::default())
+            .transfers
+            .transfer(self.id, self.transfer_since)
             .await?;
-        let stored = entry.and_then(|e| {
-            let v: Value = serde_json::from_slice(e.value_bytes()).ok()?;
-            serde_json::from_value::<Transfer>(v.get("node_transfer")?.clone()).ok()
-        });
         if let Some(t) = &stored
             && self.transfer.as_ref() != Some(t)
         {

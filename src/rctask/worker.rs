@@ -51,6 +51,8 @@ pub struct TaskContext {
     pub health: Arc<HealthCache>,
     pub scheduler: Arc<dyn Scheduler>,
     pub intents: Arc<IntentView>,
+    /// Every RC's transfer in flight, read once for a burst of tasks.
+    pub transfers: Arc<super::transfers::TransferReader>,
     pub status: Arc<StatusRegistry>,
     /// Sessions holding each RC's mutation lock, from the farm's watch of the lock tree.
     /// The RC lock tree, from the farm's watch (who holds each RC's mutation lock).
@@ -121,6 +123,7 @@ pub fn spawn(
             events,
             transfer: None,
             transfer_loaded: false,
+            transfer_since: tokio::time::Instant::now(),
             unconfirmed_alloc: None,
             unmet: None,
             invalid_reported: None,
@@ -148,6 +151,8 @@ pub(super) struct Worker {
     /// start or finish may have been applied with its answer lost, and acting on the old
     /// belief would leave a stale transfer in Consul or record its end twice.
     pub(super) transfer_loaded: bool,
+    /// The transfer must be learnt from a read sent after this (the claim, or a failed pass).
+    pub(super) transfer_since: tokio::time::Instant,
     /// A node allocated for a transfer whose start had an unknown outcome: kept if the
     /// transfer turns out to be in flight, given back otherwise.
     pub(super) unconfirmed_alloc: Option<NodeName>,
@@ -263,6 +268,7 @@ impl Worker {
                     // Whatever this pass wrote last may have been applied: learn the transfer
                     // state from Consul again before acting on it.
                     self.transfer_loaded = false;
+                    self.transfer_since = tokio::time::Instant::now();
                     let wait = self
                         .backoff
                         .next_delay()

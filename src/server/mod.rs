@@ -5,6 +5,7 @@
 //! Memory-only by default, like `consul agent -dev`; with a data directory every acknowledged
 //! write survives `kill -9`.
 
+mod connlimit;
 mod http;
 mod store;
 mod waiters;
@@ -36,6 +37,9 @@ pub struct LoggedCommit {
 use waiters::Waiters;
 pub use wal::{Recovery, WalError};
 
+/// Default of [`ServerConfig::http_max_conns_per_client`] (Consul 1.7.1 and later).
+pub const DEFAULT_HTTP_MAX_CONNS_PER_CLIENT: usize = 200;
+
 /// How to run the server.
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
@@ -55,6 +59,10 @@ pub struct ServerConfig {
     pub txn_max_req_len: usize,
     /// Keep every committed write in memory (for tests that replay them to check invariants).
     pub record_commits: bool,
+    /// Most concurrent TCP connections from one client IP (Consul 1.x's
+    /// `limits.http_max_conns_per_client`, default 200; loopback is not exempt); 0 = no limit.
+    /// The one beyond it is answered `429 Too Many Requests` and closed, as Consul does.
+    pub http_max_conns_per_client: usize,
 }
 
 impl Default for ServerConfig {
@@ -69,6 +77,7 @@ impl Default for ServerConfig {
             kv_max_value_size: 512 * 1024,
             txn_max_req_len: 512 * 1024,
             record_commits: false,
+            http_max_conns_per_client: DEFAULT_HTTP_MAX_CONNS_PER_CLIENT,
         }
     }
 }
@@ -109,6 +118,7 @@ pub(crate) struct Shared {
     pub commit_log: Option<Mutex<Vec<LoggedCommit>>>,
     pub requests: std::sync::atomic::AtomicU64,
     pub txns: std::sync::atomic::AtomicU64,
+    pub conns: Arc<connlimit::ConnLimiter>,
 }
 
 impl Shared {
@@ -174,6 +184,10 @@ pub struct ServerStats {
     pub requests: u64,
     /// `/v1/txn` requests served since start.
     pub txns: u64,
+    /// HTTP connections open now.
+    pub open_conns: usize,
+    /// Connections refused (429) for `http_max_conns_per_client` since start.
+    pub conns_refused: u64,
 }
 
 impl Shared {
@@ -193,6 +207,7 @@ impl Shared {
             commit_log: config.record_commits.then(Mutex::default),
             requests: Default::default(),
             txns: Default::default(),
+            conns: connlimit::ConnLimiter::new(config.http_max_conns_per_client),
             leader: format!("{}:8300", addr.ip()),
             config,
         })
@@ -266,6 +281,7 @@ impl EmbeddedServer {
             move |req: axum::http::Request<axum::body::Body>| http::handle(shared.clone(), req)
         });
         let serve_shutdown = shared.shutdown.clone();
+        let listener = connlimit::LimitedListener::new(listener, shared.conns.clone());
         let server = tokio::spawn(async move {
             let r = axum::serve(listener, app)
                 .with_graceful_shutdown(async move { serve_shutdown.cancelled().await })
@@ -319,6 +335,8 @@ impl EmbeddedServer {
                 .requests
                 .load(std::sync::atomic::Ordering::Relaxed),
             txns: self.shared.txns.load(std::sync::atomic::Ordering::Relaxed),
+            open_conns: self.shared.conns.open(),
+            conns_refused: self.shared.conns.refused(),
         }
     }
 

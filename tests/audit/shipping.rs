@@ -417,7 +417,8 @@ async fn a_farm_whose_database_is_ready_before_its_session_still_ships() {
         loop {
             let text = l.lock().clone();
             if text.contains("audit database ready")
-                && text.contains("cannot create a Consul session")
+                && (text.contains("cannot create a Consul session")
+                    || text.contains("cannot check the farm's access to Consul"))
             {
                 break;
             }

@@ -283,8 +283,20 @@ async fn watch_resets_when_the_server_index_goes_backwards() {
 
 #[tokio::test]
 async fn a_thousand_blocked_queries_wake_on_one_write() {
-    let s = server().await;
-    let c = client(&s);
+    // A thousand connections from one IP: lift Consul 1.x's per-client limit (200 by default),
+    // as one would on a real agent.
+    let s = server_with(ServerConfig {
+        session_ttl_min: Duration::from_secs(1),
+        http_max_conns_per_client: 0,
+        ..ServerConfig::ephemeral()
+    })
+    .await;
+    // And the client's own bound (32 connections by default), which would queue them.
+    let c = rcfarm::consul::Consul::new(rcfarm::consul::ConsulConfig {
+        max_conns: 1200,
+        ..rcfarm::consul::ConsulConfig::new(s.url())
+    })
+    .unwrap();
     c.kv_put("many/k", b"0", None).await.unwrap();
     let (_, meta) = c.kv_get("many/k", &QueryOptions::default()).await.unwrap();
     let mut handles = Vec::new();

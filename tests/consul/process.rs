@@ -274,3 +274,48 @@ async fn cli_mistakes_exit_2_and_say_what_to_do() {
         assert!(err.contains(needle), "{args:?}: {err}");
     }
 }
+
+/// `--http-max-conns-per-client` reaches the server (`rcfarm consul-dev`, and `rcfarm dev`,
+/// which takes the same server flags).
+#[tokio::test]
+async fn http_max_conns_per_client_flag_limits_connections_per_ip() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (_child, url, _) = spawn_server(None, &["--http-max-conns-per-client", "1"]).await;
+    let addr = url.strip_prefix("http://").unwrap();
+    let mut first = tokio::net::TcpStream::connect(addr).await.unwrap();
+    first
+        .write_all(b"GET /v1/status/leader HTTP/1.1\r\nHost: consul\r\n\r\n")
+        .await
+        .unwrap();
+    let mut buf = [0u8; 12];
+    first.read_exact(&mut buf).await.unwrap();
+    assert_eq!(&buf, b"HTTP/1.1 200", "the first connection is served");
+    let mut second = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let mut got = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), second.read_to_end(&mut got))
+        .await
+        .expect("the server closes the second connection")
+        .unwrap();
+    let got = String::from_utf8(got).unwrap();
+    assert!(
+        got.starts_with("HTTP/1.1 429 Too Many Requests\r\n")
+            && got.ends_with(
+                "\r\n\r\nYour IP is issuing too many concurrent connections, please rate limit your calls\n"
+            ),
+        "{got:?}"
+    );
+
+    for sub in ["consul-dev", "dev"] {
+        let out = Command::new(BIN)
+            .args([sub, "--help"])
+            .output()
+            .await
+            .unwrap();
+        let help = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            help.contains("--http-max-conns-per-client <HTTP_MAX_CONNS_PER_CLIENT>")
+                && help.contains("[default: 200]"),
+            "{sub} --help: {help}"
+        );
+    }
+}

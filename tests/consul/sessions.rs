@@ -7,6 +7,7 @@ use rcfarm::consul::{
     ConsulError, QueryOptions, Session, SessionBehavior, SessionConfig, SessionRequest, TxnFailure,
     TxnOp,
 };
+use rcfarm::server::{EmbeddedServer, ServerConfig};
 
 use crate::common::{client, eventually, server};
 
@@ -259,9 +260,13 @@ async fn renewer_keeps_the_session_and_signals_loss_promptly() {
     assert!(session.loss_reason().unwrap().contains("404"));
 }
 
+/// Renewals that fail do not mean the session is gone (an election restarts every session's
+/// timer): after one TTL the session is in doubt, renewing goes on, and it is lost only when
+/// Consul answers that it no longer knows it.
 #[tokio::test]
-async fn renewer_declares_loss_within_the_ttl_when_consul_is_gone() {
+async fn renewer_is_in_doubt_after_a_ttl_without_consul_and_lost_only_on_404() {
     let s = server().await;
+    let addr = s.addr();
     let c = client(&s);
     let cfg = SessionConfig {
         name: "renewer".into(),
@@ -270,16 +275,39 @@ async fn renewer_declares_loss_within_the_ttl_when_consul_is_gone() {
         behavior: SessionBehavior::Release,
     };
     let session = Session::create(&c, &cfg).await.unwrap();
+    let mut doubt = session.doubt();
+    assert!(!*doubt.borrow());
     s.shutdown().await;
     let stopped = Instant::now();
-    tokio::time::timeout(Duration::from_secs(5), session.lost().cancelled())
+    tokio::time::timeout(Duration::from_secs(5), doubt.wait_for(|d| *d))
         .await
-        .expect("loss signalled");
+        .expect("doubt signalled")
+        .unwrap();
     assert!(
         stopped.elapsed() <= Duration::from_millis(2300),
-        "no later than one TTL: {:?}",
+        "in doubt no later than one TTL: {:?}",
         stopped.elapsed()
     );
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(
+        !session.is_lost(),
+        "lost without Consul saying so: {:?}",
+        session.loss_reason()
+    );
+
+    // Consul is back, without the session (a memory-only server): the next renewal hears 404.
+    let back = EmbeddedServer::start(ServerConfig {
+        listen: addr,
+        session_ttl_min: Duration::from_secs(1),
+        ..ServerConfig::ephemeral()
+    })
+    .await
+    .unwrap();
+    tokio::time::timeout(Duration::from_secs(5), session.lost().cancelled())
+        .await
+        .expect("loss signalled once Consul answers");
+    assert!(session.loss_reason().unwrap().contains("404"));
+    back.shutdown().await;
 }
 
 #[tokio::test]

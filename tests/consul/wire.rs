@@ -513,3 +513,169 @@ async fn unclean_paths_are_redirected_to_the_clean_one_as_go_does() {
     assert_eq!(st, StatusCode::OK);
     assert!(body.contains("health/web/n1"), "{body}");
 }
+
+/// go-connlimit's refusal, as Consul 1.x writes it on a connection over the per-client limit.
+const TOO_MANY_CONNS: &str = "HTTP/1.1 429 Too Many Requests\r\n\
+Content-Type: text/plain\r\n\
+Content-Length: 81\r\n\
+Connection: close\r\n\
+\r\n\
+Your IP is issuing too many concurrent connections, please rate limit your calls\n";
+
+/// `GET /v1/status/leader` on a kept-alive raw connection: the status line and the body.
+async fn leader_over(conn: &mut tokio::net::TcpStream) -> (String, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    conn.write_all(b"GET /v1/status/leader HTTP/1.1\r\nHost: consul\r\n\r\n")
+        .await
+        .expect("request written");
+    let mut buf = Vec::new();
+    let head_end = loop {
+        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            break i + 4;
+        }
+        let mut chunk = [0u8; 1024];
+        let n = tokio::time::timeout(Duration::from_secs(10), conn.read(&mut chunk))
+            .await
+            .expect("answered in time")
+            .expect("read");
+        assert!(
+            n > 0,
+            "closed before the answer: {:?}",
+            String::from_utf8_lossy(&buf)
+        );
+        buf.extend_from_slice(&chunk[..n]);
+    };
+    let head = String::from_utf8(buf[..head_end].to_vec()).unwrap();
+    let len: usize = head
+        .lines()
+        .find_map(|l| {
+            let (k, v) = l.split_once(':')?;
+            k.eq_ignore_ascii_case("content-length")
+                .then(|| v.trim().parse().unwrap())
+        })
+        .expect("content-length");
+    let mut body = buf[head_end..].to_vec();
+    while body.len() < len {
+        let mut chunk = [0u8; 1024];
+        let n = conn.read(&mut chunk).await.expect("read");
+        assert!(n > 0, "closed mid-body");
+        body.extend_from_slice(&chunk[..n]);
+    }
+    (
+        head.lines().next().unwrap().to_string(),
+        String::from_utf8(body).unwrap(),
+    )
+}
+
+/// Everything a connection receives until the server closes it.
+async fn read_until_closed(conn: &mut tokio::net::TcpStream) -> String {
+    use tokio::io::AsyncReadExt;
+    let mut got = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), conn.read_to_end(&mut got))
+        .await
+        .expect("the server closes the connection")
+        .expect("read");
+    String::from_utf8(got).unwrap()
+}
+
+/// Polls the server's gauge of open connections until it reads `n`.
+async fn until_open_conns(s: &rcfarm::server::EmbeddedServer, n: usize) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while s.stats().open_conns != n {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "open connections stay at {}, not {n}",
+            s.stats().open_conns
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Consul 1.x's `limits.http_max_conns_per_client`: connections are counted per client IP
+/// (loopback included) from accept to close; the one beyond the limit gets go-connlimit's 429
+/// before any request is read and is closed; a closed connection frees its slot.
+#[tokio::test]
+async fn connections_beyond_the_per_client_limit_get_consuls_429_and_are_closed() {
+    let s = server_with(ServerConfig {
+        http_max_conns_per_client: 3,
+        ..ServerConfig::ephemeral()
+    })
+    .await;
+    let leader = (
+        "HTTP/1.1 200 OK".to_string(),
+        "\"127.0.0.1:8300\"".to_string(),
+    );
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        let mut c = tokio::net::TcpStream::connect(s.addr()).await.unwrap();
+        assert_eq!(leader_over(&mut c).await, leader);
+        held.push(c);
+    }
+    assert_eq!(s.stats().open_conns, 3);
+
+    let mut fourth = tokio::net::TcpStream::connect(s.addr()).await.unwrap();
+    assert_eq!(read_until_closed(&mut fourth).await, TOO_MANY_CONNS);
+    assert_eq!(s.stats().conns_refused, 1);
+    assert_eq!(
+        s.stats().open_conns,
+        3,
+        "a refused connection is never counted"
+    );
+
+    // The held ones are still served, on the same connections.
+    for c in &mut held {
+        assert_eq!(leader_over(c).await, leader);
+    }
+
+    // Closing one frees its slot.
+    drop(held.pop());
+    until_open_conns(&s, 2).await;
+    let mut fifth = tokio::net::TcpStream::connect(s.addr()).await.unwrap();
+    assert_eq!(leader_over(&mut fifth).await, leader);
+    assert_eq!(s.stats().open_conns, 3);
+
+    // Full again: refused again.
+    let mut sixth = tokio::net::TcpStream::connect(s.addr()).await.unwrap();
+    assert_eq!(read_until_closed(&mut sixth).await, TOO_MANY_CONNS);
+    assert_eq!(s.stats().conns_refused, 2);
+
+    drop(held);
+    drop(fifth);
+    until_open_conns(&s, 0).await;
+}
+
+/// The default is Consul 1.x's 200: the 201st concurrent connection from one IP is refused.
+/// 0 means no limit.
+#[tokio::test]
+async fn the_per_client_connection_limit_defaults_to_200_and_0_lifts_it() {
+    assert_eq!(rcfarm::server::DEFAULT_HTTP_MAX_CONNS_PER_CLIENT, 200);
+    assert_eq!(ServerConfig::default().http_max_conns_per_client, 200);
+    assert_eq!(ServerConfig::ephemeral().http_max_conns_per_client, 200);
+
+    for (limit, refused) in [(None, true), (Some(0), false)] {
+        let mut config = ServerConfig::ephemeral();
+        if let Some(l) = limit {
+            config.http_max_conns_per_client = l;
+        }
+        let s = server_with(config).await;
+        let mut held = Vec::new();
+        for _ in 0..200 {
+            let mut c = tokio::net::TcpStream::connect(s.addr()).await.unwrap();
+            assert_eq!(leader_over(&mut c).await.0, "HTTP/1.1 200 OK");
+            held.push(c);
+        }
+        assert_eq!(s.stats().open_conns, 200);
+        let mut c = tokio::net::TcpStream::connect(s.addr()).await.unwrap();
+        if refused {
+            assert_eq!(read_until_closed(&mut c).await, TOO_MANY_CONNS);
+            assert_eq!(s.stats().conns_refused, 1);
+        } else {
+            assert_eq!(
+                leader_over(&mut c).await.0,
+                "HTTP/1.1 200 OK",
+                "limit {limit:?}"
+            );
+            assert_eq!(s.stats().conns_refused, 0);
+        }
+    }
+}

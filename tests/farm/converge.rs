@@ -340,3 +340,62 @@ async fn placed(c: &Cluster, id: RcId) -> Vec<String> {
 async fn count_events(c: &Cluster, event: &str) -> usize {
     c.audit_events(event).await.len()
 }
+
+on_both_backends!(a_farm_converging_a_burst_of_rcs_stays_within_its_connection_bound);
+/// 600 RCs arrive at once: the farm's tasks all want Consul together, and each request used to
+/// open its own connection (hundreds per farm). They now queue for the farm's 32.
+async fn a_farm_converging_a_burst_of_rcs_stays_within_its_connection_bound(b: Backend) {
+    use rcfarm::chaos::procfs::connections_to;
+    use rcfarm::consul::TxnOp;
+
+    let mut c = Cluster::start_on(&b).await;
+    nodes(&c, 20, 2).await;
+    let i = c.spawn_farm("bound", &[]).await;
+    let pid = c.farms[i].pid;
+    let port = c.server.addr().port();
+    let n = 600;
+    let ops: Vec<TxnOp> = (0..n)
+        .map(|k| {
+            let id = RcId::new();
+            let record = json!({
+                "id": id.to_string(), "manifest": format!("id: burst-{k}\nlaunchables: {{}}\n"),
+                "node_selector": "env=prod", "pod_labels": {}, "replicas_desired": 2,
+                "disabled": false, "allocation_strategy": "static_strategy",
+            });
+            TxnOp::cas(id.key(), record.to_string().into_bytes(), 0)
+        })
+        .collect();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let sampler = {
+        let stop = stop.clone();
+        tokio::task::spawn_blocking(move || {
+            let mut peak = 0;
+            while !stop.is_cancelled() {
+                peak = peak.max(connections_to(pid, port));
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            peak
+        })
+    };
+    for chunk in ops.chunks(60) {
+        c.consul.txn(chunk).await.unwrap();
+    }
+    c.wait_for(Duration::from_secs(120), "600 RCs × 2 placed", || async {
+        c.count_prefix("intent/").await == 2 * n && c.count_prefix("labels/pod/").await == 2 * n
+    })
+    .await;
+    stop.cancel();
+    let peak = sampler.await.unwrap();
+    eprintln!("peak connections of the farm to Consul while converging 600 RCs: {peak}");
+    assert!(
+        peak >= 2,
+        "the sampler saw no connection at all ({peak}): is /proc readable?"
+    );
+    assert!(
+        peak <= 32,
+        "the farm held {peak} connections to Consul (bound: 32)"
+    );
+    if let crate::harness::Server::Embedded(s) = &c.server {
+        assert_eq!(s.stats().conns_refused, 0, "the server refused connections");
+    }
+}

@@ -460,3 +460,81 @@ async fn a_stray_mutation_lock_must_not_block_the_next_owner_forever(b: Backend)
     .await;
     c.check_invariants(|_| false);
 }
+
+/// A raft leader election shorter than the session TTL: renewals fail while there is no
+/// leader, and the new leader restarts every session's timer, so the farm's session holds and
+/// it must keep every RC (it used to give its session up after one TTL without a renewal, and
+/// every RC changed hands). Real Consul only: the embedded server has no elections.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_election_shorter_than_the_ttl_moves_no_rc() {
+    let Some(crate::harness::Backend::Real(bin)) = Backend::real() else {
+        return;
+    };
+    let mut cc = rcfarm::chaos::agent::ConsulCluster::start(&bin, 3, 1)
+        .await
+        .unwrap();
+    let client = cc.clients.pop().unwrap();
+    let mut c = Cluster::around_agent(client);
+    nodes(&c, 10, 2).await;
+    // The harness's 2-s TTL: a loopback election takes longer (about 3 s), so renewals fail
+    // for more than a TTL.
+    let ids = c.farms_sharing(2, 12, 2).await;
+    c.wait_for(
+        Duration::from_secs(60),
+        "12 RCs placed, 6 per farm",
+        || async {
+            let mut per: BTreeMap<String, usize> = BTreeMap::new();
+            for s in c.owners().await.into_values() {
+                *per.entry(s).or_default() += 1;
+            }
+            c.count_prefix("intent/").await == 24 && per.len() == 2 && per.values().all(|n| *n == 6)
+        },
+    )
+    .await;
+    let before = c.owners().await;
+
+    let leader = cc.leader().await.expect("a leader");
+    let killed_at = Instant::now();
+    cc.servers[leader].kill().await;
+    let mut new_leader = None;
+    while killed_at.elapsed() < Duration::from_secs(30) {
+        if let Some(l) = cc.leader().await
+            && l != leader
+        {
+            new_leader = Some(l);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let election = killed_at.elapsed();
+    assert!(new_leader.is_some(), "no new leader within 30 s");
+    eprintln!("new raft leader {election:?} after SIGKILL of the old one");
+
+    // Past 2×TTL after the election, and a while more.
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    let after = c.owners().await;
+    assert_eq!(
+        before, after,
+        "RCs changed hands over an election of {election:?} (session TTL {TTL:?})"
+    );
+    let doubted = (0..2)
+        .filter(|i| c.farm_log(*i).contains("in doubt"))
+        .count();
+    eprintln!("farms whose session was in doubt during the election: {doubted} of 2");
+    for i in 0..2 {
+        assert!(
+            !c.farm_log(i).contains("session lost"),
+            "farm {i} lost its session:\n{}",
+            c.farm_log(i)
+        );
+    }
+    // And the farms still act: a scale-up is carried out.
+    c.patch_rc(ids[0], "replicas_desired", json!(3)).await;
+    c.wait_for(
+        Duration::from_secs(30),
+        "the scale-up after the election",
+        || async { c.count_prefix("intent/").await == 25 },
+    )
+    .await;
+    c.check_invariants(|_| false);
+}

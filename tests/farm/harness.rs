@@ -146,10 +146,19 @@ impl Cluster {
         }
     }
 
+    /// A cluster around the embedded server run with `config` (the test's own client uses its
+    /// ACL token, if it has one).
     pub async fn start_with(config: ServerConfig) -> Cluster {
         init_tracing();
+        let token = config.acl_token.clone();
         let server = EmbeddedServer::start(config).await.unwrap();
-        let consul = client(&server);
+        let consul = match token {
+            Some(t) => {
+                Consul::new(rcfarm::consul::ConsulConfig::new(server.url()).with_token(Some(t)))
+                    .unwrap()
+            }
+            None => client(&server),
+        };
         Cluster::around(Server::Embedded(server), consul)
     }
 
@@ -162,11 +171,24 @@ impl Cluster {
         }
     }
 
-    /// A cluster around a real Consul agent run with `config`.
+    /// A cluster around a real Consul agent run with `config` (the test's own client uses the
+    /// agent's HTTP listener, with the ACL master token when ACLs are on).
     pub async fn start_real(config: AgentConfig) -> Cluster {
         init_tracing();
         let agent = ConsulAgent::start(config).await.unwrap();
-        let consul = client_for(&agent.http_url());
+        Cluster::around_agent(agent)
+    }
+
+    /// A cluster around an agent already running (a client agent of a real Consul cluster).
+    pub fn around_agent(agent: ConsulAgent) -> Cluster {
+        init_tracing();
+        let consul = match &agent.config.acl_master_token {
+            Some(token) => Consul::new(
+                rcfarm::consul::ConsulConfig::new(agent.http_url()).with_token(Some(token.clone())),
+            )
+            .unwrap(),
+            None => client_for(&agent.http_url()),
+        };
         let mut c = Cluster::around(Server::Real(Box::new(agent)), consul.clone());
         c.external = Some(ExternalObserver::spawn(consul));
         c

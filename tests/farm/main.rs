@@ -11,4 +11,5 @@ mod converge;
 mod failover;
 mod harness;
 mod rolls;
+mod security;
 mod trouble;

@@ -35,6 +35,10 @@ pub struct RcctlCli {
     /// ACL token for Consul.
     #[arg(long, global = true, env = "CONSUL_HTTP_TOKEN", hide_env_values = true)]
     consul_token: Option<String>,
+    /// PEM file of the CA that signs Consul's HTTPS certificate (for `--consul https://…`);
+    /// only its CAs are then trusted. Default: the system's roots.
+    #[arg(long, global = true, env = "CONSUL_CACERT", value_name = "PATH")]
+    consul_ca_file: Option<PathBuf>,
     /// Machine-readable JSON instead of tables.
     #[arg(long, global = true)]
     json: bool,
@@ -250,6 +254,9 @@ pub(crate) fn rc_actor() -> String {
 /// A Consul error, with what to do about it.
 pub(crate) fn consul_failed(e: ConsulError) -> CliError {
     let hint = match &e {
+        _ if e.tls_problem().is_some() => {
+            " (give the CA that signs Consul's certificate with --consul-ca-file or CONSUL_CACERT, and check that the address is Consul's HTTPS port)"
+        }
         ConsulError::Unavailable { .. } => " (is Consul running? set --consul or CONSUL_HTTP_ADDR)",
         _ => "",
     };
@@ -257,7 +264,9 @@ pub(crate) fn consul_failed(e: ConsulError) -> CliError {
 }
 
 pub async fn run(cli: RcctlCli) -> Result<(), CliError> {
-    let cfg = ConsulConfig::new(cli.consul.clone()).with_token(cli.consul_token.clone());
+    let cfg = ConsulConfig::new(cli.consul.clone())
+        .with_token(cli.consul_token.clone())
+        .with_ca_file(cli.consul_ca_file.clone());
     let consul = Consul::new(cfg).map_err(|e| CliError::Usage(format!("--consul: {e}")))?;
     let ctx = Ctx {
         consul,
