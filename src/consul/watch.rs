@@ -44,7 +44,9 @@ impl Default for WatchConfig {
             wait: Duration::from_secs(300),
             min_interval: Duration::from_millis(5),
             pace_per_mib: Duration::from_millis(100),
-            max_pace: Duration::from_millis(200),
+            // A 100,000-pod label tree is ~25 MiB of JSON per answer: re-read every 200 ms by
+            // each farm, it cost more CPU (theirs and Consul's) than the work it reported.
+            max_pace: Duration::from_secs(1),
             error_backoff_base: Duration::from_millis(100),
             error_backoff_cap: Duration::from_secs(5),
         }

@@ -202,14 +202,16 @@ impl Worker {
             };
             let cancel = self.cancel.clone();
             // A stopped task abandons its pass at once: whatever write is in flight is fenced,
-            // and handovers must not wait for a pass to finish.
+            // and handovers must not wait for a pass to finish. The pass is boxed: its state
+            // machine is kilobytes, and a task spends nearly all its life waiting between passes,
+            // so it must not carry that inline (thousands of tasks per farm).
             let outcome = tokio::select! {
                 _ = cancel.cancelled() => break,
                 outcome = async {
                     match state {
                         RcState::Deleted => None,
-                        RcState::Invalid(inv) => Some(self.report_invalid(&inv).await.map(|_| false)),
-                        RcState::Valid(rc) => Some(self.pass(&rc).await),
+                        RcState::Invalid(inv) => Some(Box::pin(self.report_invalid(&inv)).await.map(|_| false)),
+                        RcState::Valid(rc) => Some(Box::pin(self.pass(&rc)).await),
                     }
                 } => outcome,
             };
