@@ -34,6 +34,12 @@ pub struct WatchConfig {
     pub pace_per_mib: Duration,
     /// The pause never exceeds this.
     pub max_pace: Duration,
+    /// How long an answer older than one already seen (a lower index) is held back, re-asking,
+    /// before it is believed. Consul before 0.8.5 serves reads from a new leader still replaying
+    /// its log (hashicorp/consul#2644): for a moment the store looks as it was seconds or
+    /// minutes ago, and acting on that would redo work already done (a pod scheduled twice).
+    /// A store that really went back (restored, or restarted empty) is believed after this.
+    pub regression_grace: Duration,
     pub error_backoff_base: Duration,
     pub error_backoff_cap: Duration,
 }
@@ -47,6 +53,7 @@ impl Default for WatchConfig {
             // A 100,000-pod label tree is ~25 MiB of JSON per answer: re-read every 200 ms by
             // each farm, it cost more CPU (theirs and Consul's) than the work it reported.
             max_pace: Duration::from_secs(1),
+            regression_grace: Duration::from_secs(5),
             error_backoff_base: Duration::from_millis(100),
             error_backoff_cap: Duration::from_secs(5),
         }
@@ -70,6 +77,8 @@ pub struct WatchStats {
     pub errors: AtomicU64,
     pub resets: AtomicU64,
     pub published: AtomicU64,
+    /// Answers held back for being older than one already seen.
+    pub regressions_held: AtomicU64,
 }
 
 /// A running watch. Dropping it stops the background task.
@@ -153,6 +162,8 @@ async fn run_watch<T, F, Fut>(
     // The index of the last answer, to notice an index going backwards.
     let mut last_seen = 0u64;
     let mut consecutive_errors = 0u32;
+    // Since when answers have been older than `last_seen`, while they are held back.
+    let mut regressed_since: Option<Instant> = None;
     loop {
         let started = Instant::now();
         let opts = QueryOptions::blocking(block_on, config.wait);
@@ -170,6 +181,23 @@ async fn run_watch<T, F, Fut>(
                 consecutive_errors = 0;
                 backoff.reset();
                 let index = meta.index.max(1);
+                if index < last_seen {
+                    let first = regressed_since.is_none();
+                    let since = *regressed_since.get_or_insert_with(Instant::now);
+                    if since.elapsed() < config.regression_grace {
+                        if first {
+                            tracing::warn!(watch = %name, seen = last_seen, answered = index, "Consul answered with an older state than already seen (a new leader replaying its log?); holding the last view and asking again");
+                        }
+                        stats.regressions_held.fetch_add(1, Ordering::Relaxed);
+                        block_on = 0;
+                        tokio::select! {
+                            _ = cancel.cancelled() => return,
+                            _ = tokio::time::sleep(Duration::from_millis(100)) => {}
+                        }
+                        continue;
+                    }
+                }
+                regressed_since = None;
                 if index < last_seen {
                     // A restarted or restored server: our index means nothing there. Take this
                     // answer as the truth and block on the new index from now on.

@@ -218,7 +218,7 @@ async fn watch_publishes_changes_and_skips_identical_results() {
 }
 
 #[tokio::test]
-async fn watch_resets_when_the_server_index_goes_backwards() {
+async fn watch_holds_an_older_state_back_then_resets_when_the_index_stays_lower() {
     // A memory-only server restarted on the same port comes back with low indexes.
     let s = server().await;
     let addr = s.addr();
@@ -248,6 +248,19 @@ async fn watch_resets_when_the_server_index_goes_backwards() {
     .await;
     let c2 = client_for(&s2.url());
     c2.kv_put("r/new", b"fresh", None).await.unwrap();
+    // An older state is not believed at once (it is what a Consul leader replaying its log
+    // serves for a moment): the last view is held while the watch asks again.
+    let held = &watch.stats().regressions_held;
+    eventually(Duration::from_secs(10), "an older answer held back", || {
+        let n = held.load(std::sync::atomic::Ordering::Relaxed);
+        async move { (n >= 1).then_some(()) }
+    })
+    .await;
+    assert_eq!(
+        rx.borrow().as_ref().map(|s| s.value.len()),
+        Some(50),
+        "the older state was believed at once"
+    );
     let after = eventually(
         Duration::from_secs(10),
         "snapshot from the new server",

@@ -252,6 +252,11 @@ async fn farm_configuration_flags_env_and_file() {
         (vec!["serve", "--http", "nowhere"], None, "--http"),
         (vec!["serve", "--audit-db", "mysql://x"], None, "--audit-db"),
         (
+            vec!["serve", "--consul-max-conns", "4"],
+            None,
+            "--consul-max-conns 4: a farm needs at least 16",
+        ),
+        (
             vec!["serve", "--config", bad.to_str().unwrap()],
             None,
             "--session-ttl",
