@@ -21,10 +21,6 @@ pub fn consul_bin() -> Option<PathBuf> {
 }
 
 /// A free TCP port on loopback (free when asked: good enough for tests on one machine).
-fn free_port() -> std::io::Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
-}
-
 /// TLS for an agent's HTTPS listener.
 #[derive(Debug, Clone)]
 pub struct AgentTls {
@@ -113,17 +109,26 @@ impl ConsulAgent {
             .map_err(|e| e.to_string())?;
         let dir = tmp.path().to_path_buf();
         let data_dir = config.data_dir.clone().unwrap_or_else(|| dir.join("data"));
-        let e = |e: std::io::Error| e.to_string();
+        // All the ports at once, each listener held until the last is picked: a port given
+        // back can be handed out again at once (two listeners on one port, and Consul refuses
+        // to start).
+        let held: Vec<TcpListener> = (0..6)
+            .map(|_| TcpListener::bind("127.0.0.1:0"))
+            .collect::<std::io::Result<_>>()
+            .map_err(|e| e.to_string())?;
+        let p: Vec<u16> = held
+            .iter()
+            .map(|l| l.local_addr().map(|a| a.port()))
+            .collect::<std::io::Result<_>>()
+            .map_err(|e| e.to_string())?;
+        drop(held);
         let ports = AgentPorts {
-            http: free_port().map_err(e)?,
-            https: match &config.tls {
-                Some(_) => Some(free_port().map_err(e)?),
-                None => None,
-            },
-            rpc: free_port().map_err(e)?,
-            serf_lan: free_port().map_err(e)?,
-            serf_wan: free_port().map_err(e)?,
-            server: free_port().map_err(e)?,
+            http: p[0],
+            https: config.tls.as_ref().map(|_| p[1]),
+            rpc: p[2],
+            serf_lan: p[3],
+            serf_wan: p[4],
+            server: p[5],
         };
         Ok(ConsulAgent {
             config,
