@@ -12,7 +12,7 @@ use crate::farm::registry::{self, FARMS_PREFIX, FarmInfo};
 use crate::health::{HEALTH_PREFIX, parse_health};
 use crate::labels::{LabelSet, LabelStore, LabelType, Selector, parse_labels, split_pod_label_id};
 use crate::rc::{RC_ID_LABEL, RC_LOCK_PREFIX, RcId, RcStore, parse_locks};
-use crate::rctask::Transfer;
+use crate::rctask::{STATUS_PREFIX, Transfer, parse_transfers};
 use crate::roll::{
     ROLL_LOCK_PREFIX, ROLL_PREFIX, RcCounts, RollStatus, RollStore, RollStoreError, reality_key,
     runs,
@@ -129,25 +129,8 @@ impl Overview {
                 .into_iter()
                 .map(|l| (l.id, l.labels))
                 .collect();
-        let (status, _) = consul
-            .kv_list("status/replication_controllers/", &q)
-            .await?;
-        let transfers: BTreeMap<String, Transfer> = status
-            .iter()
-            .filter_map(|e| {
-                let id = e
-                    .key
-                    .strip_prefix("status/replication_controllers/")?
-                    .split('/')
-                    .next()?
-                    .to_string();
-                let v: serde_json::Value = serde_json::from_slice(e.value_bytes()).ok()?;
-                Some((
-                    id,
-                    serde_json::from_value(v.get("node_transfer")?.clone()).ok()?,
-                ))
-            })
-            .collect();
+        let (status, _) = consul.kv_list(STATUS_PREFIX, &q).await?;
+        let transfers = parse_transfers(&status);
 
         let mut rcs = Vec::new();
         let owner = |id: &RcId| {
@@ -167,7 +150,7 @@ impl Overview {
                 .as_deref()
                 .and_then(|s| farm_of.get(s))
                 .map(|f| f.to_string());
-            let transfer = transfers.get(&idt).cloned();
+            let transfer = transfers.get(id).cloned();
             let mut conditions = Vec::new();
             if rc.disabled {
                 conditions.push("Disabled".to_string());

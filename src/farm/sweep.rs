@@ -6,9 +6,7 @@ use std::collections::BTreeSet;
 use std::collections::{HashMap, HashSet};
 
 use crate::consul::{Consul, ConsulError, KvPair, MAX_TXN_OPS, QueryOptions};
-use crate::rctask::{IntentState, IntentView, intent_key};
-
-const INTENT_PREFIX: &str = "intent/";
+use crate::rctask::{INTENT_PREFIX, IntentState, IntentView, intent_key};
 
 /// Batches of reads beyond which the sweep lists the whole intent tree instead.
 const LIST_AFTER_BATCHES: usize = 4;

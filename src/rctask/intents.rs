@@ -37,8 +37,11 @@ impl IntentState {
 }
 
 /// `intent/<node>/<pod-id>`.
+/// The tree of pod intents (P2's `intent/<node>/<pod id>`).
+pub const INTENT_PREFIX: &str = "intent/";
+
 pub fn intent_key(node: &str, pod_id: &str) -> String {
-    format!("intent/{node}/{pod_id}")
+    format!("{INTENT_PREFIX}{node}/{pod_id}")
 }
 
 #[derive(Debug, Default)]

@@ -11,8 +11,8 @@ mod transfers;
 mod worker;
 mod writes;
 
-pub use intents::{IntentState, IntentView, intent_key};
+pub use intents::{INTENT_PREFIX, IntentState, IntentView, intent_key};
 pub use plan::{Action, Observed, Plan, Transfer, plan};
 pub use status::{Condition, FarmStatus, RcStatus, StatusRegistry, set_condition};
-pub use transfers::TransferReader;
+pub use transfers::{STATUS_PREFIX, TransferReader, parse_transfers, status_key};
 pub use worker::{RcState, TaskConfig, TaskContext, TaskEvent, TaskHandle, spawn};

@@ -9,7 +9,8 @@ use serde_json::{Value, json};
 
 use super::intents::IntentState;
 use super::plan::{Observed, Transfer};
-use super::worker::{TaskError, Worker, status_key};
+use super::transfers::status_key;
+use super::worker::{TaskError, Worker};
 use super::writes::Applied;
 use crate::audit::{AuditRecord, events};
 use crate::consul::TxnOp;

@@ -14,11 +14,35 @@ use serde_json::Value;
 use tokio::time::Instant;
 
 use super::plan::Transfer;
-use crate::consul::{Consul, ConsulError, QueryOptions};
+use crate::consul::{Consul, ConsulError, KvPair, QueryOptions};
 use crate::rc::RcId;
 
 /// P2's tree of RC status keys.
-pub(super) const STATUS_PREFIX: &str = "status/replication_controllers/";
+pub const STATUS_PREFIX: &str = "status/replication_controllers/";
+
+/// P2's status key of an RC, where its node transfer in flight is kept.
+pub fn status_key(id: RcId) -> String {
+    format!("{STATUS_PREFIX}{id}/replication_controller")
+}
+
+/// The node transfers in a listing of [`STATUS_PREFIX`], by RC. Keys other than an RC's status
+/// key, and values without a readable `node_transfer`, are left out.
+pub fn parse_transfers(entries: &[KvPair]) -> BTreeMap<RcId, Transfer> {
+    entries
+        .iter()
+        .filter_map(|e| {
+            let id = e
+                .key
+                .strip_prefix(STATUS_PREFIX)?
+                .strip_suffix("/replication_controller")?
+                .parse()
+                .ok()?;
+            let v: Value = serde_json::from_slice(e.value_bytes()).ok()?;
+            let t = serde_json::from_value(v.get("node_transfer")?.clone()).ok()?;
+            Some((id, t))
+        })
+        .collect()
+}
 
 struct Listing {
     sent_at: Instant,
@@ -57,20 +81,7 @@ impl TransferReader {
             .consul
             .kv_list(STATUS_PREFIX, &QueryOptions::default())
             .await?;
-        let transfers: BTreeMap<RcId, Transfer> = entries
-            .iter()
-            .filter_map(|e| {
-                let id = e
-                    .key
-                    .strip_prefix(STATUS_PREFIX)?
-                    .strip_suffix("/replication_controller")?
-                    .parse()
-                    .ok()?;
-                let v: Value = serde_json::from_slice(e.value_bytes()).ok()?;
-                let t = serde_json::from_value(v.get("node_transfer")?.clone()).ok()?;
-                Some((id, t))
-            })
-            .collect();
+        let transfers = parse_transfers(&entries);
         let found = transfers.get(&id).cloned();
         *last = Some(Listing {
             sent_at,

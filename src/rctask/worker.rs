@@ -176,11 +176,6 @@ pub(super) struct Worker {
     pub(super) unmet_backoff: Backoff,
 }
 
-/// P2's status key for an RC.
-pub(super) fn status_key(id: RcId) -> String {
-    format!("status/replication_controllers/{id}/replication_controller")
-}
-
 impl Worker {
     async fn run(mut self) {
         tracing::info!("RC task started");
