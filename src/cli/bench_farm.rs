@@ -41,6 +41,10 @@ pub struct BenchFarmArgs {
     /// of the embedded server.
     #[arg(long)]
     pub consul_bin: Option<std::path::PathBuf>,
+    /// Keep the farms' logs (and the audit database) in this directory instead of a temporary
+    /// one that is removed at the end.
+    #[arg(long)]
+    pub log_dir: Option<std::path::PathBuf>,
     /// The farms' `--consul-max-conns` (0: their default).
     #[arg(long, default_value_t = 0)]
     pub consul_max_conns: usize,
@@ -82,7 +86,8 @@ pub(super) async fn spawn_farms(
     for i in 0..n {
         let log = std::fs::File::create(dir.join(format!("farm-{i}.log"))).map_err(failed)?;
         let http = format!("127.0.0.1:{}", free_port()?);
-        let child = Command::new(&exe)
+        let mut cmd = Command::new(&exe);
+        let child = cmd
             .args([
                 "serve",
                 "--consul",
@@ -100,7 +105,10 @@ pub(super) async fn spawn_farms(
             ])
             .args(["--lock-delay", "500ms"])
             .args(extra)
-            .env("RUST_LOG", "warn")
+            .env(
+                "RUST_LOG",
+                std::env::var("RCFARM_BENCH_FARM_LOG").unwrap_or_else(|_| "warn".into()),
+            )
             .stdout(Stdio::null())
             .stderr(Stdio::from(log))
             .kill_on_drop(true)
@@ -309,7 +317,14 @@ fn total(m: &BTreeMap<String, f64>) -> f64 {
 }
 
 pub async fn run(args: BenchFarmArgs) -> Result<(), CliError> {
-    let dir = tempfile::tempdir().map_err(failed)?;
+    let tmp = tempfile::tempdir().map_err(failed)?;
+    let dir = match &args.log_dir {
+        Some(d) => {
+            std::fs::create_dir_all(d).map_err(failed)?;
+            d.clone()
+        }
+        None => tmp.path().to_path_buf(),
+    };
     let target = Target::start(&args).await?;
     let consul = Consul::new(ConsulConfig::new(target.url())).map_err(failed)?;
     let scraper = reqwest::Client::new();
@@ -339,7 +354,7 @@ pub async fn run(args: BenchFarmArgs) -> Result<(), CliError> {
         &target.url(),
         args.farms,
         args.session_ttl,
-        dir.path(),
+        dir.as_path(),
         &extra,
     )
     .await?;

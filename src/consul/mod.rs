@@ -22,4 +22,7 @@ pub use txn::{KvVerb, MAX_TXN_OPS, TxnFailure, TxnOp, TxnOpError, TxnResponse};
 pub use types::{
     KvPair, QueryMeta, QueryOptions, ServiceCheck, SessionBehavior, SessionEntry, SessionRequest,
 };
-pub use watch::{DerivedWatch, Snapshot, SnapshotRx, Watch, WatchConfig, WatchStats, spawn_watch};
+pub use watch::{
+    DerivedWatch, SinkWatch, Snapshot, SnapshotRx, Watch, WatchConfig, WatchStats, entries_digest,
+    spawn_sink_watch, spawn_watch,
+};

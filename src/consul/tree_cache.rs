@@ -7,11 +7,10 @@ use std::sync::Arc;
 
 use parking_lot::RwLock;
 use tokio::sync::watch;
-use tokio::task::JoinHandle;
 
 use super::client::Consul;
 use super::types::KvPair;
-use super::watch::{WatchConfig, WatchStats};
+use super::watch::{SinkWatch, WatchConfig, WatchStats};
 
 /// Parses one entry: `(key without the prefix, value)`.
 pub type ParseFn<T> = Arc<dyn Fn(&str, &[u8]) -> Result<T, String> + Send + Sync>;
@@ -30,17 +29,12 @@ pub struct TreeCache<T> {
     prefix: String,
     state: Arc<RwLock<State<T>>>,
     version: watch::Receiver<u64>,
+    /// The index of the last answer applied.
+    applied: watch::Receiver<u64>,
     /// The suffixes each snapshot changed, for consumers that must not miss one (a `watch`
     /// keeps only the latest).
     changes: tokio::sync::broadcast::Sender<Arc<BTreeSet<String>>>,
-    task: JoinHandle<()>,
-    stats: Arc<WatchStats>,
-}
-
-impl<T> Drop for TreeCache<T> {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
+    watch: SinkWatch,
 }
 
 impl<T: Send + Sync + 'static> TreeCache<T> {
@@ -51,8 +45,6 @@ impl<T: Send + Sync + 'static> TreeCache<T> {
         parse: ParseFn<T>,
     ) -> TreeCache<T> {
         let prefix = prefix.into();
-        let watch = consul.watch_prefix(prefix.clone(), config);
-        let stats = watch.stats().clone();
         let state = Arc::new(RwLock::new(State {
             index: 0,
             synced: false,
@@ -61,39 +53,33 @@ impl<T: Send + Sync + 'static> TreeCache<T> {
             last_changed: Arc::default(),
         }));
         let (vtx, version) = watch::channel(0);
+        let (index_tx, applied) = watch::channel(0u64);
         let (changes, _) = tokio::sync::broadcast::channel(1024);
         let ctx = changes.clone();
         let st = state.clone();
         let p = prefix.clone();
-        let task = tokio::spawn(async move {
-            let mut rx = watch.subscribe();
-            let mut n = 0u64;
-            loop {
-                let snap = rx.borrow_and_update().clone();
-                if let Some(s) = snap {
-                    let changed = apply(&st, &p, s.index, &s.value, &parse);
-                    if changed {
-                        let _ = ctx.send(st.read().last_changed.clone());
-                    }
-                    if n == 0 || changed {
-                        n += 1;
-                        let _ = vtx.send(n);
-                    } else {
-                        vtx.send_modify(|_| {});
-                    }
-                }
-                if rx.changed().await.is_err() {
-                    return;
-                }
+        let mut n = 0u64;
+        let watch = consul.sink_prefix(prefix.clone(), config, move |index, entries| {
+            let changed = apply(&st, &p, index, &entries, &parse);
+            drop(entries);
+            if changed {
+                let _ = ctx.send(st.read().last_changed.clone());
             }
+            if n == 0 || changed {
+                n += 1;
+                let _ = vtx.send(n);
+            }
+            // Only waiters for an index wake when nothing changed: a subscriber of the version
+            // (the farm's claim loop) would redo its work for every answer.
+            index_tx.send_if_modified(|i| std::mem::replace(i, index) != index);
         });
         TreeCache {
             prefix,
             state,
             version,
+            applied,
             changes,
-            task,
-            stats,
+            watch,
         }
     }
 
@@ -166,7 +152,7 @@ impl<T: Send + Sync + 'static> TreeCache<T> {
 
     /// Waits until the cache holds a snapshot at `index` or later.
     pub async fn wait_for_index(&self, index: u64) {
-        let mut v = self.version.clone();
+        let mut v = self.applied.clone();
         let _ = v.wait_for(|_| self.state.read().index >= index).await;
     }
 
@@ -181,7 +167,7 @@ impl<T: Send + Sync + 'static> TreeCache<T> {
     }
 
     pub fn stats(&self) -> &Arc<WatchStats> {
-        &self.stats
+        self.watch.stats()
     }
 }
 

@@ -701,12 +701,13 @@ impl Farm {
             .await;
         let farm = self.claim_farm(session);
         let ids = owned.hand_over(&farm).await;
-        // Mutation locks of transfers in flight: the next owner resumes them.
-        let store = RcStore::new(self.consul.clone());
-        for id in &ids {
-            let _ = store
-                .release_mutation(*id, session.id(), &id.node_transfer_holder())
-                .await;
+        // Mutation locks of transfers in flight: the next owner resumes them. If this fails the
+        // locks go with the session, destroyed next.
+        if let Err(e) = RcStore::new(self.consul.clone())
+            .release_transfer_mutations(&ids, session.id())
+            .await
+        {
+            tracing::warn!(error = %e, "could not release transfer locks; they go with the session");
         }
         self.status.clear_rcs();
         tracing::info!(released = ids.len(), took = ?started.elapsed(), "handed every RC over");

@@ -6,17 +6,16 @@
 //! decide whom to wake. Malformed entries are reported per key and left out; they never stop
 //! the cache.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::ops::Bound;
 use std::sync::Arc;
 
 use parking_lot::RwLock;
 use tokio::sync::{broadcast, watch};
-use tokio::task::JoinHandle;
 
 use super::selector::{Requirement, Selector};
 use super::store::{LabelSet, LabelType, parse_entry};
-use crate::consul::{Consul, KvPair, WatchConfig};
+use crate::consul::{Consul, KvPair, SinkWatch, WatchConfig};
 
 /// One id whose labels changed.
 #[derive(Debug, Clone)]
@@ -39,14 +38,18 @@ struct Cached {
     modify_index: u64,
 }
 
+/// Sized for 100,000 pods per farm: an id is allocated once and shared by the entry and the
+/// index, and equal label sets (every pod of an RC carries the same labels) are one allocation.
 #[derive(Debug, Default)]
 struct State {
     index: u64,
     synced: bool,
     /// Sorted, so scans come out in id order.
-    entries: BTreeMap<String, Cached>,
+    entries: BTreeMap<Arc<str>, Cached>,
     /// key → value → ids.
-    inverted: HashMap<String, HashMap<String, BTreeSet<String>>>,
+    inverted: HashMap<String, HashMap<String, BTreeSet<Arc<str>>>>,
+    /// Every distinct label set held, to share equal ones.
+    interned: HashSet<Arc<LabelSet>>,
     /// Malformed keys: key → (ModifyIndex, reason).
     errors: BTreeMap<String, (u64, String)>,
 }
@@ -68,15 +71,28 @@ impl State {
         }
     }
 
-    fn reindex(&mut self, id: &str, labels: &LabelSet) {
+    fn reindex(&mut self, id: &Arc<str>, labels: &LabelSet) {
         for (k, v) in labels {
-            self.inverted
-                .entry(k.clone())
-                .or_default()
-                .entry(v.clone())
-                .or_default()
-                .insert(id.to_string());
+            let values = match self.inverted.get_mut(k) {
+                Some(values) => values,
+                None => self.inverted.entry(k.clone()).or_default(),
+            };
+            let ids = match values.get_mut(v) {
+                Some(ids) => ids,
+                None => values.entry(v.clone()).or_default(),
+            };
+            ids.insert(id.clone());
         }
+    }
+
+    /// The shared copy of `labels`.
+    fn intern(&mut self, labels: LabelSet) -> Arc<LabelSet> {
+        if let Some(shared) = self.interned.get(&labels) {
+            return shared.clone();
+        }
+        let shared = Arc::new(labels);
+        self.interned.insert(shared.clone());
+        shared
     }
 
     /// Applies a full snapshot; returns what changed.
@@ -102,21 +118,25 @@ impl State {
             match parse_entry(t, &prefix, e) {
                 Ok(l) => {
                     seen.insert(id);
-                    let new = Arc::new(l.labels);
+                    let new = self.intern(l.labels);
+                    // Keep the id already allocated (the index shares it).
+                    let key: Arc<str> = match self.entries.get_key_value(id) {
+                        Some((k, _)) => k.clone(),
+                        None => Arc::from(id),
+                    };
                     let old = self.entries.insert(
-                        l.id.clone(),
+                        key.clone(),
                         Cached {
                             labels: new.clone(),
                             modify_index: l.modify_index,
                         },
                     );
-                    if let Some(o) = &old {
-                        let o = o.labels.clone();
-                        self.unindex(&l.id, &o);
-                    }
-                    self.reindex(&l.id, &new);
                     let old = old.map(|c| c.labels);
                     if old.as_deref() != Some(&*new) {
+                        if let Some(o) = &old {
+                            self.unindex(id, o);
+                        }
+                        self.reindex(&key, &new);
                         changes.push(LabelChange {
                             id: l.id,
                             old,
@@ -132,21 +152,34 @@ impl State {
                 }
             }
         }
-        let gone: Vec<String> = self
+        let gone: Vec<Arc<str>> = self
             .entries
             .keys()
-            .filter(|id| !seen.contains(id.as_str()))
+            .filter(|id| !seen.contains(&***id))
             .cloned()
             .collect();
         for id in gone {
-            if let Some(c) = self.entries.remove(&id) {
+            if let Some(c) = self.entries.remove(&*id) {
                 self.unindex(&id, &c.labels);
                 changes.push(LabelChange {
-                    id,
+                    id: id.to_string(),
                     old: Some(c.labels),
                     new: None,
                 });
             }
+        }
+        if !changes.is_empty() {
+            // Forget label sets no entry holds any more: held only here and by this snapshot's
+            // changes. (One a subscriber still holds from earlier stays until a later pass.)
+            let mut in_changes: HashMap<*const LabelSet, usize> = HashMap::new();
+            for c in &changes {
+                for l in [&c.old, &c.new].into_iter().flatten() {
+                    *in_changes.entry(Arc::as_ptr(l)).or_default() += 1;
+                }
+            }
+            self.interned.retain(|l| {
+                Arc::strong_count(l) > 1 + in_changes.get(&Arc::as_ptr(l)).copied().unwrap_or(0)
+            });
         }
         self.errors = errors;
         self.index = index;
@@ -156,7 +189,7 @@ impl State {
 
     /// The id sets an indexed requirement draws from (their union holds every id it can
     /// match), or `None` if the index cannot narrow it.
-    fn sources<'a>(&'a self, r: &'a Requirement) -> Option<Vec<&'a BTreeSet<String>>> {
+    fn sources<'a>(&'a self, r: &'a Requirement) -> Option<Vec<&'a BTreeSet<Arc<str>>>> {
         let by_value = self.inverted.get(r.key());
         match r {
             Requirement::Exists(_) => {
@@ -174,7 +207,7 @@ impl State {
     fn matches(&self, selector: &Selector) -> Vec<String> {
         // Draw candidates from the most selective indexed requirement and check each against
         // the whole selector; scan everything when nothing narrows it enough.
-        let mut best: Option<(usize, Vec<&BTreeSet<String>>)> = None;
+        let mut best: Option<(usize, Vec<&BTreeSet<Arc<str>>>)> = None;
         for r in selector.requirements() {
             if let Some(sets) = self.sources(r) {
                 let size: usize = sets.iter().map(|s| s.len()).sum();
@@ -195,7 +228,7 @@ impl State {
                     .into_iter()
                     .flatten()
                     .filter(|id| check(id))
-                    .cloned()
+                    .map(|id| id.to_string())
                     .collect();
                 out.sort_unstable();
                 out
@@ -204,7 +237,7 @@ impl State {
                 .entries
                 .iter()
                 .filter(|(_, c)| selector.matches(&*c.labels))
-                .map(|(id, _)| id.clone())
+                .map(|(id, _)| id.to_string())
                 .collect(),
         }
     }
@@ -214,7 +247,7 @@ impl State {
         self.entries
             .range::<str, _>((Bound::Included(prefix), Bound::Unbounded))
             .take_while(|(k, _)| k.starts_with(prefix))
-            .map(|(k, _)| k.clone())
+            .map(|(k, _)| k.to_string())
             .collect()
     }
 }
@@ -224,39 +257,42 @@ pub struct LabelCache {
     label_type: LabelType,
     state: Arc<RwLock<State>>,
     version: watch::Receiver<u64>,
+    /// The index of the last answer applied.
+    applied: watch::Receiver<u64>,
     changes: broadcast::Sender<Arc<LabelChanges>>,
-    task: JoinHandle<()>,
-    watch_stats: Arc<crate::consul::WatchStats>,
-}
-
-impl Drop for LabelCache {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
+    watch: SinkWatch,
 }
 
 impl LabelCache {
     /// Starts watching `labels/<type>/` with one blocking query.
     pub fn spawn(consul: &Consul, label_type: LabelType, config: WatchConfig) -> LabelCache {
-        let watch = consul.watch_prefix(label_type.prefix(), config);
-        let watch_stats = watch.stats().clone();
         let state: Arc<RwLock<State>> = Arc::default();
         let (version_tx, version) = watch::channel(0u64);
+        let (index_tx, applied) = watch::channel(0u64);
         let (changes, _) = broadcast::channel(1024);
-        let task = tokio::spawn(run(
-            label_type,
-            watch,
-            state.clone(),
-            version_tx,
-            changes.clone(),
-        ));
+        let (st, ctx) = (state.clone(), changes.clone());
+        let mut n = 0u64;
+        let watch = consul.sink_prefix(label_type.prefix(), config, move |index, entries| {
+            let c = st.write().apply(label_type, index, &entries);
+            drop(entries);
+            if n == 0 || !c.changes.is_empty() {
+                n += 1;
+                if !c.changes.is_empty() {
+                    let _ = ctx.send(Arc::new(c));
+                }
+                let _ = version_tx.send(n);
+            }
+            // Only waiters for an index wake when nothing changed: a subscriber of the version
+            // (the farm's claim loop) would redo its work for every answer.
+            index_tx.send_if_modified(|i| std::mem::replace(i, index) != index);
+        });
         LabelCache {
             label_type,
             state,
             version,
+            applied,
             changes,
-            task,
-            watch_stats,
+            watch,
         }
     }
 
@@ -300,7 +336,7 @@ impl LabelCache {
         let st = self.state.read();
         st.entries
             .iter()
-            .map(|(k, c)| (k.clone(), c.labels.clone()))
+            .map(|(k, c)| (k.to_string(), c.labels.clone()))
             .collect()
     }
 
@@ -331,7 +367,7 @@ impl LabelCache {
 
     /// Waits until the cache reflects Consul index `index` or later.
     pub async fn wait_for_index(&self, index: u64) {
-        let mut v = self.version.clone();
+        let mut v = self.applied.clone();
         let _ = v.wait_for(|_| self.state.read().index >= index).await;
     }
 
@@ -347,37 +383,7 @@ impl LabelCache {
     }
 
     pub fn watch_stats(&self) -> &Arc<crate::consul::WatchStats> {
-        &self.watch_stats
-    }
-}
-
-async fn run(
-    t: LabelType,
-    watch: crate::consul::Watch<Vec<KvPair>>,
-    state: Arc<RwLock<State>>,
-    version: watch::Sender<u64>,
-    changes: broadcast::Sender<Arc<LabelChanges>>,
-) {
-    let mut rx = watch.subscribe();
-    let mut n = 0u64;
-    loop {
-        let snapshot = rx.borrow_and_update().clone();
-        if let Some(s) = snapshot {
-            let first = n == 0;
-            let c = state.write().apply(t, s.index, &s.value);
-            if first || !c.changes.is_empty() {
-                n += 1;
-                if !c.changes.is_empty() {
-                    let _ = changes.send(Arc::new(c));
-                }
-                let _ = version.send(n);
-            } else {
-                version.send_modify(|_| {});
-            }
-        }
-        if rx.changed().await.is_err() {
-            return;
-        }
+        self.watch.stats()
     }
 }
 
@@ -425,6 +431,55 @@ mod tests {
             !st.inverted["env"].contains_key("dev"),
             "old index entries removed"
         );
+    }
+
+    #[test]
+    fn equal_label_sets_are_held_once_and_forgotten_when_unused() {
+        let mut st = State::default();
+        let pods: Vec<KvPair> = (0..5)
+            .map(|i| {
+                kv(
+                    &format!("labels/pod/node{i}/web"),
+                    r#"{"pod_id":"web","replication_controller_id":"rc-1"}"#,
+                    i + 1,
+                )
+            })
+            .chain([kv(
+                "labels/pod/node0/db",
+                r#"{"pod_id":"db","replication_controller_id":"rc-2"}"#,
+                9,
+            )])
+            .collect();
+        st.apply(LabelType::Pod, 9, &pods);
+        assert_eq!(st.entries.len(), 6);
+        assert_eq!(st.interned.len(), 2, "five equal sets are one");
+        let a = &st.entries["node0/web"].labels;
+        let b = &st.entries["node4/web"].labels;
+        assert!(Arc::ptr_eq(a, b));
+        // The index shares the entry's id allocation.
+        let (key, _) = st.entries.get_key_value("node0/db").unwrap();
+        let indexed = st.inverted["pod_id"]["db"].iter().next().unwrap();
+        assert!(Arc::ptr_eq(key, indexed));
+        // The db pod goes: its set is forgotten; relabelled web pods stay shared.
+        let relabelled: Vec<KvPair> = (0..5)
+            .map(|i| {
+                kv(
+                    &format!("labels/pod/node{i}/web"),
+                    r#"{"pod_id":"web","replication_controller_id":"rc-3"}"#,
+                    20 + i,
+                )
+            })
+            .collect();
+        let c = st.apply(LabelType::Pod, 30, &relabelled);
+        assert_eq!(c.changes.len(), 6);
+        assert_eq!(st.interned.len(), 1);
+        let sel = Selector::parse("replication_controller_id=rc-3").unwrap();
+        assert_eq!(st.matches(&sel).len(), 5);
+        assert!(
+            st.matches(&Selector::parse("pod_id=db").unwrap())
+                .is_empty()
+        );
+        assert!(!st.inverted["replication_controller_id"].contains_key("rc-1"));
     }
 
     #[test]

@@ -464,3 +464,66 @@ async fn ownership_and_mutation_locks() {
     assert!(holders[&id].mutation_index.is_some());
     let _unused: LabelSet = LabelSet::new();
 }
+
+#[tokio::test]
+async fn a_handover_releases_only_its_own_transfer_locks_in_one_listing() {
+    let s = server().await;
+    let c = client(&s);
+    let store = RcStore::new(c.clone());
+    let mut ids = Vec::new();
+    for i in 0..4 {
+        ids.push(
+            store
+                .create(new_rc(i + 1), "t", false)
+                .await
+                .unwrap()
+                .rc
+                .unwrap()
+                .id,
+        );
+    }
+    let no_delay = SessionRequest {
+        lock_delay: Some(Duration::ZERO),
+        ..Default::default()
+    };
+    let a = c.session_create(&no_delay).await.unwrap();
+    let b = c.session_create(&no_delay).await.unwrap();
+    // ids[0], ids[1]: transfers of session a; ids[2]: a's rolling update; ids[3]: b's transfer.
+    for id in &ids[..2] {
+        assert!(
+            store
+                .acquire_mutation(*id, &a, &id.node_transfer_holder())
+                .await
+                .unwrap()
+        );
+    }
+    assert!(store.acquire_mutation(ids[2], &a, "roll").await.unwrap());
+    assert!(
+        store
+            .acquire_mutation(ids[3], &b, &ids[3].node_transfer_holder())
+            .await
+            .unwrap()
+    );
+    let before = c.stats().requests;
+    // a hands over ids[1..]: only ids[1]'s transfer lock is a's to release here.
+    assert_eq!(
+        store
+            .release_transfer_mutations(&ids[1..], &a)
+            .await
+            .unwrap(),
+        1
+    );
+    assert_eq!(c.stats().requests - before, 2, "one listing, one release");
+    let (holders, _) = store.lock_holders().await.unwrap();
+    let mutation = |i: usize| holders.get(&ids[i]).and_then(|h| h.mutation.clone());
+    assert_eq!(
+        mutation(0),
+        Some((a.clone(), ids[0].node_transfer_holder()))
+    );
+    assert_eq!(mutation(1), None);
+    assert_eq!(mutation(2), Some((a.clone(), "roll".to_string())));
+    assert_eq!(
+        mutation(3),
+        Some((b.clone(), ids[3].node_transfer_holder()))
+    );
+}
