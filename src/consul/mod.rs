@@ -17,6 +17,7 @@ pub use client::{
 };
 pub use error::{ConsulError, Result};
 pub use session::{Session, SessionConfig};
+pub(crate) use tree_cache::CacheSignals;
 pub use tree_cache::{ParseFn, TreeCache};
 pub use txn::{KvVerb, MAX_TXN_OPS, TxnFailure, TxnOp, TxnOpError, TxnResponse};
 pub use types::{

@@ -24,6 +24,33 @@ struct State<T> {
     last_changed: Arc<BTreeSet<String>>,
 }
 
+/// What a watched cache tells its readers after each answer: a version bumped on the first
+/// answer and on every change, and the index it holds. Only waiters for an index wake when
+/// nothing changed: a subscriber of the version (the farm's claim loop) would redo its work for
+/// every answer.
+pub(crate) struct CacheSignals {
+    version: watch::Sender<u64>,
+    applied: watch::Sender<u64>,
+}
+
+impl CacheSignals {
+    /// The signals, and receivers of the version and of the index applied.
+    pub(crate) fn new() -> (CacheSignals, watch::Receiver<u64>, watch::Receiver<u64>) {
+        let (version, version_rx) = watch::channel(0);
+        let (applied, applied_rx) = watch::channel(0);
+        (CacheSignals { version, applied }, version_rx, applied_rx)
+    }
+
+    /// After an answer at `index` was applied; `changed` if it changed the cache's content.
+    pub(crate) fn applied(&mut self, index: u64, changed: bool) {
+        if changed || *self.version.borrow() == 0 {
+            self.version.send_modify(|n| *n += 1);
+        }
+        self.applied
+            .send_if_modified(|i| std::mem::replace(i, index) != index);
+    }
+}
+
 /// A parsed, watched tree.
 pub struct TreeCache<T> {
     prefix: String,
@@ -52,26 +79,18 @@ impl<T: Send + Sync + 'static> TreeCache<T> {
             errors: BTreeMap::new(),
             last_changed: Arc::default(),
         }));
-        let (vtx, version) = watch::channel(0);
-        let (index_tx, applied) = watch::channel(0u64);
+        let (mut signals, version, applied) = CacheSignals::new();
         let (changes, _) = tokio::sync::broadcast::channel(1024);
         let ctx = changes.clone();
         let st = state.clone();
         let p = prefix.clone();
-        let mut n = 0u64;
         let watch = consul.sink_prefix(prefix.clone(), config, move |index, entries| {
             let changed = apply(&st, &p, index, &entries, &parse);
             drop(entries);
             if changed {
                 let _ = ctx.send(st.read().last_changed.clone());
             }
-            if n == 0 || changed {
-                n += 1;
-                let _ = vtx.send(n);
-            }
-            // Only waiters for an index wake when nothing changed: a subscriber of the version
-            // (the farm's claim loop) would redo its work for every answer.
-            index_tx.send_if_modified(|i| std::mem::replace(i, index) != index);
+            signals.applied(index, changed);
         });
         TreeCache {
             prefix,

@@ -15,7 +15,7 @@ use tokio::sync::{broadcast, watch};
 
 use super::selector::{Requirement, Selector};
 use super::store::{LabelSet, LabelType, parse_entry};
-use crate::consul::{Consul, KvPair, SinkWatch, WatchConfig};
+use crate::consul::{CacheSignals, Consul, KvPair, SinkWatch, WatchConfig};
 
 /// One id whose labels changed.
 #[derive(Debug, Clone)]
@@ -267,24 +267,17 @@ impl LabelCache {
     /// Starts watching `labels/<type>/` with one blocking query.
     pub fn spawn(consul: &Consul, label_type: LabelType, config: WatchConfig) -> LabelCache {
         let state: Arc<RwLock<State>> = Arc::default();
-        let (version_tx, version) = watch::channel(0u64);
-        let (index_tx, applied) = watch::channel(0u64);
+        let (mut signals, version, applied) = CacheSignals::new();
         let (changes, _) = broadcast::channel(1024);
         let (st, ctx) = (state.clone(), changes.clone());
-        let mut n = 0u64;
         let watch = consul.sink_prefix(label_type.prefix(), config, move |index, entries| {
             let c = st.write().apply(label_type, index, &entries);
             drop(entries);
-            if n == 0 || !c.changes.is_empty() {
-                n += 1;
-                if !c.changes.is_empty() {
-                    let _ = ctx.send(Arc::new(c));
-                }
-                let _ = version_tx.send(n);
+            let changed = !c.changes.is_empty();
+            if changed {
+                let _ = ctx.send(Arc::new(c));
             }
-            // Only waiters for an index wake when nothing changed: a subscriber of the version
-            // (the farm's claim loop) would redo its work for every answer.
-            index_tx.send_if_modified(|i| std::mem::replace(i, index) != index);
+            signals.applied(index, changed);
         });
         LabelCache {
             label_type,

@@ -546,17 +546,29 @@ impl RcStore {
     ) -> Result<bool, RcStoreError> {
         let key = id.mutation_lock_key();
         let (entry, _) = self.consul.kv_get(&key, &QueryOptions::default()).await?;
-        let Some(e) = entry.filter(|e| {
-            e.session.as_deref() == Some(session) && e.value_bytes() == holder.as_bytes()
-        }) else {
+        match entry {
+            Some(e) => self.release_held_mutation(&e, session, holder).await,
+            None => Ok(false),
+        }
+    }
+
+    /// Deletes the mutation lock entry `e` (as read) if `session` holds it for `holder`,
+    /// fenced by the session and the index read. `true` if it was released.
+    async fn release_held_mutation(
+        &self,
+        e: &KvPair,
+        session: &str,
+        holder: &str,
+    ) -> Result<bool, RcStoreError> {
+        if e.session.as_deref() != Some(session) || e.value_bytes() != holder.as_bytes() {
             return Ok(false);
-        };
+        }
         match self
             .consul
             .txn(&[
-                TxnOp::check_session(key.clone(), session),
-                TxnOp::check_index(key.clone(), e.modify_index),
-                TxnOp::delete(key),
+                TxnOp::check_session(e.key.clone(), session),
+                TxnOp::check_index(e.key.clone(), e.modify_index),
+                TxnOp::delete(e.key.clone()),
             ])
             .await
         {
@@ -586,23 +598,12 @@ impl RcStore {
             ids.iter().map(|id| (id.mutation_lock_key(), *id)).collect();
         let mut released = 0;
         for e in entries {
-            let Some(id) = wanted.get(&e.key) else {
-                continue;
-            };
-            if e.session.as_deref() != Some(session)
-                || e.value_bytes() != id.node_transfer_holder().as_bytes()
+            if let Some(id) = wanted.get(&e.key)
+                && self
+                    .release_held_mutation(&e, session, &id.node_transfer_holder())
+                    .await?
             {
-                continue;
-            }
-            let ops = [
-                TxnOp::check_session(e.key.clone(), session),
-                TxnOp::check_index(e.key.clone(), e.modify_index),
-                TxnOp::delete(e.key.clone()),
-            ];
-            match self.consul.txn(&ops).await {
-                Ok(_) => released += 1,
-                Err(ConsulError::Conflict(_)) => {}
-                Err(e) => return Err(e.into()),
+                released += 1;
             }
         }
         Ok(released)
