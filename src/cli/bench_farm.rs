@@ -163,9 +163,18 @@ async fn farm_sessions(consul: &Consul, farms: &mut [FarmProc]) -> Result<(), Cl
 }
 
 pub(super) fn rss_kib(pid: u32) -> Option<u64> {
+    proc_status_kib(pid, "VmRSS:")
+}
+
+/// The process's highest RSS so far.
+fn peak_rss_kib(pid: u32) -> Option<u64> {
+    proc_status_kib(pid, "VmHWM:")
+}
+
+fn proc_status_kib(pid: u32, field: &str) -> Option<u64> {
     let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     s.lines()
-        .find(|l| l.starts_with("VmRSS:"))?
+        .find(|l| l.starts_with(field))?
         .split_whitespace()
         .nth(1)?
         .parse()
@@ -517,6 +526,19 @@ pub async fn run(args: BenchFarmArgs) -> Result<(), CliError> {
         .sum::<u64>()
         .saturating_sub(rss_idle.iter().sum::<u64>());
     let rss_per_rc_kib = above_idle as f64 / args.rcs as f64;
+    let peak_rss: Vec<String> = farms
+        .iter()
+        .filter_map(|f| peak_rss_kib(f.pid))
+        .map(|k| format!("{:.0}", k as f64 / 1024.0))
+        .collect();
+    eprintln!(
+        "farms' RSS now / at their peak (VmHWM), MiB: {} / {}",
+        rss.iter()
+            .map(|k| format!("{:.0}", *k as f64 / 1024.0))
+            .collect::<Vec<_>>()
+            .join(", "),
+        peak_rss.join(", ")
+    );
 
     // Handover and failover need another farm to take over.
     let (mut handover, mut failover) = (None, None);

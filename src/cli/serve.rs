@@ -79,6 +79,11 @@ pub struct FarmArgs {
     /// The `wait` of the farm's blocking queries.
     #[arg(long, env = "RCFARM_WATCH_WAIT", default_value = "5m", value_parser = parse_duration_flag)]
     pub watch_wait: Duration,
+    /// The longest pause between two reads of a big tree by a blocking query (the pause is
+    /// 100 ms per MiB of the last answer, up to this). Longer batches more changes into each
+    /// re-read of a big pod tree, sparing Consul's CPU; shorter sees changes sooner.
+    #[arg(long, env = "RCFARM_WATCH_MAX_PACE", default_value = "1s", value_parser = parse_duration_flag)]
+    pub watch_max_pace: Duration,
     /// Where farms ship the audit log: `sqlite://PATH` (one machine; farms on it share the
     /// file) or `postgres://USER@HOST/DB` (farms on several machines). Default: audit.db in
     /// --state-dir.
@@ -172,6 +177,7 @@ impl FarmArgs {
         c.claim_grace = self.claim_grace;
         c.watch = WatchConfig {
             wait: self.watch_wait,
+            max_pace: self.watch_max_pace,
             ..WatchConfig::default()
         };
         let audit_db = match &self.audit_db {

@@ -182,13 +182,20 @@ pub struct ClientStatsSnapshot {
 /// A Consul HTTP client. Cheap to clone; clones share the connection pool and counters.
 #[derive(Clone)]
 pub struct Consul {
-    inner: Arc<Inner>,
+    pub(super) inner: Arc<Inner>,
 }
 
-struct Inner {
+/// A permit for one request on the shared connections.
+/// Owned, so that a batch of transactions can be sent from a task of its own
+/// ([`Consul::txn_coalesced`]).
+pub(super) type Permit = tokio::sync::OwnedSemaphorePermit;
+
+pub(super) struct Inner {
     /// Every request but session calls; at most `permits` of them in flight.
     http: reqwest::Client,
-    permits: tokio::sync::Semaphore,
+    permits: Arc<tokio::sync::Semaphore>,
+    /// Transactions waiting to be sent together ([`Consul::txn_coalesced`]).
+    pub(super) txn_queue: super::coalesce::TxnQueue,
     /// Session create/renew/destroy, on a connection of their own so that renewals never queue
     /// behind bulk work (a starved renewal loses every lock the farm holds).
     session_http: reqwest::Client,
@@ -297,7 +304,8 @@ impl Consul {
         Ok(Self {
             inner: Arc::new(Inner {
                 http,
-                permits: tokio::sync::Semaphore::new(shared_permits(max_conns)),
+                permits: Arc::new(tokio::sync::Semaphore::new(shared_permits(max_conns))),
+                txn_queue: Default::default(),
                 session_http,
                 base,
                 cfg,
@@ -342,9 +350,13 @@ impl Consul {
         retry: Retry,
         timeout: Duration,
         attempts: u32,
-        lane: Lane,
-        build: impl Fn() -> reqwest::RequestBuilder,
+        via: Via,
+        build: impl Fn() -> Result<reqwest::RequestBuilder>,
     ) -> Result<Raw> {
+        let (lane, mut held) = match via {
+            Via::Lane(lane) => (lane, None),
+            Via::Held(p) => (Lane::Shared, Some(p)),
+        };
         let cfg = &self.inner.cfg;
         let mut backoff = Backoff::new(cfg.retry_base, cfg.retry_cap);
         let mut attempt = 0u32;
@@ -354,11 +366,12 @@ impl Consul {
             metrics::counter!("rcfarm_consul_requests_total", "endpoint" => endpoint).increment(1);
             // Held until the answer's body is read, so that the connection is back in the pool
             // before another request may start.
-            let _permit = match lane {
-                Lane::Session => None,
-                Lane::Shared => Some(self.permit().await?),
+            let _permit = match (held.take(), lane) {
+                (Some(p), _) => Some(p),
+                (None, Lane::Session) => None,
+                (None, Lane::Shared) => Some(self.permit().await?),
             };
-            let (err, may_retry) = match build().timeout(timeout).send().await {
+            let (err, may_retry) = match build()?.timeout(timeout).send().await {
                 Ok(resp) => {
                     let status = resp.status();
                     let headers = resp.headers().clone();
@@ -403,14 +416,16 @@ impl Consul {
         }
     }
 
-    async fn permit(&self) -> Result<tokio::sync::SemaphorePermit<'_>> {
+    /// A permit for one request on the shared connections.
+    pub(super) async fn permit(&self) -> Result<Permit> {
         let permits = &self.inner.permits;
-        if let Ok(p) = permits.try_acquire() {
+        if let Ok(p) = permits.clone().try_acquire_owned() {
             return Ok(p);
         }
         self.inner.stats.waited.fetch_add(1, Ordering::Relaxed);
         permits
-            .acquire()
+            .clone()
+            .acquire_owned()
             .await
             // The semaphore is never closed while the client exists.
             .map_err(|_| self.unavailable("the client is shutting down".into()))
@@ -498,8 +513,8 @@ impl Consul {
             Retry::Idempotent,
             timeout,
             attempts,
-            Lane::Shared,
-            || self.inner.http.get(&url).query(&query),
+            Via::Lane(Lane::Shared),
+            || Ok(self.inner.http.get(&url).query(&query)),
         )
         .await
     }
@@ -582,9 +597,36 @@ struct Write<'a> {
     method: Method,
     url: String,
     query: Vec<(&'a str, String)>,
-    body: Option<Vec<u8>>,
+    body: Option<Body<'a>>,
     retry: Retry,
     lane: Lane,
+}
+
+/// A write's body.
+enum Body<'a> {
+    Bytes(Vec<u8>),
+    /// A transaction's ops, serialized only once a connection permit is held: at 20,000 RCs
+    /// thousands of tasks wait for a permit at once, and their serialized bodies (base64 values
+    /// in JSON) were ~14 MB of a farm's peak heap beside the ops they were made from.
+    Txn(&'a [TxnOp]),
+}
+
+impl Body<'_> {
+    fn to_vec(&self) -> Result<Vec<u8>> {
+        match self {
+            Body::Bytes(b) => Ok(b.clone()),
+            Body::Txn(ops) => {
+                serde_json::to_vec(ops).map_err(|e| ConsulError::BadResponse(e.to_string()))
+            }
+        }
+    }
+}
+
+/// How a request gets its connection: from its lane, or with a permit its caller holds
+/// already (on the shared lane).
+enum Via {
+    Lane(Lane),
+    Held(Permit),
 }
 
 /// Which connections a request uses.
@@ -598,13 +640,21 @@ enum Lane {
 
 impl Consul {
     async fn write(&self, w: Write<'_>) -> Result<Raw> {
+        self.write_held(w, None).await
+    }
+
+    /// A write sent with a permit the caller already holds (then on the shared lane).
+    async fn write_held(&self, w: Write<'_>, held: Option<Permit>) -> Result<Raw> {
         let timeout = self.inner.cfg.timeout;
         self.execute(
             w.endpoint,
             w.retry,
             timeout,
             self.inner.cfg.attempts,
-            w.lane,
+            match held {
+                Some(p) => Via::Held(p),
+                None => Via::Lane(w.lane),
+            },
             || {
                 let http = match w.lane {
                     Lane::Shared => &self.inner.http,
@@ -612,9 +662,9 @@ impl Consul {
                 };
                 let mut rb = http.request(w.method.clone(), &w.url).query(&w.query);
                 if let Some(b) = &w.body {
-                    rb = rb.body(b.clone());
+                    rb = rb.body(b.to_vec()?);
                 }
-                rb
+                Ok(rb)
             },
         )
         .await
@@ -728,7 +778,7 @@ impl Consul {
     /// `PUT /v1/kv/<key>`: an unconditional write (idempotent, so retried).
     pub async fn kv_put(&self, key: &str, value: &[u8], flags: Option<u64>) -> Result<bool> {
         let mut w = self.kv_write(key, Method::PUT, flags_query(flags));
-        w.body = Some(value.to_vec());
+        w.body = Some(Body::Bytes(value.to_vec()));
         let raw = self.write(w).await?;
         self.bool_answer(&raw)
     }
@@ -744,7 +794,7 @@ impl Consul {
         let mut query = flags_query(flags);
         query.push(("cas", index.to_string()));
         let mut w = self.kv_write(key, Method::PUT, query);
-        w.body = Some(value.to_vec());
+        w.body = Some(Body::Bytes(value.to_vec()));
         w.retry = Retry::ConnectOnly;
         let raw = self.write(w).await?;
         self.bool_answer(&raw)
@@ -762,7 +812,7 @@ impl Consul {
         let mut query = flags_query(flags);
         query.push(("acquire", session.to_string()));
         let mut w = self.kv_write(key, Method::PUT, query);
-        w.body = Some(value.to_vec());
+        w.body = Some(Body::Bytes(value.to_vec()));
         let raw = self.write(w).await?;
         self.bool_answer(&raw)
     }
@@ -778,7 +828,7 @@ impl Consul {
         let mut query = flags_query(flags);
         query.push(("release", session.to_string()));
         let mut w = self.kv_write(key, Method::PUT, query);
-        w.body = Some(value.to_vec());
+        w.body = Some(Body::Bytes(value.to_vec()));
         w.retry = Retry::ConnectOnly;
         let raw = self.write(w).await?;
         self.bool_answer(&raw)
@@ -863,7 +913,7 @@ impl Consul {
                 method: Method::PUT,
                 url: self.url("/v1/session/create"),
                 query: vec![],
-                body: Some(body),
+                body: Some(Body::Bytes(body)),
                 retry: Retry::ConnectOnly,
                 lane: Lane::Session,
             })
@@ -982,30 +1032,41 @@ impl Consul {
     /// `PUT /v1/txn`: all ops or none. A rollback is [`ConsulError::Conflict`] naming each
     /// failed op. More than [`MAX_TXN_OPS`] ops is refused before anything is sent.
     pub async fn txn(&self, ops: &[TxnOp]) -> Result<TxnResponse> {
+        self.txn_held(ops, None).await
+    }
+
+    /// [`Consul::txn`] with a permit the caller already holds.
+    pub(super) async fn txn_held(
+        &self,
+        ops: &[TxnOp],
+        held: Option<Permit>,
+    ) -> Result<TxnResponse> {
         if ops.len() > MAX_TXN_OPS {
             return Err(ConsulError::TooManyOps {
                 count: ops.len(),
                 limit: MAX_TXN_OPS,
             });
         }
-        let body = serde_json::to_vec(ops).map_err(|e| ConsulError::BadResponse(e.to_string()))?;
         let read_only = ops.iter().all(|op| op.verb.is_read());
         self.inner.stats.txns.fetch_add(1, Ordering::Relaxed);
         let raw = self
-            .write(Write {
-                endpoint: "txn",
-                // PUT, never POST: Consul 0.7 answers POST with 405.
-                method: Method::PUT,
-                url: self.url("/v1/txn"),
-                query: vec![],
-                body: Some(body),
-                retry: if read_only {
-                    Retry::Idempotent
-                } else {
-                    Retry::ConnectOnly
+            .write_held(
+                Write {
+                    endpoint: "txn",
+                    // PUT, never POST: Consul 0.7 answers POST with 405.
+                    method: Method::PUT,
+                    url: self.url("/v1/txn"),
+                    query: vec![],
+                    body: Some(Body::Txn(ops)),
+                    retry: if read_only {
+                        Retry::Idempotent
+                    } else {
+                        Retry::ConnectOnly
+                    },
+                    lane: Lane::Shared,
                 },
-                lane: Lane::Shared,
-            })
+                held,
+            )
             .await;
         let raw = match raw {
             Ok(r) => r,

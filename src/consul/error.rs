@@ -1,7 +1,7 @@
 use super::txn::{TxnFailure, TxnOpError};
 
 /// Everything a call to Consul can end in, other than success.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum ConsulError {
     /// The thing asked for does not exist (a session on renew, for instance).
     #[error("{0} not found in Consul")]

@@ -5,6 +5,7 @@
 //! works against real Consul clusters.
 
 mod client;
+mod coalesce;
 mod error;
 mod session;
 mod tree_cache;

@@ -24,6 +24,9 @@ use crate::util::Backoff;
 /// One query of a watch, boxed so that a function can name the type of its fetch.
 type BoxFuture<T> = std::pin::Pin<Box<dyn Future<Output = T> + Send>>;
 
+/// An answer this big leaves enough freed memory behind to be worth returning to the system.
+const BIG_ANSWER: usize = 1 << 20;
+
 /// How a watch queries.
 #[derive(Debug, Clone)]
 pub struct WatchConfig {
@@ -307,6 +310,11 @@ async fn run_watch<T, F, Fut, P>(
                 last_seen = index;
                 block_on = index;
                 out.publish(index, value, &stats);
+                if meta.body_len >= BIG_ANSWER {
+                    // The answer (and the view it replaced) are gone now; see
+                    // `return_freed_memory`.
+                    crate::util::return_freed_memory();
+                }
                 let elapsed = started.elapsed();
                 let pace = config
                     .min_interval

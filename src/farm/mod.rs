@@ -507,6 +507,7 @@ impl Farm {
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut next_sweep = Instant::now() + Duration::from_secs(1);
         let mut sweep_soon = false;
+        let mut last_sweep: Option<Instant> = None;
 
         tracing::info!(session = %session.id(), "serving");
         // Claims are reconsidered when what they depend on changes (RCs or rolls, locks,
@@ -577,7 +578,12 @@ impl Farm {
                 });
                 self.status.update_farm(|f| f.synced = true);
             }
-            if ready && !in_doubt && (sweep_soon || Instant::now() >= next_sweep) {
+            // A sweep lists every intent; claims come in rounds while a dead farm's RCs are
+            // taken over, so those they prompt are at most one every 2 s (the tick looks again).
+            let sweep_due = Instant::now() >= next_sweep
+                || (sweep_soon && last_sweep.is_none_or(|t| t.elapsed() >= Duration::from_secs(2)));
+            if ready && !in_doubt && sweep_due {
+                last_sweep = Some(Instant::now());
                 self.sweep(views, &sv.ctx, &owned).await;
                 next_sweep = Instant::now()
                     + jitter_half(self.config.consistency_interval * 2)

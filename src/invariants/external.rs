@@ -37,6 +37,8 @@ pub struct ExternalReport {
     pub handovers: u64,
     /// Read errors (Consul unreachable, an election): the history has gaps there.
     pub errors: u64,
+    /// The last read error, to say why a history is empty.
+    pub last_error: Option<String>,
     /// Rolling update → the fewest pods of its two RCs seen up at once after it started.
     pub roll_lowest_up: BTreeMap<String, usize>,
 }
@@ -76,8 +78,12 @@ impl ExternalObserver {
                         index = if meta.index < index { 0 } else { meta.index };
                         st.lock().observe(meta.index, &entries);
                     }
-                    Err(_) => {
-                        st.lock().report.errors += 1;
+                    Err(e) => {
+                        {
+                            let mut st = st.lock();
+                            st.report.errors += 1;
+                            st.report.last_error = Some(e.to_string());
+                        }
                         index = 0;
                         tokio::select! {
                             _ = token.cancelled() => return,

@@ -49,7 +49,8 @@ pub struct Observer {
     /// RC id → pod label keys carrying it.
     pods: HashMap<String, BTreeSet<String>>,
     pub violations: Vec<Violation>,
-    /// Fenced commits that touched pods.
+    /// Writes to an RC's pods checked for fencing: one per RC a fenced commit touched (a farm
+    /// sends several RCs' writes in one transaction when they queue for a connection).
     pub fenced_writes: u64,
     /// Commits that carried a `REPLICATION_CONTROLLER_RETARGET` record.
     pub retarget_commits: u64,
@@ -373,7 +374,6 @@ impl Observer {
             });
             return;
         }
-        self.fenced_writes += 1;
         // An RC that is disabled and runs more pods than it wants has given them up (a rolling
         // update moved its replicas): another RC takes them over in place, fenced by its own
         // lock (checked as that RC's write), not the giver's.
@@ -392,6 +392,7 @@ impl Observer {
             if gave_up {
                 continue;
             }
+            self.fenced_writes += 1;
             let lock = format!("{RC_LOCK_PREFIX}{rc}");
             let Some((_, session)) = c.checks.iter().find(|(k, _)| k == &lock) else {
                 self.violations.push(Violation {

@@ -5,6 +5,7 @@
 //! rewrite that only changes formatting, key order or comments is not a difference.
 
 use std::fmt;
+use std::sync::Arc;
 
 use serde_json::Value;
 use sha2::{Digest, Sha256};
@@ -12,7 +13,9 @@ use sha2::{Digest, Sha256};
 /// A parsed, valid manifest.
 #[derive(Clone, PartialEq, Eq)]
 pub struct Manifest {
-    raw: String,
+    /// Shared with the record it came from ([`RawRc::manifest`](super::RawRc)): every farm
+    /// keeps every RC, and the text is most of a record.
+    raw: Arc<str>,
     pod_id: String,
     digest: String,
 }
@@ -43,6 +46,12 @@ pub enum ManifestError {
 
 impl Manifest {
     pub fn parse(raw: &str) -> Result<Manifest, ManifestError> {
+        Self::parse_shared(Arc::from(raw))
+    }
+
+    /// Parses `raw`, keeping that very text (not a copy) as the manifest's.
+    pub fn parse_shared(shared: Arc<str>) -> Result<Manifest, ManifestError> {
+        let raw = &*shared;
         if raw.trim().is_empty() {
             return Err(ManifestError::Empty);
         }
@@ -62,7 +71,7 @@ impl Manifest {
         validate_pod_id(&pod_id).map_err(|why| ManifestError::BadId(pod_id.clone(), why))?;
         let digest = hex::encode(Sha256::digest(canonical_bytes(&canonical)));
         Ok(Manifest {
-            raw: raw.to_string(),
+            raw: shared.clone(),
             pod_id,
             digest,
         })

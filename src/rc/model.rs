@@ -2,6 +2,7 @@
 //! and its validation.
 
 use std::fmt;
+use std::sync::Arc;
 
 use serde::Serialize;
 use serde_json::{Map, Value};
@@ -146,7 +147,7 @@ impl AllocationStrategy {
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct RawRc {
     pub id: String,
-    pub manifest: String,
+    pub manifest: Arc<str>,
     pub node_selector: String,
     pub pod_labels: Option<LabelSet>,
     pub replicas_desired: Option<i64>,
@@ -282,7 +283,7 @@ impl RawRc {
         };
         Ok(RawRc {
             id,
-            manifest,
+            manifest: manifest.into(),
             node_selector,
             pod_labels,
             replicas_desired,
@@ -344,7 +345,8 @@ impl Rc {
             return Err(RcProblem::NegativeReplicas(replicas));
         }
         let node_selector = Selector::parse(&raw.node_selector).map_err(RcProblem::BadSelector)?;
-        let manifest = Manifest::parse(&raw.manifest).map_err(RcProblem::BadManifest)?;
+        let manifest =
+            Manifest::parse_shared(raw.manifest.clone()).map_err(RcProblem::BadManifest)?;
         let strategy = AllocationStrategy::from_p2(&raw.allocation_strategy);
         let pod_labels = raw.pod_labels.clone().unwrap_or_default();
         for k in pod_labels.keys() {

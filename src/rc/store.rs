@@ -76,7 +76,7 @@ impl Mutation {
             }
             Mutation::Enable => raw.disabled = false,
             Mutation::Disable => raw.disabled = true,
-            Mutation::SetManifest(m) => raw.manifest = m.clone(),
+            Mutation::SetManifest(m) => raw.manifest = Arc::from(m.as_str()),
             Mutation::SetNodeSelector(s) => raw.node_selector = s.clone(),
             Mutation::SetPodLabels(l) => raw.pod_labels = Some(l.clone()),
             Mutation::SetStrategy(s) => raw.allocation_strategy = s.as_str().to_string(),
@@ -191,7 +191,7 @@ impl RcStore {
         let id = RcId::new();
         let raw = RawRc {
             id: id.to_string(),
-            manifest: new.manifest,
+            manifest: new.manifest.into(),
             node_selector: new.node_selector,
             pod_labels: Some(new.pod_labels),
             replicas_desired: Some(new.replicas_desired as i64),
@@ -735,7 +735,7 @@ mod tests {
     fn add_replicas_floors_at_zero() {
         let mut raw = RawRc {
             id: String::new(),
-            manifest: String::new(),
+            manifest: "".into(),
             node_selector: String::new(),
             pod_labels: None,
             replicas_desired: Some(2),

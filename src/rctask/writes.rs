@@ -58,8 +58,8 @@ impl Worker {
         all.push(RcStore::ownership_check_op(self.id, &self.session));
         all.extend(ops);
         all.extend(audits.iter().map(AuditRecord::txn_op));
-        match self.ctx.consul.txn(&all).await {
-            Ok(resp) => Ok(resp.commit_index()),
+        match self.ctx.consul.txn_coalesced(all).await {
+            Ok(index) => Ok(index),
             Err(e)
                 if e.txn_failures().any(|(i, f)| {
                     i == 0 && matches!(f, TxnFailure::SessionMismatch | TxnFailure::KeyMissing)

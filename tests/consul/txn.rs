@@ -245,3 +245,66 @@ async fn read_only_transactions_read_a_consistent_view() {
     let err = c.txn(&[TxnOp::get("ro/missing")]).await.unwrap_err();
     assert!(err.failed_at(0, TxnFailure::KeyMissing));
 }
+
+/// Callers queued for a connection share one transaction, yet each keeps its own outcome: the
+/// one whose check fails gets its failure (at its own op index) and nothing of it applies,
+/// while the others commit.
+#[tokio::test]
+async fn coalesced_transactions_share_requests_and_keep_their_own_outcomes() {
+    let s = server().await;
+    // Two connections: one for sessions, one shared; every caller but one queues.
+    let c = rcfarm::consul::Consul::new(rcfarm::consul::ConsulConfig {
+        max_conns: 2,
+        ..rcfarm::consul::ConsulConfig::new(s.url())
+    })
+    .unwrap();
+    let before = c.stats().txns;
+    let calls: Vec<_> = (0..40)
+        .map(|i| {
+            let c = c.clone();
+            tokio::spawn(async move {
+                let mut ops = vec![
+                    TxnOp::set(format!("co/{i}/a"), b"a".to_vec()),
+                    TxnOp::set(format!("co/{i}/b"), b"b".to_vec()),
+                ];
+                if i == 7 {
+                    ops.push(TxnOp::check_index("co/missing", 3));
+                }
+                if i == 9 {
+                    // Only a delete: no result, so no index, as alone.
+                    ops = vec![TxnOp::delete("co/none")];
+                }
+                (i, c.txn_coalesced(ops).await)
+            })
+        })
+        .collect();
+    let mut committed = 0;
+    for call in calls {
+        let (i, r) = call.await.unwrap();
+        match i {
+            7 => {
+                let Err(ConsulError::Conflict(errs)) = &r else {
+                    panic!("{r:?}")
+                };
+                assert_eq!(errs.len(), 1, "{errs:?}");
+                assert_eq!(errs[0].op_index, 2, "its own op index");
+                assert_eq!(errs[0].failure(), TxnFailure::KeyMissing);
+            }
+            9 => assert_eq!(r.unwrap(), 0),
+            _ => {
+                assert!(r.unwrap() > 0);
+                committed += 1;
+            }
+        }
+    }
+    assert_eq!(committed, 38);
+    let keys = c.kv_keys("co/", None, &q()).await.unwrap().0;
+    assert_eq!(keys.len(), 76, "38 callers × 2 keys: {keys:?}");
+    assert!(!keys.iter().any(|k| k.starts_with("co/7/")), "{keys:?}");
+    let sent = c.stats().txns - before;
+    assert!(
+        sent < 40,
+        "40 callers queued behind one connection were sent in {sent} transactions"
+    );
+    eprintln!("FIGURE 40 queued transactions sent in {sent} requests");
+}

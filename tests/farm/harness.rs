@@ -510,9 +510,19 @@ impl Cluster {
         let addr = self.server.addr();
         match &mut self.server {
             Server::Real(agent) => {
+                let seen = self.external.as_ref().map_or(0, |e| e.report().snapshots);
                 agent.stop().await;
                 tokio::time::sleep(down).await;
                 agent.restart().await.unwrap();
+                // The outside observer's history must reach past the restart: a test that
+                // ends soon after it would otherwise check nothing (its first read can take
+                // until the restart, when the agent starts without a leader).
+                if let Some(ext) = &self.external {
+                    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+                    while ext.report().snapshots <= seen && tokio::time::Instant::now() < deadline {
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                    }
+                }
                 Vec::new()
             }
             Server::Embedded(_) => {
@@ -549,7 +559,12 @@ impl Cluster {
             // Real Consul keeps no commit log: what the outside observer could check.
             let r = ext.report();
             assert_kept(&r.violations, "seen from outside");
-            assert!(r.snapshots > 0, "the outside observer saw nothing");
+            assert!(
+                r.snapshots > 0,
+                "the outside observer saw nothing ({} reads failed, the last with {:?})",
+                r.errors,
+                r.last_error
+            );
             return None;
         }
         Some(self.observe(unfenced_ok).fenced_writes as usize)
