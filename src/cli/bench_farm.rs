@@ -51,6 +51,12 @@ pub struct BenchFarmArgs {
     /// Give up on convergence after this long.
     #[arg(long, default_value = "300s", value_parser = parse_duration_flag)]
     pub timeout: Duration,
+    /// Start no farm: write every pod's intent and labels straight from the benchmark, with
+    /// the ops a farm commits per RC (RC index check, intents, labels, audit record), from one
+    /// client per farm with a farm's connections and batching. How fast Consul itself takes
+    /// this load: the floor under the farms' convergence time.
+    #[arg(long)]
+    pub floor: bool,
 }
 
 pub(super) fn failed(e: impl std::fmt::Display) -> CliError {
@@ -353,6 +359,10 @@ pub async fn run(args: BenchFarmArgs) -> Result<(), CliError> {
         consul.txn(chunk).await.map_err(failed)?;
     }
 
+    if args.floor {
+        return floor(&args, target, &consul).await;
+    }
+
     // Farms.
     let max_conns = args.consul_max_conns.to_string();
     let mut extra = vec!["--resync-interval", "30s", "--consistency-interval", "60s"];
@@ -426,6 +436,31 @@ pub async fn run(args: BenchFarmArgs) -> Result<(), CliError> {
         .iter()
         .map(|(k, v)| format!("{k} {:.0}", v - req0.get(k).copied().unwrap_or(0.0)))
         .collect();
+    let watch_bytes = farm_counter(
+        &scraper,
+        &farms,
+        "rcfarm_consul_watch_answer_bytes_total",
+        "watch",
+    )
+    .await;
+    let watch_answers = farm_counter(
+        &scraper,
+        &farms,
+        "rcfarm_consul_watch_answers_total",
+        "watch",
+    )
+    .await;
+    eprintln!(
+        "watch answers of all farms until converged (count, MiB): {}",
+        watch_answers
+            .iter()
+            .map(|(k, n)| format!(
+                "{k} {n:.0} {:.1}",
+                watch_bytes.get(k).copied().unwrap_or(0.0) / (1 << 20) as f64
+            ))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
     let converge_requests = total(&req1) - total(&req0);
     let requests_per_rc = converge_requests / args.rcs as f64;
 
@@ -645,4 +680,106 @@ pub async fn run(args: BenchFarmArgs) -> Result<(), CliError> {
 /// The header of the table rows `run` prints.
 pub fn header() -> &'static str {
     "| Consul | farms | RCs×replicas | nodes | converge s | pods/s | Consul req/RC | change→write p50 / p99 ms | SIGTERM handover s | kill -9 failover s | peak conns/farm | idle conns/farm | idle req/s/farm | idle CPU %/farm | Consul CPU converging / idle | RSS MiB/farm | RSS KiB/owned RC above idle | TIME-WAIT | session losses |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+}
+
+/// `--floor`: the farms' writes without the farms (see [`BenchFarmArgs::floor`]).
+async fn floor(args: &BenchFarmArgs, target: Target, consul: &Consul) -> Result<(), CliError> {
+    let mut records = Vec::new();
+    let mut rcs = Vec::new();
+    for i in 0..args.rcs {
+        let id = RcId::new();
+        let manifest = format!("id: bench-{i}\nlaunchables: {{}}\n");
+        let record = json!({
+            "id": id.to_string(), "manifest": manifest, "node_selector": "env=prod",
+            "pod_labels": {}, "replicas_desired": args.replicas, "disabled": false, "allocation_strategy": "static_strategy",
+        });
+        records.push(TxnOp::cas(id.key(), record.to_string().into_bytes(), 0));
+        rcs.push((id, manifest));
+    }
+    for chunk in records.chunks(63) {
+        consul.txn(chunk).await.map_err(failed)?;
+    }
+    let (entries, _) = consul
+        .kv_list(crate::rc::RC_PREFIX, &QueryOptions::default())
+        .await
+        .map_err(failed)?;
+    let index: BTreeMap<&str, u64> = entries
+        .iter()
+        .map(|e| (e.key.as_str(), e.modify_index))
+        .collect();
+    // What a farm commits for a new RC: its record's index checked, an intent and a label
+    // entry per pod, and the audit record (the ownership check is a check on one more key).
+    let mut writes = Vec::new();
+    for (n, (id, manifest)) in rcs.iter().enumerate() {
+        let key = id.key();
+        let mut ops = vec![TxnOp::check_index(
+            key.clone(),
+            index.get(key.as_str()).copied().unwrap_or(0),
+        )];
+        let pod = format!("bench-{n}");
+        let labels: LabelSet = [
+            (crate::rc::POD_ID_LABEL.to_string(), pod.clone()),
+            (crate::rc::RC_ID_LABEL.to_string(), id.to_string()),
+        ]
+        .into();
+        for r in 0..args.replicas {
+            let node = format!("node-{:05}", (n * args.replicas + r) % args.nodes.max(1));
+            ops.push(TxnOp::set(
+                crate::rctask::intent_key(&node, &pod),
+                manifest.as_bytes().to_vec(),
+            ));
+            ops.push(LabelStore::set_op(
+                LabelType::Pod,
+                &crate::labels::pod_label_id(&node, &pod),
+                &labels,
+            ));
+        }
+        ops.push(
+            crate::audit::AuditRecord::new(
+                crate::audit::events::RC_RETARGET,
+                json!({ "replication_controller_id": id.to_string(), "pod_id": pod }),
+            )
+            .txn_op(),
+        );
+        writes.push(ops);
+    }
+    let clients: Vec<Consul> = (0..args.farms.max(1))
+        .map(|_| {
+            let mut cfg = ConsulConfig::new(target.url());
+            if args.consul_max_conns > 0 {
+                cfg.max_conns = args.consul_max_conns;
+            }
+            Consul::new(cfg).map_err(failed)
+        })
+        .collect::<Result<_, _>>()?;
+    let pods = args.rcs * args.replicas;
+    let cpu0 = target.cpu();
+    let t0 = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for (n, ops) in writes.into_iter().enumerate() {
+        let c = clients[n % clients.len()].clone();
+        tasks.spawn(async move { c.txn_coalesced(ops).await });
+    }
+    while let Some(r) = tasks.join_next().await {
+        r.map_err(failed)?.map_err(failed)?;
+    }
+    let took = t0.elapsed();
+    let consul_cpu = match (cpu0, target.cpu()) {
+        (Some(a), Some(b)) => format!("{:.1} s", b.saturating_sub(a).as_secs_f64()),
+        _ => "n/a".into(),
+    };
+    let txns: u64 = clients.iter().map(|c| c.stats().txns).sum();
+    println!(
+        "| {} | floor: {} clients, no farm | {}×{} | {} | {:.2} | {:.0} | {:.3} txn/pod ({txns}) | Consul CPU {consul_cpu} |",
+        target.name(),
+        clients.len(),
+        args.rcs,
+        args.replicas,
+        args.nodes,
+        took.as_secs_f64(),
+        pods as f64 / took.as_secs_f64(),
+        txns as f64 / pods as f64,
+    );
+    target.shutdown().await;
+    Ok(())
 }
