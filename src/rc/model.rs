@@ -289,7 +289,13 @@ impl RawRc {
             replicas_desired,
             disabled,
             allocation_strategy,
-            extra: m,
+            // The parsed object keeps room for every field taken out of it: ~650 bytes per RC
+            // for nothing, in every farm's listing of every RC. Unknown fields are rare.
+            extra: if m.is_empty() {
+                Map::new()
+            } else {
+                m.into_iter().collect()
+            },
         })
     }
 
