@@ -233,15 +233,17 @@ pub fn json_kind(v: &serde_json::Value) -> &'static str {
 pub fn return_freed_memory() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     {
+        use std::sync::OnceLock;
         use std::sync::atomic::{AtomicU64, Ordering};
-        use std::time::{SystemTime, UNIX_EPOCH};
-        static LAST_MS: AtomicU64 = AtomicU64::new(0);
-        let now = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map(|d| d.as_millis() as u64)
-            .unwrap_or(0);
+        use std::time::Instant;
+        // Milliseconds since the first call, on the monotonic clock (a wall clock set back
+        // would stop the trims for as long); NEVER until a trim has run.
+        const NEVER: u64 = u64::MAX;
+        static START: OnceLock<Instant> = OnceLock::new();
+        static LAST_MS: AtomicU64 = AtomicU64::new(NEVER);
+        let now = START.get_or_init(Instant::now).elapsed().as_millis() as u64;
         let last = LAST_MS.load(Ordering::Relaxed);
-        if now.saturating_sub(last) < 200
+        if (last != NEVER && now.saturating_sub(last) < 200)
             || LAST_MS
                 .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
                 .is_err()

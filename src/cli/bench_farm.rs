@@ -383,14 +383,11 @@ pub async fn run(args: BenchFarmArgs) -> Result<(), CliError> {
 
     // RCs, written as P2 tools do (raw records), 63 per transaction.
     let ids: Vec<RcId> = (0..args.rcs).map(|_| RcId::new()).collect();
-    let mut ops = Vec::new();
-    for (i, id) in ids.iter().enumerate() {
-        let record = json!({
-            "id": id.to_string(), "manifest": format!("id: bench-{i}\nlaunchables: {{}}\n"), "node_selector": "env=prod",
-            "pod_labels": {}, "replicas_desired": args.replicas, "disabled": false, "allocation_strategy": "static_strategy",
-        });
-        ops.push(TxnOp::cas(id.key(), record.to_string().into_bytes(), 0));
-    }
+    let ops: Vec<TxnOp> = ids
+        .iter()
+        .enumerate()
+        .map(|(i, id)| rc_record(*id, i, args.replicas))
+        .collect();
     let pods = args.rcs * args.replicas;
     let req0 = farm_counter(&scraper, &farms, "rcfarm_consul_requests_total", "endpoint").await;
     let cpu0 = target.cpu();
@@ -682,20 +679,30 @@ pub fn header() -> &'static str {
     "| Consul | farms | RCs×replicas | nodes | converge s | pods/s | Consul req/RC | change→write p50 / p99 ms | SIGTERM handover s | kill -9 failover s | peak conns/farm | idle conns/farm | idle req/s/farm | idle CPU %/farm | Consul CPU converging / idle | RSS MiB/farm | RSS KiB/owned RC above idle | TIME-WAIT | session losses |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 }
 
+/// The manifest of the benchmark's `i`th RC.
+fn bench_manifest(i: usize) -> String {
+    format!("id: bench-{i}\nlaunchables: {{}}\n")
+}
+
+/// The benchmark's `i`th RC record, created as P2's tools write it (raw JSON, create-only).
+fn rc_record(id: RcId, i: usize, replicas: usize) -> TxnOp {
+    let record = json!({
+        "id": id.to_string(), "manifest": bench_manifest(i), "node_selector": "env=prod",
+        "pod_labels": {}, "replicas_desired": replicas, "disabled": false, "allocation_strategy": "static_strategy",
+    });
+    TxnOp::cas(id.key(), record.to_string().into_bytes(), 0)
+}
+
 /// `--floor`: the farms' writes without the farms (see [`BenchFarmArgs::floor`]).
 async fn floor(args: &BenchFarmArgs, target: Target, consul: &Consul) -> Result<(), CliError> {
-    let mut records = Vec::new();
-    let mut rcs = Vec::new();
-    for i in 0..args.rcs {
-        let id = RcId::new();
-        let manifest = format!("id: bench-{i}\nlaunchables: {{}}\n");
-        let record = json!({
-            "id": id.to_string(), "manifest": manifest, "node_selector": "env=prod",
-            "pod_labels": {}, "replicas_desired": args.replicas, "disabled": false, "allocation_strategy": "static_strategy",
-        });
-        records.push(TxnOp::cas(id.key(), record.to_string().into_bytes(), 0));
-        rcs.push((id, manifest));
-    }
+    let rcs: Vec<(RcId, String)> = (0..args.rcs)
+        .map(|i| (RcId::new(), bench_manifest(i)))
+        .collect();
+    let records: Vec<TxnOp> = rcs
+        .iter()
+        .enumerate()
+        .map(|(i, (id, _))| rc_record(*id, i, args.replicas))
+        .collect();
     for chunk in records.chunks(63) {
         consul.txn(chunk).await.map_err(failed)?;
     }

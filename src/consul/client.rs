@@ -1045,12 +1045,7 @@ impl Consul {
         ops: &[TxnOp],
         held: Option<Permit>,
     ) -> Result<TxnResponse> {
-        if ops.len() > MAX_TXN_OPS {
-            return Err(ConsulError::TooManyOps {
-                count: ops.len(),
-                limit: MAX_TXN_OPS,
-            });
-        }
+        super::txn::check_op_count(ops.len())?;
         let read_only = ops.iter().all(|op| op.verb.is_read());
         self.inner.stats.txns.fetch_add(1, Ordering::Relaxed);
         let raw = self

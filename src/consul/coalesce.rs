@@ -51,12 +51,7 @@ impl Consul {
     /// A caller dropped before its ops were sent never sends them; once sent, they may apply
     /// whatever becomes of the caller, like any request in flight.
     pub async fn txn_coalesced(&self, ops: Vec<TxnOp>) -> Result<u64> {
-        if ops.len() > MAX_TXN_OPS {
-            return Err(ConsulError::TooManyOps {
-                count: ops.len(),
-                limit: MAX_TXN_OPS,
-            });
-        }
+        super::txn::check_op_count(ops.len())?;
         let (done, mut answer) = oneshot::channel();
         let bytes = body_bytes(&ops);
         self.inner

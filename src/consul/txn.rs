@@ -10,6 +10,17 @@ use super::types::KvPair;
 /// works with every version.
 pub const MAX_TXN_OPS: usize = 64;
 
+/// Refuses, before anything is sent, a transaction Consul would refuse for its size.
+pub(super) fn check_op_count(count: usize) -> super::Result<()> {
+    if count > MAX_TXN_OPS {
+        return Err(super::ConsulError::TooManyOps {
+            count,
+            limit: MAX_TXN_OPS,
+        });
+    }
+    Ok(())
+}
+
 /// A KV verb of `/v1/txn`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum KvVerb {
