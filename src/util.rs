@@ -223,40 +223,6 @@ pub fn json_kind(v: &serde_json::Value) -> &'static str {
     }
 }
 
-/// Hands memory the allocator holds free back to the operating system.
-///
-/// A farm's biggest allocations are transient: the answer to a blocking query on a big tree
-/// (25 MiB of JSON at 100,000 pods) is read, parsed into a cache and dropped. glibc keeps what
-/// such an answer freed inside its arenas, so a farm's RSS stayed at its highest point long
-/// after it converged; `malloc_trim` returns those free pages. It is process-wide and costs a
-/// walk of the free lists, so it runs at most once per 200 ms.
-pub fn return_freed_memory() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    {
-        use std::sync::OnceLock;
-        use std::sync::atomic::{AtomicU64, Ordering};
-        use std::time::Instant;
-        // Milliseconds since the first call, on the monotonic clock (a wall clock set back
-        // would stop the trims for as long); NEVER until a trim has run.
-        const NEVER: u64 = u64::MAX;
-        static START: OnceLock<Instant> = OnceLock::new();
-        static LAST_MS: AtomicU64 = AtomicU64::new(NEVER);
-        let now = START.get_or_init(Instant::now).elapsed().as_millis() as u64;
-        let last = LAST_MS.load(Ordering::Relaxed);
-        if (last != NEVER && now.saturating_sub(last) < 200)
-            || LAST_MS
-                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
-                .is_err()
-        {
-            return;
-        }
-        // SAFETY: malloc_trim only releases free pages; glibc locks each arena while it walks it.
-        unsafe {
-            libc::malloc_trim(0);
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

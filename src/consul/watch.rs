@@ -24,9 +24,6 @@ use crate::util::Backoff;
 /// One query of a watch, boxed so that a function can name the type of its fetch.
 type BoxFuture<T> = std::pin::Pin<Box<dyn Future<Output = T> + Send>>;
 
-/// An answer this big leaves enough freed memory behind to be worth returning to the system.
-const BIG_ANSWER: usize = 1 << 20;
-
 /// How a watch queries.
 #[derive(Debug, Clone)]
 pub struct WatchConfig {
@@ -319,11 +316,6 @@ async fn run_watch<T, F, Fut, P>(
                 metrics::counter!("rcfarm_consul_watch_answer_bytes_total", "watch" => name.clone())
                     .increment(meta.body_len as u64);
                 out.publish(index, value, &stats);
-                if meta.body_len >= BIG_ANSWER {
-                    // The answer (and the view it replaced) are gone now; see
-                    // `return_freed_memory`.
-                    crate::util::return_freed_memory();
-                }
                 let elapsed = started.elapsed();
                 let pace = config
                     .min_interval
