@@ -31,7 +31,7 @@ use crate::consul::{
 };
 use crate::health::HealthCache;
 use crate::labels::{LabelCache, LabelType, Selector};
-use crate::rc::{LockView, RcStore, RcWatch};
+use crate::rc::{LockView, LockWatch, RcStore, RcWatch};
 use crate::rctask::{IntentView, StatusRegistry, TaskConfig, TaskContext, TaskEvent};
 use crate::roll::{
     ROLL_LOCK_PREFIX, RollConfig, RollContext, RollEvent, RollStatusRegistry, RollStore, RollWatch,
@@ -167,7 +167,7 @@ enum Ended {
 /// The farm's watched view of Consul.
 struct Views {
     rcs: RcWatch,
-    locks: Watch<Vec<KvPair>>,
+    locks: LockWatch,
     farms: Watch<Vec<KvPair>>,
     rolls: RollWatch,
     roll_locks: Watch<Vec<KvPair>>,
@@ -254,9 +254,7 @@ impl Farm {
         let w = cfg.watch.clone();
         let views = Views {
             rcs: RcStore::new(self.consul.clone()).watch(w.clone()),
-            locks: self
-                .consul
-                .watch_prefix(crate::rc::RC_LOCK_PREFIX, w.clone()),
+            locks: RcStore::new(self.consul.clone()).watch_locks(w.clone()),
             farms: self.consul.watch_prefix(FARMS_PREFIX, w.clone()),
             rolls: RollStore::new(self.consul.clone()).watch(w.clone()),
             roll_locks: self.consul.watch_prefix(ROLL_LOCK_PREFIX, w.clone()),

@@ -15,7 +15,7 @@ use super::{Farm, Views, sweep};
 use crate::audit::{AuditRecord, events};
 use crate::consul::Session;
 use crate::labels::{LabelChanges, LabelSet, Selector};
-use crate::rc::{LockView, RC_ID_LABEL, RcId, RcListing, RcStore, parse_locks};
+use crate::rc::{LockView, RC_ID_LABEL, RcId, RcListing, RcStore};
 use crate::rctask::{RcState, StatusRegistry, TaskContext, TaskEvent, TaskHandle};
 
 /// RCs, for the claim machinery.
@@ -159,35 +159,31 @@ impl Farm {
         let Some(listing) = views.rcs.latest() else {
             return false;
         };
-        let Some(lock_snap) = views.locks.latest() else {
+        let Some(locks) = views.locks.latest() else {
             return false;
         };
         let Some(farm_snap) = views.farms.latest() else {
             return false;
         };
         let sid = session.id();
-        let (holders, garbage) = parse_locks(&lock_snap.value);
         {
             let mut seen = self.garbage_locks_reported.lock();
-            seen.retain(|k| garbage.contains(k));
-            for key in garbage {
+            seen.retain(|k| locks.garbage.contains(k));
+            for key in &locks.garbage {
                 if seen.insert(key.clone()) {
                     tracing::warn!(%key, "a key under the lock prefix is not an RC lock; ignoring it");
                 }
             }
         }
-        if locks_tx.borrow().index != lock_snap.index {
-            let view = Arc::new(LockView {
-                index: lock_snap.index,
-                holders: holders.clone(),
-            });
-            let old = locks_tx.send_replace(view.clone());
+        if locks_tx.borrow().index != locks.index {
+            let old = locks_tx.send_replace(locks.clone());
             for (id, t) in &owned.tasks {
-                if old.mutation(*id) != view.mutation(*id) {
+                if old.mutation(*id) != locks.mutation(*id) {
                     t.wake();
                 }
             }
         }
+        let holders = &locks.holders;
 
         self.report_unclaimable(
             crate::rc::RC_PREFIX,
@@ -255,7 +251,7 @@ impl Farm {
             matching: &matching,
             assignment: &assignment,
             holders: &owners,
-            lock_index: lock_snap.index,
+            lock_index: locks.index,
             listing_index: listing.index,
             // A claim of an RC deleted meanwhile is harmless: its task is told, and gives the
             // lock back.

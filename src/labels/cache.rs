@@ -38,6 +38,82 @@ struct Cached {
     modify_index: u64,
 }
 
+/// The ids that carry one label value. Most values are on a few ids (the pods of one RC carry
+/// its id and pod id), so a short list is kept at its exact size: a B-tree set's first node is
+/// ~190 bytes whatever it holds, and at 100,000 pods there are 40,000 such sets in every farm.
+/// Past `IdSet::FEW` ids (a label every pod carries) a hash set keeps removal cheap.
+#[derive(Debug)]
+enum IdSet {
+    Few(Vec<Arc<str>>),
+    Many(HashSet<Arc<str>>),
+}
+
+impl Default for IdSet {
+    fn default() -> Self {
+        IdSet::Few(Vec::new())
+    }
+}
+
+impl IdSet {
+    const FEW: usize = 32;
+
+    fn insert(&mut self, id: Arc<str>) {
+        match self {
+            IdSet::Few(v) => {
+                if v.contains(&id) {
+                    return;
+                }
+                if v.len() < Self::FEW {
+                    v.push(id);
+                    v.shrink_to_fit();
+                } else {
+                    let mut set: HashSet<Arc<str>> = v.drain(..).collect();
+                    set.insert(id);
+                    *self = IdSet::Many(set);
+                }
+            }
+            IdSet::Many(set) => {
+                set.insert(id);
+            }
+        }
+    }
+
+    fn remove(&mut self, id: &str) {
+        match self {
+            IdSet::Few(v) => {
+                if let Some(i) = v.iter().position(|x| &**x == id) {
+                    v.swap_remove(i);
+                    v.shrink_to_fit();
+                }
+            }
+            IdSet::Many(set) => {
+                set.remove(id);
+                if set.len() <= Self::FEW / 2 {
+                    *self = IdSet::Few(set.drain().collect());
+                }
+            }
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            IdSet::Few(v) => v.len(),
+            IdSet::Many(set) => set.len(),
+        }
+    }
+
+    fn iter(&self) -> Box<dyn Iterator<Item = &Arc<str>> + '_> {
+        match self {
+            IdSet::Few(v) => Box::new(v.iter()),
+            IdSet::Many(set) => Box::new(set.iter()),
+        }
+    }
+}
+
 /// Sized for 100,000 pods per farm: an id is allocated once and shared by the entry and the
 /// index, and equal label sets (every pod of an RC carries the same labels) are one allocation.
 #[derive(Debug, Default)]
@@ -47,7 +123,7 @@ struct State {
     /// Sorted, so scans come out in id order.
     entries: BTreeMap<Arc<str>, Cached>,
     /// key → value → ids.
-    inverted: HashMap<String, HashMap<String, BTreeSet<Arc<str>>>>,
+    inverted: HashMap<String, HashMap<String, IdSet>>,
     /// Every distinct label set held, to share equal ones.
     interned: HashSet<Arc<LabelSet>>,
     /// Malformed keys: key → (ModifyIndex, reason).
@@ -101,6 +177,7 @@ impl State {
         let mut seen: BTreeSet<&str> = BTreeSet::new();
         let mut changes = Vec::new();
         let mut errors = BTreeMap::new();
+        let mut added = 0usize;
         for e in entries {
             let id = e.key.strip_prefix(prefix.as_str()).unwrap_or(&e.key);
             if let Some(c) = self.entries.get(id)
@@ -122,7 +199,10 @@ impl State {
                     // Keep the id already allocated (the index shares it).
                     let key: Arc<str> = match self.entries.get_key_value(id) {
                         Some((k, _)) => k.clone(),
-                        None => Arc::from(id),
+                        None => {
+                            added += 1;
+                            Arc::from(id)
+                        }
                     };
                     let old = self.entries.insert(
                         key.clone(),
@@ -181,6 +261,11 @@ impl State {
                 Arc::strong_count(l) > 1 + in_changes.get(&Arc::as_ptr(l)).copied().unwrap_or(0)
             });
         }
+        if added > self.entries.len() / 8 {
+            // Keys come in order, and a B-tree filled one insert at a time in order leaves its
+            // nodes half empty; built whole it packs them (100,000 pods: ~2.5 MB less per farm).
+            self.entries = std::mem::take(&mut self.entries).into_iter().collect();
+        }
         self.errors = errors;
         self.index = index;
         self.synced = true;
@@ -189,7 +274,7 @@ impl State {
 
     /// The id sets an indexed requirement draws from (their union holds every id it can
     /// match), or `None` if the index cannot narrow it.
-    fn sources<'a>(&'a self, r: &'a Requirement) -> Option<Vec<&'a BTreeSet<Arc<str>>>> {
+    fn sources<'a>(&'a self, r: &'a Requirement) -> Option<Vec<&'a IdSet>> {
         let by_value = self.inverted.get(r.key());
         match r {
             Requirement::Exists(_) => {
@@ -207,7 +292,7 @@ impl State {
     fn matches(&self, selector: &Selector) -> Vec<String> {
         // Draw candidates from the most selective indexed requirement and check each against
         // the whole selector; scan everything when nothing narrows it enough.
-        let mut best: Option<(usize, Vec<&BTreeSet<Arc<str>>>)> = None;
+        let mut best: Option<(usize, Vec<&IdSet>)> = None;
         for r in selector.requirements() {
             if let Some(sets) = self.sources(r) {
                 let size: usize = sets.iter().map(|s| s.len()).sum();
@@ -226,7 +311,7 @@ impl State {
             Some((size, sets)) if size * 2 <= self.entries.len() => {
                 let mut out: Vec<String> = sets
                     .into_iter()
-                    .flatten()
+                    .flat_map(IdSet::iter)
                     .filter(|id| check(id))
                     .map(|id| id.to_string())
                     .collect();

@@ -12,6 +12,6 @@ pub use model::{
 pub mod store;
 
 pub use store::{
-    LockHolders, LockView, Mutation, NewRc, RcListing, RcStore, RcStoreError, RcWatch, Written,
-    parse_listing, parse_locks,
+    LockHolders, LockView, LockWatch, Mutation, NewRc, RcListing, RcStore, RcStoreError, RcWatch,
+    Written, parse_listing, parse_locks,
 };

@@ -310,7 +310,8 @@ impl RawRc {
 pub struct Rc {
     pub id: RcId,
     pub manifest: Manifest,
-    pub node_selector: Selector,
+    /// Shared: a listing holds equal selectors once.
+    pub node_selector: Arc<Selector>,
     pub pod_labels: LabelSet,
     pub replicas_desired: u64,
     pub disabled: bool,
@@ -350,7 +351,8 @@ impl Rc {
         if replicas < 0 {
             return Err(RcProblem::NegativeReplicas(replicas));
         }
-        let node_selector = Selector::parse(&raw.node_selector).map_err(RcProblem::BadSelector)?;
+        let node_selector =
+            Arc::new(Selector::parse(&raw.node_selector).map_err(RcProblem::BadSelector)?);
         let manifest =
             Manifest::parse_shared(raw.manifest.clone()).map_err(RcProblem::BadManifest)?;
         let strategy = AllocationStrategy::from_p2(&raw.allocation_strategy);

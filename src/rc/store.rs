@@ -5,7 +5,7 @@
 //! and only if the change does. Mutations read the record, change it, and write it back with a
 //! CAS on its `ModifyIndex`, retrying a bounded number of times if another writer got in first.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use serde_json::{Value, json};
@@ -16,7 +16,7 @@ use super::model::{
 };
 use crate::audit::{AuditRecord, events};
 use crate::consul::{Consul, ConsulError, KvPair, QueryOptions, TxnFailure, TxnOp, WatchConfig};
-use crate::labels::{LabelSet, LabelStore, LabelType, LabelsError};
+use crate::labels::{LabelSet, LabelStore, LabelType, LabelsError, Selector};
 
 #[derive(Debug, thiserror::Error)]
 pub enum RcStoreError {
@@ -143,9 +143,24 @@ pub struct LockHolders {
 pub struct LockView {
     pub index: u64,
     pub holders: BTreeMap<RcId, LockHolders>,
+    /// Keys under the lock prefix that are not RC locks (reported, ignored).
+    pub garbage: Vec<String>,
 }
 
+/// The RC lock tree, watched and parsed once per change: a farm keeps this one copy, not the
+/// answer's entries beside it (20,000 RCs: ~7 MB of `KvPair`s per farm).
+pub type LockWatch = crate::consul::DerivedWatch<LockView>;
+
 impl LockView {
+    pub fn parse(index: u64, entries: &[KvPair]) -> LockView {
+        let (holders, garbage) = parse_locks(entries);
+        LockView {
+            index,
+            holders,
+            garbage,
+        }
+    }
+
     /// Session and value of an RC's mutation lock, if held.
     pub fn mutation(&self, id: RcId) -> Option<&(String, String)> {
         self.holders.get(&id).and_then(|h| h.mutation.as_ref())
@@ -280,6 +295,13 @@ impl RcStore {
     /// Watches the whole RC tree with one blocking query.
     pub fn watch(&self, config: WatchConfig) -> RcWatch {
         RcWatch::spawn(&self.consul, RC_PREFIX, config, parse_listing)
+    }
+
+    /// Watches the RC lock tree.
+    pub fn watch_locks(&self, config: WatchConfig) -> LockWatch {
+        LockWatch::spawn(&self.consul, RC_LOCK_PREFIX, config, |index, entries, _| {
+            LockView::parse(index, entries)
+        })
     }
 
     /// Reads, changes and writes back an RC with a CAS, and its audit record, in one
@@ -633,7 +655,10 @@ impl RcStore {
 
 /// Parses the lock tree: holders per RC, and the keys that are not RC locks (reported, ignored).
 pub fn parse_locks(entries: &[KvPair]) -> (BTreeMap<RcId, LockHolders>, Vec<String>) {
-    let mut out: BTreeMap<RcId, LockHolders> = BTreeMap::new();
+    // Gathered in a list and built in one go: a map filled one insert at a time in key order
+    // leaves its nodes half empty (12.7 MB for 20,000 RCs' locks, against ~3 MB built whole),
+    // and every farm keeps this map for the whole cluster.
+    let mut out: Vec<(RcId, LockHolders)> = Vec::with_capacity(entries.len());
     let mut garbage = Vec::new();
     for e in entries {
         let Some(rest) = e.key.strip_prefix(RC_LOCK_PREFIX) else {
@@ -652,7 +677,13 @@ pub fn parse_locks(entries: &[KvPair]) -> (BTreeMap<RcId, LockHolders>, Vec<Stri
             .session
             .clone()
             .map(|s| (s, String::from_utf8_lossy(e.value_bytes()).into_owned()));
-        let entry = out.entry(id).or_default();
+        // Consul lists keys in order, so an RC's locks are usually neighbours.
+        if out.last().map(|(last, _)| *last) != Some(id) {
+            out.push((id, LockHolders::default()));
+        }
+        let Some((_, entry)) = out.last_mut() else {
+            continue;
+        };
         match suffix {
             None => entry.ownership = holder,
             Some("update") => {
@@ -664,7 +695,24 @@ pub fn parse_locks(entries: &[KvPair]) -> (BTreeMap<RcId, LockHolders>, Vec<Stri
             Some(_) => garbage.push(e.key.clone()),
         }
     }
-    (out, garbage)
+    // Any order is read right: an RC's entries that were not neighbours are merged here.
+    out.sort_by_key(|(id, _)| *id);
+    let mut merged: Vec<(RcId, LockHolders)> = Vec::with_capacity(out.len());
+    for (id, h) in out {
+        match merged.last_mut() {
+            Some((last, m)) if *last == id => {
+                if h.ownership.is_some() {
+                    m.ownership = h.ownership;
+                }
+                if h.mutation_index.is_some() {
+                    m.mutation = h.mutation;
+                    m.mutation_index = h.mutation_index;
+                }
+            }
+            _ => merged.push((id, h)),
+        }
+    }
+    (merged.into_iter().collect(), garbage)
 }
 
 /// The RC tree, watched: every change yields a new listing, parsed incrementally.
@@ -676,6 +724,13 @@ pub fn parse_listing(index: u64, entries: &[KvPair], prev: Option<&RcListing>) -
         index,
         ..Default::default()
     };
+    // Equal node selectors are one parse: RCs mostly share a few (every farm lists every RC).
+    let mut selectors: HashMap<String, Arc<Selector>> = HashMap::new();
+    for rc in prev.iter().flat_map(|p| p.rcs.values()) {
+        if !selectors.contains_key(&rc.raw.node_selector) {
+            selectors.insert(rc.raw.node_selector.clone(), rc.node_selector.clone());
+        }
+    }
     for e in entries {
         if let Some(prev) = prev {
             if let Some(Ok(id)) = RcId::from_key(&e.key)
@@ -693,7 +748,13 @@ pub fn parse_listing(index: u64, entries: &[KvPair], prev: Option<&RcListing>) -
             }
         }
         match Rc::from_kv(&e.key, e.value_bytes(), e.modify_index) {
-            Ok(rc) => {
+            Ok(mut rc) => {
+                match selectors.get(&rc.raw.node_selector) {
+                    Some(shared) => rc.node_selector = shared.clone(),
+                    None => {
+                        selectors.insert(rc.raw.node_selector.clone(), rc.node_selector.clone());
+                    }
+                }
                 listing.rcs.insert(rc.id, Arc::new(rc));
             }
             Err(inv) => {
@@ -729,6 +790,65 @@ mod tests {
         assert_eq!(h.ownership, Some(("s1".into(), "farm-a".into())));
         assert_eq!(h.mutation, Some(("s2".into(), "farm-a".into())));
         assert_eq!(garbage.len(), 2);
+    }
+
+    #[test]
+    fn an_rcs_locks_are_merged_whatever_their_order() {
+        let (a, b) = (RcId::new(), RcId::new());
+        let kv = |key: String, session: &str, index: u64| KvPair {
+            key,
+            session: Some(session.to_string()),
+            value: Some(b"v".to_vec()),
+            modify_index: index,
+            ..Default::default()
+        };
+        // Not in key order, and each RC's two locks apart.
+        let entries = vec![
+            kv(b.mutation_lock_key(), "sb-m", 7),
+            kv(a.ownership_lock_key(), "sa", 1),
+            kv(b.ownership_lock_key(), "sb", 2),
+            kv(a.mutation_lock_key(), "sa-m", 9),
+        ];
+        let (holders, garbage) = parse_locks(&entries);
+        assert!(garbage.is_empty());
+        assert_eq!(holders.len(), 2);
+        for (id, own, m, idx) in [(a, "sa", "sa-m", 9), (b, "sb", "sb-m", 7)] {
+            let h = &holders[&id];
+            assert_eq!(h.ownership, Some((own.into(), "v".into())));
+            assert_eq!(h.mutation, Some((m.into(), "v".into())));
+            assert_eq!(h.mutation_index, Some(idx));
+        }
+    }
+
+    #[test]
+    fn a_listing_holds_equal_node_selectors_once() {
+        let record = |id: RcId, i: usize, sel: &str, index: u64| KvPair {
+            key: id.key(),
+            value: Some(
+                json!({"id": id.to_string(), "manifest": format!("id: p{i}\nlaunchables: {{}}\n"),
+                    "node_selector": sel, "replicas_desired": 1})
+                .to_string()
+                .into_bytes(),
+            ),
+            modify_index: index,
+            ..Default::default()
+        };
+        let ids: Vec<RcId> = (0..4).map(|_| RcId::new()).collect();
+        let first = vec![
+            record(ids[0], 0, "env=prod", 1),
+            record(ids[1], 1, "env=prod", 2),
+            record(ids[2], 2, "env=dev", 3),
+        ];
+        let l1 = parse_listing(3, &first, None);
+        let sel = |l: &RcListing, i: usize| l.rcs[&ids[i]].node_selector.clone();
+        assert!(Arc::ptr_eq(&sel(&l1, 0), &sel(&l1, 1)));
+        assert!(!Arc::ptr_eq(&sel(&l1, 0), &sel(&l1, 2)));
+        assert_eq!(sel(&l1, 2).to_string(), "env=dev");
+        // A later answer's new RC shares the selector parsed in an earlier one.
+        let mut second = first.clone();
+        second.push(record(ids[3], 3, "env=dev", 4));
+        let l2 = parse_listing(4, &second, Some(&l1));
+        assert!(Arc::ptr_eq(&sel(&l2, 3), &sel(&l1, 2)));
     }
 
     #[test]

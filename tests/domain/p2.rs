@@ -147,7 +147,7 @@ async fn every_rc_p2_creates_is_served_as_p2_serves_it() {
             same.matches(&labels),
             "{sel:?}"
         );
-        assert_eq!(rc.node_selector, same, "{sel:?}");
+        assert_eq!(*rc.node_selector, same, "{sel:?}");
     }
     let (rc_labels, _) = LabelStore::new(c.clone())
         .get(LabelType::ReplicationController, &ids[0].0.to_string())
