@@ -225,7 +225,7 @@ impl Farm {
                     views
                         .rc_labels
                         .get(&id.to_string())
-                        .map(|l| (*l).clone())
+                        .map(Arc::unwrap_or_clone)
                         .unwrap_or_default(),
                 )
             })

@@ -13,6 +13,7 @@ use std::sync::Arc;
 use parking_lot::RwLock;
 use tokio::sync::{broadcast, watch};
 
+use super::compact::CompactLabels;
 use super::selector::{Requirement, Selector};
 use super::store::{LabelSet, LabelType, parse_entry};
 use crate::consul::{CacheSignals, Consul, KvPair, SinkWatch, WatchConfig};
@@ -34,7 +35,7 @@ pub struct LabelChanges {
 
 #[derive(Debug, Clone)]
 struct Cached {
-    labels: Arc<LabelSet>,
+    labels: Arc<CompactLabels>,
     modify_index: u64,
 }
 
@@ -125,14 +126,14 @@ struct State {
     /// key → value → ids.
     inverted: HashMap<String, HashMap<String, IdSet>>,
     /// Every distinct label set held, to share equal ones.
-    interned: HashSet<Arc<LabelSet>>,
+    interned: HashSet<Arc<CompactLabels>>,
     /// Malformed keys: key → (ModifyIndex, reason).
     errors: BTreeMap<String, (u64, String)>,
 }
 
 impl State {
-    fn unindex(&mut self, id: &str, labels: &LabelSet) {
-        for (k, v) in labels {
+    fn unindex(&mut self, id: &str, labels: &CompactLabels) {
+        for (k, v) in labels.iter() {
             if let Some(values) = self.inverted.get_mut(k) {
                 if let Some(ids) = values.get_mut(v) {
                     ids.remove(id);
@@ -147,22 +148,23 @@ impl State {
         }
     }
 
-    fn reindex(&mut self, id: &Arc<str>, labels: &LabelSet) {
-        for (k, v) in labels {
+    fn reindex(&mut self, id: &Arc<str>, labels: &CompactLabels) {
+        for (k, v) in labels.iter() {
             let values = match self.inverted.get_mut(k) {
                 Some(values) => values,
-                None => self.inverted.entry(k.clone()).or_default(),
+                None => self.inverted.entry(k.to_string()).or_default(),
             };
             let ids = match values.get_mut(v) {
                 Some(ids) => ids,
-                None => values.entry(v.clone()).or_default(),
+                None => values.entry(v.to_string()).or_default(),
             };
             ids.insert(id.clone());
         }
     }
 
     /// The shared copy of `labels`.
-    fn intern(&mut self, labels: LabelSet) -> Arc<LabelSet> {
+    fn intern(&mut self, labels: &LabelSet) -> Arc<CompactLabels> {
+        let labels = CompactLabels::new(labels);
         if let Some(shared) = self.interned.get(&labels) {
             return shared.clone();
         }
@@ -195,7 +197,7 @@ impl State {
             match parse_entry(t, &prefix, e) {
                 Ok(l) => {
                     seen.insert(id);
-                    let new = self.intern(l.labels);
+                    let new = self.intern(&l.labels);
                     // Keep the id already allocated (the index shares it).
                     let key: Arc<str> = match self.entries.get_key_value(id) {
                         Some((k, _)) => k.clone(),
@@ -217,11 +219,7 @@ impl State {
                             self.unindex(id, o);
                         }
                         self.reindex(&key, &new);
-                        changes.push(LabelChange {
-                            id: l.id,
-                            old,
-                            new: Some(new),
-                        });
+                        changes.push((l.id, old, Some(new)));
                     }
                 }
                 Err(reason) => {
@@ -241,25 +239,30 @@ impl State {
         for id in gone {
             if let Some(c) = self.entries.remove(&*id) {
                 self.unindex(&id, &c.labels);
-                changes.push(LabelChange {
-                    id: id.to_string(),
-                    old: Some(c.labels),
-                    new: None,
-                });
+                changes.push((id.to_string(), Some(c.labels), None));
             }
         }
+        // Subscribers get plain label sets, each distinct one expanded once.
+        let mut expanded: HashMap<*const CompactLabels, Arc<LabelSet>> = HashMap::new();
+        let mut expand = |l: Option<Arc<CompactLabels>>| {
+            l.map(|l| {
+                expanded
+                    .entry(Arc::as_ptr(&l))
+                    .or_insert_with(|| Arc::new(l.to_set()))
+                    .clone()
+            })
+        };
+        let changes: Vec<LabelChange> = changes
+            .into_iter()
+            .map(|(id, old, new)| LabelChange {
+                id,
+                old: expand(old),
+                new: expand(new),
+            })
+            .collect();
         if !changes.is_empty() {
-            // Forget label sets no entry holds any more: held only here and by this snapshot's
-            // changes. (One a subscriber still holds from earlier stays until a later pass.)
-            let mut in_changes: HashMap<*const LabelSet, usize> = HashMap::new();
-            for c in &changes {
-                for l in [&c.old, &c.new].into_iter().flatten() {
-                    *in_changes.entry(Arc::as_ptr(l)).or_default() += 1;
-                }
-            }
-            self.interned.retain(|l| {
-                Arc::strong_count(l) > 1 + in_changes.get(&Arc::as_ptr(l)).copied().unwrap_or(0)
-            });
+            // Forget label sets no entry holds any more (held only by this set).
+            self.interned.retain(|l| Arc::strong_count(l) > 1);
         }
         if added > self.entries.len() / 8 {
             // Keys come in order, and a B-tree filled one insert at a time in order leaves its
@@ -384,7 +387,24 @@ impl LabelCache {
     }
 
     pub fn get(&self, id: &str) -> Option<Arc<LabelSet>> {
-        self.state.read().entries.get(id).map(|c| c.labels.clone())
+        self.state
+            .read()
+            .entries
+            .get(id)
+            .map(|c| Arc::new(c.labels.to_set()))
+    }
+
+    pub fn contains(&self, id: &str) -> bool {
+        self.state.read().entries.contains_key(id)
+    }
+
+    /// Whether `id` is held and its labels match `selector`.
+    pub fn id_matches(&self, id: &str, selector: &Selector) -> bool {
+        self.state
+            .read()
+            .entries
+            .get(id)
+            .is_some_and(|c| selector.matches(&*c.labels))
     }
 
     /// Labels and the key's `ModifyIndex` (for a CAS that must fail if the key moved on).
@@ -393,7 +413,7 @@ impl LabelCache {
             .read()
             .entries
             .get(id)
-            .map(|c| (c.labels.clone(), c.modify_index))
+            .map(|c| (Arc::new(c.labels.to_set()), c.modify_index))
     }
 
     pub fn len(&self) -> usize {
@@ -414,7 +434,7 @@ impl LabelCache {
         let st = self.state.read();
         st.entries
             .iter()
-            .map(|(k, c)| (k.to_string(), c.labels.clone()))
+            .map(|(k, c)| (k.to_string(), Arc::new(c.labels.to_set())))
             .collect()
     }
 

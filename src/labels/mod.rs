@@ -2,10 +2,12 @@
 //! (`labels/<type>/<id>`), with a watched in-memory cache answering selector queries.
 
 pub mod cache;
+pub mod compact;
 pub mod selector;
 pub mod store;
 
 pub use cache::{LabelCache, LabelChange, LabelChanges};
+pub use compact::CompactLabels;
 pub use selector::{LabelLookup, Requirement, Selector, SelectorError};
 pub use store::{
     LabelSet, LabelStore, LabelType, Labeled, LabelsError, encode_labels, parse_labels,

@@ -104,7 +104,7 @@ impl Worker {
             .ctx
             .pods
             .get_with_index(&id)
-            .map(|(l, i)| ((*l).clone(), i))
+            .map(|(l, i)| (std::sync::Arc::unwrap_or_clone(l), i))
             .unwrap_or_default();
         vec![
             TxnOp::set(intent_key(node, pod), rc.manifest.raw().as_bytes().to_vec()),

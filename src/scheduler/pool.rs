@@ -156,7 +156,7 @@ impl PoolScheduler {
         cached: bool,
     ) -> Result<bool, SchedulerError> {
         let id = pod_label_id(node, pod_id);
-        if cached && self.pods.get(&id).is_some() {
+        if cached && self.pods.contains(&id) {
             return Ok(true);
         }
         let key = LabelType::Pod.key(&id);
@@ -264,7 +264,7 @@ impl Scheduler for PoolScheduler {
         out.extend(
             self.reserved_for(manifest.pod_id(), &sel)
                 .into_iter()
-                .filter(|n| self.nodes.get(n).is_some()),
+                .filter(|n| self.nodes.contains(n)),
         );
         Ok(out.into_iter().collect())
     }
@@ -282,7 +282,7 @@ impl Scheduler for PoolScheduler {
         let pool = super::label::matching(&self.nodes, &self.memo, &self.config.pool_selector);
         let matching: Vec<&NodeName> = pool
             .iter()
-            .filter(|n| self.nodes.get(n).is_some_and(|l| selector.matches(&*l)))
+            .filter(|n| self.nodes.id_matches(n, selector))
             .collect();
         // Least-used first, then by name: spread RCs over the pool, deterministically.
         let mut ordered: Vec<&NodeName> = matching.clone();
