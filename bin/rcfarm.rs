@@ -1,9 +1,10 @@
 /// jemalloc, not glibc's malloc. A farm's biggest allocations are transient (a blocking query on a
 /// big tree answers with the whole tree: 25 MiB of JSON at 100,000 pods, parsed into a cache and
 /// dropped), made from whichever runtime thread runs the watch. glibc kept what they freed in
-/// its arenas (RSS stayed at its peak) and, limited to two arenas to bound that, made the
-/// runtime's threads queue for its locks: at 20,000 RCs × 5 jemalloc converged in 2.9–3.5 s
-/// against 8.3–9.0 s, at 141–146 against 190 MiB per farm (BENCHMARKS.md, fourth session).
+/// its arenas, so RSS stayed near its peak unless trimmed, and two arenas (to bound that) are
+/// two locks for every runtime thread to share. With jemalloc a converged farm at 20,000 RCs × 5
+/// uses 3 % of a core instead of 9–12 %, and ~145 instead of 174–198 MiB before any other saving
+/// (BENCHMARKS.md, fourth session).
 #[global_allocator]
 static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 

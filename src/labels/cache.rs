@@ -65,8 +65,9 @@ impl IdSet {
                     return;
                 }
                 if v.len() < Self::FEW {
+                    // Kept exact: one reallocation to one more, not a doubling.
+                    v.reserve_exact(1);
                     v.push(id);
-                    v.shrink_to_fit();
                 } else {
                     let mut set: HashSet<Arc<str>> = v.drain(..).collect();
                     set.insert(id);
@@ -578,6 +579,33 @@ mod tests {
                 .is_empty()
         );
         assert!(!st.inverted["replication_controller_id"].contains_key("rc-1"));
+    }
+
+    #[test]
+    fn id_sets_grow_into_hash_sets_and_shrink_back() {
+        let ids: Vec<Arc<str>> = (0..40).map(|i| Arc::from(format!("id{i:02}"))).collect();
+        let mut set = IdSet::default();
+        for id in ids.iter().chain(&ids) {
+            set.insert(id.clone());
+        }
+        assert!(matches!(set, IdSet::Many(_)), "past {} ids", IdSet::FEW);
+        assert_eq!(set.len(), 40, "each id once");
+        for id in &ids[..30] {
+            set.remove(id);
+        }
+        set.remove("never there");
+        let IdSet::Few(v) = &set else {
+            panic!("back to a list at {} ids", set.len());
+        };
+        assert_eq!(v.capacity(), v.len());
+        let mut left: Vec<&str> = set.iter().map(|id| &**id).collect();
+        left.sort_unstable();
+        let want: Vec<&str> = ids[30..].iter().map(|id| &**id).collect();
+        assert_eq!(left, want);
+        for id in &ids[30..] {
+            set.remove(id);
+        }
+        assert!(set.is_empty());
     }
 
     #[test]
