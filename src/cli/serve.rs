@@ -80,7 +80,7 @@ pub struct FarmArgs {
     #[arg(long, env = "RCFARM_WATCH_WAIT", default_value = "5m", value_parser = parse_duration_flag)]
     pub watch_wait: Duration,
     /// The longest pause between two reads of a big tree by a blocking query (the pause is
-    /// 100 ms per MiB of the last answer, up to this). Longer batches more changes into each
+    /// 400 ms per MiB of the last answer, up to this). Longer batches more changes into each
     /// re-read of a big pod tree, sparing Consul's CPU; shorter sees changes sooner.
     #[arg(long, env = "RCFARM_WATCH_MAX_PACE", default_value = "1s", value_parser = parse_duration_flag)]
     pub watch_max_pace: Duration,

@@ -18,7 +18,7 @@ use tokio::sync::oneshot;
 
 use super::client::{Consul, Permit};
 use super::error::{ConsulError, Result};
-use super::txn::{KvVerb, MAX_TXN_OPS, TxnOp};
+use super::txn::{MAX_TXN_OPS, TxnOp};
 
 /// A batch stops growing past this many (estimated) body bytes: Consul refuses a body over
 /// ~512 KiB, and one caller's big write should not make others' fail.
@@ -138,7 +138,7 @@ impl Consul {
                         // their caches to reach a write's index, and a tree that only lost
                         // keys (deletes yield no result) may not show that index until it
                         // next changes.
-                        let own = if p.ops.iter().any(|op| yields_result(op.verb)) {
+                        let own = if p.ops.iter().any(|op| op.verb.yields_result()) {
                             index
                         } else {
                             0
@@ -191,19 +191,6 @@ impl Consul {
             }
         }
     }
-}
-
-/// Whether Consul answers the op with a result (deletes and checks yield none).
-fn yields_result(verb: KvVerb) -> bool {
-    !matches!(
-        verb,
-        KvVerb::Delete
-            | KvVerb::DeleteTree
-            | KvVerb::DeleteCas
-            | KvVerb::CheckIndex
-            | KvVerb::CheckSession
-            | KvVerb::CheckNotExists
-    )
 }
 
 fn fail_all(batch: Vec<Pending>, e: &ConsulError) {

@@ -78,6 +78,19 @@ impl KvVerb {
         KvVerb::ALL.into_iter().find(|v| v.as_str() == s)
     }
 
+    /// Whether Consul answers the op with a result (deletes and checks yield none).
+    pub fn yields_result(self) -> bool {
+        !matches!(
+            self,
+            KvVerb::Delete
+                | KvVerb::DeleteTree
+                | KvVerb::DeleteCas
+                | KvVerb::CheckIndex
+                | KvVerb::CheckSession
+                | KvVerb::CheckNotExists
+        )
+    }
+
     /// Whether the verb only reads (a transaction of such verbs changes nothing).
     pub fn is_read(self) -> bool {
         matches!(

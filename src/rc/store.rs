@@ -677,13 +677,8 @@ pub fn parse_locks(entries: &[KvPair]) -> (BTreeMap<RcId, LockHolders>, Vec<Stri
             .session
             .clone()
             .map(|s| (s, String::from_utf8_lossy(e.value_bytes()).into_owned()));
-        // Consul lists keys in order, so an RC's locks are usually neighbours.
-        if out.last().map(|(last, _)| *last) != Some(id) {
-            out.push((id, LockHolders::default()));
-        }
-        let Some((_, entry)) = out.last_mut() else {
-            continue;
-        };
+        // What this key says; an RC's keys are merged below.
+        let mut entry = LockHolders::default();
         match suffix {
             None => entry.ownership = holder,
             Some("update") => {
@@ -694,8 +689,9 @@ pub fn parse_locks(entries: &[KvPair]) -> (BTreeMap<RcId, LockHolders>, Vec<Stri
             Some("update_creation" | "node_transfer") => {}
             Some(_) => garbage.push(e.key.clone()),
         }
+        out.push((id, entry));
     }
-    // Any order is read right: an RC's entries that were not neighbours are merged here.
+    // Sorted (Consul lists keys in order already), an RC's keys are neighbours.
     out.sort_by_key(|(id, _)| *id);
     let mut merged: Vec<(RcId, LockHolders)> = Vec::with_capacity(out.len());
     for (id, h) in out {
