@@ -27,6 +27,26 @@ pub struct AgentTls {
     pub ca_file: PathBuf,
     pub cert_file: PathBuf,
     pub key_file: PathBuf,
+    /// Consul's `verify_incoming`: HTTPS clients must present a certificate signed by the CA.
+    pub verify_incoming: bool,
+    /// No plain HTTP listener: the API is served over HTTPS only.
+    pub https_only: bool,
+}
+
+impl AgentTls {
+    /// A client configuration that reaches an agent with this TLS: its CA trusted, and its own
+    /// certificate (made for client authentication too) presented.
+    pub fn client_config(&self, url: &str) -> crate::consul::ConsulConfig {
+        crate::consul::ConsulConfig {
+            tls: crate::consul::TlsConfig {
+                ca_file: Some(self.ca_file.clone()),
+                client_cert: Some(self.cert_file.clone()),
+                client_key: Some(self.key_file.clone()),
+                ..Default::default()
+            },
+            ..crate::consul::ConsulConfig::new(url)
+        }
+    }
 }
 
 /// How to run one agent.
@@ -151,7 +171,7 @@ impl ConsulAgent {
             "performance": {"raft_multiplier": 1},
             "ports": {
                 "dns": -1,
-                "http": self.ports.http,
+                "http": if self.https_only() { -1 } else { i64::from(self.ports.http) },
                 "https": self.ports.https.map_or(-1, i64::from),
                 "rpc": self.ports.rpc,
                 "serf_lan": self.ports.serf_lan,
@@ -180,6 +200,7 @@ impl ConsulAgent {
             v["ca_file"] = json!(t.ca_file);
             v["cert_file"] = json!(t.cert_file);
             v["key_file"] = json!(t.key_file);
+            v["verify_incoming"] = json!(t.verify_incoming);
         }
         v
     }
@@ -221,19 +242,39 @@ impl ConsulAgent {
         tail.into_iter().rev().collect::<Vec<_>>().join("\n")
     }
 
+    fn https_only(&self) -> bool {
+        self.config.tls.as_ref().is_some_and(|t| t.https_only)
+    }
+
+    /// The API's address: the HTTPS listener when the agent has no plain one.
+    pub fn url(&self) -> String {
+        match (self.https_only(), self.https_url()) {
+            (true, Some(u)) => u,
+            _ => self.http_url(),
+        }
+    }
+
+    /// A client configuration that reaches this agent's API (over HTTPS with the agent's CA and
+    /// certificate when it has no plain listener).
+    pub fn client_config(&self) -> crate::consul::ConsulConfig {
+        match (&self.config.tls, self.https_only()) {
+            (Some(t), true) => t.client_config(&self.url()),
+            _ => crate::consul::ConsulConfig::new(self.http_url()),
+        }
+    }
+
     /// Waits until the HTTP API answers, and with `leader` until it names a leader.
     pub async fn wait_ready(&self, leader: bool, timeout: Duration) -> Result<(), String> {
-        let url = format!("{}/v1/status/leader", self.http_url());
-        crate::consul::init_tls();
-        let http = reqwest::Client::builder()
-            .timeout(Duration::from_secs(2))
-            .build()
-            .map_err(|e| e.to_string())?;
+        let client = crate::consul::Consul::new(crate::consul::ConsulConfig {
+            attempts: 1,
+            timeout: Duration::from_secs(2),
+            ..self.client_config()
+        })
+        .map_err(|e| e.to_string())?;
         let started = Instant::now();
         loop {
-            if let Ok(r) = http.get(&url).send().await
-                && let Ok(body) = r.text().await
-                && (!leader || body.trim() != "\"\"")
+            if let Ok(l) = client.leader().await
+                && (!leader || !l.is_empty())
             {
                 return Ok(());
             }

@@ -65,7 +65,11 @@ pub fn expand(args: Vec<OsString>) -> Result<Vec<OsString>, CliError> {
         let long = key.replace('_', "-");
         let arg = known
             .iter()
-            .find(|a| a.get_long() == Some(long.as_str()))
+            .find(|a| {
+                a.get_long() == Some(long.as_str())
+                    || a.get_all_aliases()
+                        .is_some_and(|al| al.contains(&long.as_str()))
+            })
             .ok_or_else(|| {
                 let mut names: Vec<&str> = known
                     .iter()
@@ -84,7 +88,7 @@ pub fn expand(args: Vec<OsString>) -> Result<Vec<OsString>, CliError> {
         {
             continue;
         }
-        let flag = format!("--{long}");
+        let flag = format!("--{}", arg.get_long().unwrap_or(&long));
         let takes_value = arg.get_num_args().is_none_or(|n| n.takes_values());
         match value {
             toml::Value::Boolean(b) if !takes_value => {

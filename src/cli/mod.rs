@@ -8,6 +8,7 @@ mod bench_rolls;
 mod bench_selectors;
 mod chaos;
 mod config;
+mod connection;
 mod consul_dev;
 mod logging;
 mod rcctl;

@@ -4,6 +4,7 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
+use super::connection::ConsulArgs;
 use super::consul_dev::{self, ConsulDevArgs};
 use super::simulate::SimBehaviour;
 use super::{CliError, parse_duration_flag, shutdown_signal};
@@ -194,20 +195,8 @@ impl FarmArgs {
 #[derive(Debug, clap::Args)]
 #[command(args_override_self = true)]
 pub struct ServeArgs {
-    /// Consul's HTTP address.
-    #[arg(
-        long,
-        env = "CONSUL_HTTP_ADDR",
-        default_value = "http://127.0.0.1:8500"
-    )]
-    pub consul: String,
-    /// ACL token for Consul.
-    #[arg(long, env = "CONSUL_HTTP_TOKEN", hide_env_values = true)]
-    pub consul_token: Option<String>,
-    /// PEM file of the CA that signs Consul's HTTPS certificate (for `--consul https://…`);
-    /// only its CAs are then trusted. Default: the system's roots.
-    #[arg(long, env = "CONSUL_CACERT", value_name = "PATH")]
-    pub consul_ca_file: Option<std::path::PathBuf>,
+    #[command(flatten)]
+    pub connection: ConsulArgs,
     #[command(flatten)]
     pub farm: FarmArgs,
 }
@@ -294,9 +283,7 @@ fn install_metrics() -> Option<metrics_exporter_prometheus::PrometheusHandle> {
 }
 
 pub async fn serve(args: ServeArgs) -> Result<(), CliError> {
-    let consul = ConsulConfig::new(args.consul.clone())
-        .with_token(args.consul_token.clone())
-        .with_ca_file(args.consul_ca_file.clone());
+    let consul = args.connection.to_config()?;
     let config = args.farm.to_config(consul, &default_farm_id())?;
     let http = args.farm.http_addr()?;
     let shutdown = CancellationToken::new();

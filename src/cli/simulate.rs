@@ -6,7 +6,7 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 use super::{CliError, parse_duration_flag, parse_pairs, shutdown_signal};
-use crate::consul::{Consul, ConsulConfig};
+use crate::consul::Consul;
 use crate::simulator::{NodeSimulator, SimConfig};
 
 /// How simulated nodes behave (shared by `simulate-nodes` and `dev --simulate-nodes`).
@@ -60,20 +60,8 @@ impl SimBehaviour {
 
 #[derive(Debug, clap::Args)]
 pub struct SimulateArgs {
-    /// Consul's HTTP address.
-    #[arg(
-        long,
-        env = "CONSUL_HTTP_ADDR",
-        default_value = "http://127.0.0.1:8500"
-    )]
-    pub consul: String,
-    /// ACL token for Consul.
-    #[arg(long, env = "CONSUL_HTTP_TOKEN", hide_env_values = true)]
-    pub consul_token: Option<String>,
-    /// PEM file of the CA that signs Consul's HTTPS certificate (for `--consul https://…`);
-    /// only its CAs are then trusted. Default: the system's roots.
-    #[arg(long, env = "CONSUL_CACERT", value_name = "PATH")]
-    pub consul_ca_file: Option<std::path::PathBuf>,
+    #[command(flatten)]
+    pub connection: super::connection::ConsulArgs,
     /// How many nodes to play.
     #[arg(long, default_value_t = 3)]
     pub nodes: usize,
@@ -94,12 +82,8 @@ pub fn spawn(consul: Consul, config: SimConfig, stop: CancellationToken) -> Resu
 
 pub async fn run(args: SimulateArgs) -> Result<(), CliError> {
     let config = args.behaviour.to_config(args.nodes)?;
-    let consul = Consul::new(
-        ConsulConfig::new(args.consul)
-            .with_token(args.consul_token)
-            .with_ca_file(args.consul_ca_file),
-    )
-    .map_err(|e| CliError::Usage(format!("--consul: {e}")))?;
+    let consul =
+        Consul::new(args.connection.to_config()?).map_err(|e| CliError::Usage(e.to_string()))?;
     let sim = NodeSimulator::new(consul, config).map_err(|e| CliError::Usage(e.to_string()))?;
     let stop = CancellationToken::new();
     let s = stop.clone();

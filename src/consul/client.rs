@@ -11,6 +11,8 @@ use reqwest::{Method, StatusCode};
 use serde::de::DeserializeOwned;
 
 use super::error::{ConsulError, Result};
+use super::tls::{HandshakeSeen, TlsConfig};
+use super::token::TokenSource;
 use super::txn::{MAX_TXN_OPS, TxnOp, TxnResponse, WireTxnResponse};
 use super::types::{KvPair, QueryMeta, QueryOptions, SessionEntry, SessionRequest};
 use crate::util::Backoff;
@@ -45,6 +47,11 @@ pub struct ConsulConfig {
     pub address: String,
     /// ACL token, sent as `X-Consul-Token`.
     pub token: Option<String>,
+    /// A file holding the ACL token (`CONSUL_HTTP_TOKEN_FILE`); wins over `token`, as in
+    /// Consul's client, and is re-read when it changes.
+    pub token_file: Option<std::path::PathBuf>,
+    /// Headers sent on every request (P2's `--header K=V`).
+    pub headers: Vec<(String, String)>,
     /// Timeout of a non-blocking request. Blocking queries get `wait + wait/16 + margin`.
     pub timeout: Duration,
     /// Attempts for reads and idempotent writes (1 = no retry).
@@ -55,9 +62,8 @@ pub struct ConsulConfig {
     /// shared by every other request (blocking queries included), which wait their turn rather
     /// than open another connection. Consul 1.x refuses a client's 201st connection.
     pub max_conns: usize,
-    /// PEM file of the CA(s) that sign Consul's HTTPS certificate (`CONSUL_CACERT`). When set,
-    /// only these are trusted, as Consul's own CLI does; otherwise the system's roots are.
-    pub ca_file: Option<std::path::PathBuf>,
+    /// CAs, client certificate, server name and verification for `https://` addresses.
+    pub tls: TlsConfig,
 }
 
 /// Default of [`ConsulConfig::max_conns`].
@@ -77,7 +83,9 @@ impl Default for ConsulConfig {
             retry_base: Duration::from_millis(50),
             retry_cap: Duration::from_secs(2),
             max_conns: DEFAULT_MAX_CONNS,
-            ca_file: None,
+            token_file: None,
+            headers: Vec::new(),
+            tls: TlsConfig::default(),
         }
     }
 }
@@ -90,21 +98,38 @@ impl ConsulConfig {
         }
     }
 
-    /// Reads `CONSUL_HTTP_ADDR`, `CONSUL_HTTP_TOKEN` and `CONSUL_CACERT` as the Consul CLI does.
-    pub fn from_env() -> Self {
+    /// Reads Consul's CLI variables as the Consul CLI does: `CONSUL_HTTP_ADDR`,
+    /// `CONSUL_HTTP_SSL`, `CONSUL_HTTP_TOKEN`, `CONSUL_HTTP_TOKEN_FILE`, `CONSUL_CACERT`,
+    /// `CONSUL_CAPATH`, `CONSUL_CLIENT_CERT`, `CONSUL_CLIENT_KEY`, `CONSUL_TLS_SERVER_NAME` and
+    /// `CONSUL_HTTP_SSL_VERIFY`. A boolean that does not parse is an error naming it.
+    pub fn from_env() -> Result<Self> {
+        let var = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
+        let path = |name: &str| var(name).map(std::path::PathBuf::from);
         let mut c = Self::default();
-        if let Ok(a) = std::env::var("CONSUL_HTTP_ADDR")
-            && !a.is_empty()
-        {
+        if let Some(a) = var("CONSUL_HTTP_ADDR") {
             c.address = a;
         }
-        c.token = std::env::var("CONSUL_HTTP_TOKEN")
-            .ok()
-            .filter(|t| !t.is_empty());
-        c.ca_file = std::env::var_os("CONSUL_CACERT")
-            .filter(|p| !p.is_empty())
-            .map(Into::into);
-        c
+        if let Some(ssl) = var("CONSUL_HTTP_SSL")
+            && parse_go_bool(&ssl)
+                .map_err(|e| ConsulError::Config(format!("CONSUL_HTTP_SSL: {e}")))?
+        {
+            c.address = with_https(&c.address);
+        }
+        c.token = var("CONSUL_HTTP_TOKEN");
+        c.token_file = path("CONSUL_HTTP_TOKEN_FILE");
+        c.tls = TlsConfig {
+            ca_file: path("CONSUL_CACERT"),
+            ca_path: path("CONSUL_CAPATH"),
+            client_cert: path("CONSUL_CLIENT_CERT"),
+            client_key: path("CONSUL_CLIENT_KEY"),
+            server_name: var("CONSUL_TLS_SERVER_NAME"),
+            skip_verify: match var("CONSUL_HTTP_SSL_VERIFY") {
+                None => false,
+                Some(v) => !parse_go_bool(&v)
+                    .map_err(|e| ConsulError::Config(format!("CONSUL_HTTP_SSL_VERIFY: {e}")))?,
+            },
+        };
+        Ok(c)
     }
 
     pub fn with_token(mut self, token: Option<String>) -> Self {
@@ -113,33 +138,41 @@ impl ConsulConfig {
     }
 
     pub fn with_ca_file(mut self, ca_file: Option<std::path::PathBuf>) -> Self {
-        self.ca_file = ca_file;
+        self.tls.ca_file = ca_file;
         self
     }
 
-    /// The certificates of [`ConsulConfig::ca_file`], or `None` without one. An unreadable
-    /// file, or one without a PEM certificate, is an error naming it.
-    pub fn ca_certificates(&self) -> Result<Option<Vec<reqwest::Certificate>>> {
-        let Some(path) = &self.ca_file else {
-            return Ok(None);
-        };
-        let what = || {
-            format!(
-                "the Consul CA file {} (--consul-ca-file / CONSUL_CACERT)",
-                path.display()
-            )
-        };
-        let pem = std::fs::read(path)
-            .map_err(|e| ConsulError::Config(format!("{}: cannot read it: {e}", what())))?;
-        let certs = reqwest::Certificate::from_pem_bundle(&pem)
-            .map_err(|e| ConsulError::Config(format!("{}: not a PEM bundle: {e}", what())))?;
-        if certs.is_empty() {
-            return Err(ConsulError::Config(format!(
-                "{}: no PEM certificate (\"-----BEGIN CERTIFICATE-----\") in it",
-                what()
-            )));
+    /// Which ACL token requests carry, in words for an error (never the token itself); `None`
+    /// without one.
+    pub fn token_origin(&self) -> Option<String> {
+        match (&self.token_file, &self.token) {
+            (Some(f), _) => Some(format!(
+                "the ACL token in {} (--consul-token-file / CONSUL_HTTP_TOKEN_FILE)",
+                f.display()
+            )),
+            (None, Some(_)) => {
+                Some("the ACL token given by --consul-token / CONSUL_HTTP_TOKEN".into())
+            }
+            (None, None) => None,
         }
-        Ok(Some(certs))
+    }
+}
+
+/// Go's `strconv.ParseBool`, which Consul's CLI uses for its boolean variables.
+pub fn parse_go_bool(s: &str) -> std::result::Result<bool, String> {
+    match s {
+        "1" | "t" | "T" | "TRUE" | "true" | "True" => Ok(true),
+        "0" | "f" | "F" | "FALSE" | "false" | "False" => Ok(false),
+        _ => Err(format!("{s:?} is not a boolean (use true or false)")),
+    }
+}
+
+/// `CONSUL_HTTP_SSL=true`: an address without a scheme means `https://`.
+pub fn with_https(address: &str) -> String {
+    if address.contains("://") {
+        address.to_string()
+    } else {
+        format!("https://{address}")
     }
 }
 
@@ -205,6 +238,9 @@ pub(super) struct Inner {
     session_http: reqwest::Client,
     base: String,
     cfg: ConsulConfig,
+    token: TokenSource,
+    /// What Consul asked for in TLS handshakes, to explain a refused one.
+    tls_seen: Arc<HandshakeSeen>,
     stats: ClientStats,
 }
 
@@ -275,33 +311,35 @@ impl Consul {
         init_tls();
         let base = normalize_address(&cfg.address)?;
         let max_conns = cfg.max_conns.max(2);
+        let token = TokenSource::new(cfg.token.as_deref(), cfg.token_file.as_deref())?;
         let mut headers = reqwest::header::HeaderMap::new();
-        if let Some(token) = &cfg.token {
-            let value = reqwest::header::HeaderValue::from_str(token).map_err(|_| {
-                ConsulError::Rejected {
-                    status: 0,
-                    body: "the ACL token contains characters not allowed in an HTTP header".into(),
-                }
-            })?;
-            headers.insert("X-Consul-Token", value);
+        for (name, value) in &cfg.headers {
+            let bad = |what: &str| {
+                ConsulError::Config(format!(
+                    "--header {name}=…: {what} (give NAME=VALUE, e.g. --header X-Request-Source=rcfarm)"
+                ))
+            };
+            let n = reqwest::header::HeaderName::from_bytes(name.as_bytes())
+                .map_err(|_| bad("not a valid HTTP header name"))?;
+            let v = reqwest::header::HeaderValue::from_str(value)
+                .map_err(|_| bad("the value has characters not allowed in an HTTP header"))?;
+            headers.append(n, v);
         }
+        // Built even for http:// addresses: a bad certificate file is a mistake either way,
+        // better found at start than when someone switches the address to https://.
+        let tls = cfg.tls.build()?;
         let build = |idle: usize| {
-            let builder = reqwest::Client::builder()
+            reqwest::Client::builder()
                 // Idle connections are kept (up to the bound) for reuse instead of being
                 // closed and reopened: churn leaves thousands of sockets in TIME-WAIT.
                 .pool_max_idle_per_host(idle)
                 .pool_idle_timeout(Duration::from_secs(90))
                 .connect_timeout(Duration::from_secs(5))
                 .tcp_nodelay(true)
-                .default_headers(headers.clone());
-            // With a CA file, only its CAs are trusted (as Consul's CLI does with CONSUL_CACERT).
-            let builder = match cfg.ca_certificates()? {
-                Some(roots) => builder.tls_certs_only(roots),
-                None => builder,
-            };
-            builder
+                .default_headers(headers.clone())
+                .tls_backend_preconfigured(tls.config.clone())
                 .build()
-                .map_err(|e| ConsulError::BadResponse(format!("cannot build HTTP client: {e}")))
+                .map_err(|e| ConsulError::Config(format!("cannot build the HTTP client: {e}")))
         };
         let http = build(max_conns - 1)?;
         let session_http = build(1)?;
@@ -313,9 +351,16 @@ impl Consul {
                 session_http,
                 base,
                 cfg,
+                token,
+                tls_seen: tls.seen,
                 stats: ClientStats::default(),
             }),
         })
+    }
+
+    /// Whether requests carry an ACL token (given, or read from a file).
+    pub fn has_token(&self) -> bool {
+        self.inner.token.is_set()
     }
 
     /// The base URL requests go to.
@@ -375,7 +420,11 @@ impl Consul {
                 (None, Lane::Session) => None,
                 (None, Lane::Shared) => Some(self.permit().await?),
             };
-            let (err, may_retry) = match build()?.timeout(timeout).send().await {
+            let mut request = build()?.timeout(timeout);
+            if let Some(token) = self.inner.token.current() {
+                request = request.header("X-Consul-Token", token);
+            }
+            let (err, may_retry) = match request.send().await {
                 Ok(resp) => {
                     let status = resp.status();
                     let headers = resp.headers().clone();
@@ -404,7 +453,7 @@ impl Consul {
                 Err(e) => {
                     let never_sent = e.is_connect();
                     (
-                        self.unavailable(describe_reqwest(&e)),
+                        self.unavailable(self.describe_transport(&e)),
                         retry == Retry::Idempotent || never_sent,
                     )
                 }
@@ -435,6 +484,19 @@ impl Consul {
             .map_err(|_| self.unavailable("the client is shutting down".into()))
     }
 
+    /// A transport error in words, with why Consul refused a TLS handshake when it said so
+    /// with an alert after asking for a client certificate.
+    fn describe_transport(&self, e: &reqwest::Error) -> String {
+        let mut reason = describe_reqwest(e);
+        if super::tls::is_peer_alert(&reason)
+            && let Some(why) = self.inner.tls_seen.explain()
+        {
+            reason.push_str(": ");
+            reason.push_str(&why);
+        }
+        reason
+    }
+
     fn unavailable(&self, reason: String) -> ConsulError {
         ConsulError::Unavailable {
             addr: self.inner.base.clone(),
@@ -446,7 +508,12 @@ impl Consul {
     /// to the caller.
     fn generic_error(&self, raw: &Raw) -> Option<ConsulError> {
         match raw.status.as_u16() {
-            403 => Some(ConsulError::PermissionDenied(raw.text())),
+            403 => {
+                // A token file may have been rotated a moment ago: look again before the retry
+                // or the next call.
+                self.inner.token.recheck_soon();
+                Some(ConsulError::PermissionDenied(raw.text()))
+            }
             429 | 502 | 503 | 504 => {
                 Some(self.unavailable(format!("HTTP {}: {}", raw.status.as_u16(), raw.text())))
             }

@@ -65,10 +65,15 @@ impl ConsulError {
             return None;
         };
         // rustls' own wording, at the end of the reqwest error chain.
-        ["invalid peer certificate", "received corrupt message"]
-            .iter()
-            .find_map(|m| reason.find(m))
-            .map(|i| &reason[i..])
+        [
+            "invalid peer certificate",
+            "received corrupt message",
+            "received fatal alert",
+            "peer sent no certificates",
+        ]
+        .iter()
+        .find_map(|m| reason.find(m))
+        .map(|i| &reason[i..])
     }
 
     /// For a rolled-back transaction, the failures of its ops.

@@ -8,6 +8,8 @@ mod client;
 mod coalesce;
 mod error;
 mod session;
+mod tls;
+mod token;
 mod tree_cache;
 mod txn;
 mod types;
@@ -15,9 +17,11 @@ mod watch;
 
 pub use client::{
     ClientStatsSnapshot, Consul, ConsulConfig, DEFAULT_MAX_CONNS, MIN_MAX_CONNS, init_tls,
+    parse_go_bool, with_https,
 };
 pub use error::{ConsulError, Result};
 pub use session::{Session, SessionConfig};
+pub use tls::TlsConfig;
 pub(crate) use tree_cache::CacheSignals;
 pub use tree_cache::{ParseFn, TreeCache};
 pub use txn::{KvVerb, MAX_TXN_OPS, TxnFailure, TxnOp, TxnOpError, TxnResponse};

@@ -9,33 +9,39 @@
 
 use crate::consul::{Consul, ConsulError, TxnOp};
 
-/// Where the farm reads (Consul's key rules match by prefix).
-const READS: &[&str] = &[
-    "replication_controllers/",
-    "lock/",
-    "rolls/",
-    "rcfarm/",
-    "labels/",
-    "intent/",
-    "reality/",
-    "health/",
-    "status/replication_controllers/",
-    "audit_logs/",
-];
+/// What a right allows on a prefix (Consul's `write` includes `read`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    Read,
+    Write,
+}
 
-/// Where the farm writes.
-const WRITES: &[&str] = &[
-    "replication_controllers/",
-    "lock/replication_controllers/",
-    "lock/rolls/",
-    "rolls/",
-    "rcfarm/farms/",
-    "labels/pod/",
-    "labels/replication_controller/",
-    "labels/rolls/",
-    "intent/",
-    "status/replication_controllers/",
-    "audit_logs/",
+impl Access {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Access::Read => "read",
+            Access::Write => "write",
+        }
+    }
+}
+
+/// Every key right a farm needs, and no other: the least-privilege policy files in
+/// `deploy/consul/` list exactly these (a test checks it). Consul's key rules match by prefix.
+const RIGHTS: &[(&str, Access)] = &[
+    ("replication_controllers/", Access::Write),
+    ("lock/replication_controllers/", Access::Write),
+    ("lock/rolls/", Access::Write),
+    ("rolls/", Access::Write),
+    ("rcfarm/farms/", Access::Write),
+    ("labels/node/", Access::Read),
+    ("labels/pod/", Access::Write),
+    ("labels/replication_controller/", Access::Write),
+    ("labels/rolls/", Access::Write),
+    ("intent/", Access::Write),
+    ("reality/", Access::Read),
+    ("health/", Access::Read),
+    ("status/replication_controllers/", Access::Write),
+    ("audit_logs/", Access::Write),
 ];
 
 /// Only with `--scheduler pool`.
@@ -49,26 +55,33 @@ const NO_INDEX: u64 = i64::MAX as u64;
 
 /// What the farm needs, for an error message.
 pub(super) fn needs(pool: bool, ships_audit: bool) -> String {
-    let (reads, writes) = probes(pool, ships_audit);
+    let rights = rights(pool, ships_audit);
+    let list = |a: Access| {
+        rights
+            .iter()
+            .filter(|r| r.1 == a)
+            .map(|r| r.0)
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
     format!(
-        "read on the KV prefixes {}; write on {}; and session creation (Consul ≥ 0.8: \
-         session:write on the agent's node)",
-        reads.join(", "),
-        writes.join(", ")
+        "write on the KV prefixes {}; read on {}; and sessions (Consul ≥ 0.8: session write on \
+         the agent's node). Policy files with exactly these rights: deploy/consul/rcfarm-farm.*.hcl",
+        list(Access::Write),
+        list(Access::Read),
     )
 }
 
-fn probes(pool: bool, ships_audit: bool) -> (Vec<&'static str>, Vec<&'static str>) {
-    let mut reads = READS.to_vec();
-    let mut writes = WRITES.to_vec();
-    if pool {
-        reads.push(POOL);
-        writes.push(POOL);
-    }
+/// The key rights of a farm with these options.
+pub fn rights(pool: bool, ships_audit: bool) -> Vec<(&'static str, Access)> {
+    let mut rights = RIGHTS.to_vec();
     if ships_audit {
-        writes.push(crate::audit::SHIPPER_LOCK);
+        rights.push((crate::audit::SHIPPER_LOCK, Access::Write));
     }
-    (reads, writes)
+    if pool {
+        rights.push((POOL, Access::Write));
+    }
+    rights
 }
 
 /// Checks that the token may read and write where the farm does, writing nothing. Denials come
@@ -78,12 +91,14 @@ pub(super) async fn check(
     pool: bool,
     ships_audit: bool,
 ) -> Result<(), ConsulError> {
-    let (reads, writes) = probes(pool, ships_audit);
-    let mut ops: Vec<TxnOp> = reads
+    let rights = rights(pool, ships_audit);
+    let ops: Vec<TxnOp> = rights
         .iter()
-        .map(|p| TxnOp::check_index(format!("{p}{PROBE}"), NO_INDEX))
+        .map(|(p, a)| match a {
+            Access::Read => TxnOp::check_index(format!("{p}{PROBE}"), NO_INDEX),
+            Access::Write => TxnOp::delete(format!("{p}{PROBE}")),
+        })
         .collect();
-    ops.extend(writes.iter().map(|p| TxnOp::delete(format!("{p}{PROBE}"))));
     let errs = match consul.txn(&ops).await {
         // Only if someone wrote a probe key at an index that cannot be: nothing was refused.
         Ok(_) => return Ok(()),
@@ -93,9 +108,9 @@ pub(super) async fn check(
     let refused: Vec<String> = errs
         .iter()
         .filter(|e| is_denial(&e.what))
-        .map(|e| match e.op_index.checked_sub(reads.len()) {
-            None => format!("read on {}", reads.get(e.op_index).unwrap_or(&"?")),
-            Some(i) => format!("write on {}", writes.get(i).unwrap_or(&"?")),
+        .map(|e| match rights.get(e.op_index) {
+            Some((p, a)) => format!("{} on {p}", a.as_str()),
+            None => format!("op {}", e.op_index),
         })
         .collect();
     if refused.is_empty() {
@@ -106,7 +121,7 @@ pub(super) async fn check(
         .find(|e| is_denial(&e.what))
         .map(|e| e.what.clone())
         .unwrap_or_default();
-    let what = if refused.len() == reads.len() + writes.len() {
+    let what = if refused.len() == rights.len() {
         "on every prefix the farm uses".to_string()
     } else {
         format!("for {}", refused.join(", "))
@@ -127,7 +142,8 @@ mod tests {
 
     #[test]
     fn the_probed_prefixes_are_the_ones_the_farm_uses() {
-        let (reads, writes) = probes(true, true);
+        let rights = rights(true, true);
+        let has = |p: &str, a: Access| rights.iter().any(|r| r.0 == p && r.1 == a);
         for p in [
             crate::rc::RC_PREFIX,
             crate::rc::RC_LOCK_PREFIX,
@@ -135,18 +151,75 @@ mod tests {
             crate::roll::ROLL_LOCK_PREFIX,
             super::super::registry::FARMS_PREFIX,
             crate::audit::AUDIT_PREFIX,
+            crate::audit::SHIPPER_LOCK,
             crate::scheduler::RESERVATIONS_PREFIX,
+            crate::rctask::STATUS_PREFIX,
+            crate::rctask::INTENT_PREFIX,
             &LabelType::Pod.prefix(),
             &LabelType::ReplicationController.prefix(),
             &LabelType::Rolls.prefix(),
         ] {
-            assert!(writes.contains(&p), "{p} is written");
-            assert!(reads.iter().any(|r| p.starts_with(r)), "{p} is read");
+            assert!(has(p, Access::Write), "{p} is written");
         }
-        assert!(reads.contains(&crate::health::HEALTH_PREFIX));
-        assert!(writes.contains(&crate::audit::SHIPPER_LOCK));
-        assert!(needs(false, false).contains("write on replication_controllers/"));
+        for p in [
+            crate::health::HEALTH_PREFIX,
+            &LabelType::Node.prefix(),
+            "reality/",
+        ] {
+            assert!(has(p, Access::Read), "{p} is read");
+        }
+        assert!(needs(false, false).contains("write on the KV prefixes replication_controllers/"));
         assert!(!needs(false, false).contains("scheduler/"));
+        assert!(!needs(false, false).contains("audit-shipper"));
+    }
+
+    /// The rights a policy file grants: its uncommented key rules.
+    fn policy_rights(file: &str, rule: &str) -> Vec<(String, Access)> {
+        let path = format!("{}/deploy/consul/{file}", env!("CARGO_MANIFEST_DIR"));
+        let text = std::fs::read_to_string(&path).unwrap();
+        text.lines()
+            .map(str::trim)
+            .filter(|l| l.starts_with(&format!("{rule} \"")))
+            .map(|l| {
+                let prefix = l.split('"').nth(1).unwrap().to_string();
+                let access = if l.contains("policy = \"write\"") {
+                    Access::Write
+                } else {
+                    assert!(l.contains("policy = \"read\""), "{path}: {l}");
+                    Access::Read
+                };
+                (prefix, access)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_policy_files_grant_exactly_the_rights_the_farm_checks() {
+        let want: Vec<(String, Access)> = rights(false, true)
+            .into_iter()
+            .map(|(p, a)| (p.to_string(), a))
+            .collect();
+        for (file, rule) in [
+            ("rcfarm-farm.legacy.hcl", "key"),
+            ("rcfarm-farm.policy.hcl", "key_prefix"),
+        ] {
+            let mut got = policy_rights(file, rule);
+            let mut want = want.clone();
+            got.sort_by(|a, b| a.0.cmp(&b.0));
+            want.sort_by(|a, b| a.0.cmp(&b.0));
+            assert_eq!(got, want, "{file}");
+        }
+        // rcctl's read-only rules grant no write.
+        for (file, rule) in [
+            ("rcctl-readonly.legacy.hcl", "key"),
+            ("rcctl-readonly.policy.hcl", "key_prefix"),
+        ] {
+            let got = policy_rights(file, rule);
+            assert!(
+                !got.is_empty() && got.iter().all(|r| r.1 == Access::Read),
+                "{file}"
+            );
+        }
     }
 
     #[test]

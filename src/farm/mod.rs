@@ -120,26 +120,31 @@ pub enum FarmError {
     /// one); the farm stopped before creating a session or claiming anything.
     #[error(
         "Consul refused {}: {detail}. The farm needs {needs}",
-        if *.token_given {
-            "the ACL token given by --consul-token / CONSUL_HTTP_TOKEN"
-        } else {
-            "requests without an ACL token (Consul's anonymous token); give one with --consul-token or CONSUL_HTTP_TOKEN"
-        }
+        .token.as_deref().unwrap_or(
+            "requests without an ACL token (Consul's anonymous token); give one with --consul-token-file / CONSUL_HTTP_TOKEN_FILE, or --consul-token / CONSUL_HTTP_TOKEN"
+        )
     )]
     AclRefused {
-        token_given: bool,
+        /// Which token was refused, in words (none: the anonymous token).
+        token: Option<String>,
         detail: String,
         needs: String,
     },
 
-    /// At start, no TLS connection to Consul could be made: its certificate was not trusted or
-    /// the port does not speak TLS.
-    #[error(
-        "cannot talk TLS to Consul at {addr}: {detail} (give the CA that signs Consul's \
-         certificate with --consul-ca-file / CONSUL_CACERT, and check that the address is \
-         Consul's HTTPS port)"
-    )]
+    /// At start, no TLS connection to Consul could be made: its certificate was not trusted,
+    /// it refused ours (or wanted one), or the port does not speak TLS.
+    #[error("cannot talk TLS to Consul at {addr}: {detail}{}", tls_hint(.detail))]
     Tls { addr: String, detail: String },
+}
+
+/// What to do about a TLS failure, unless the detail already says it.
+fn tls_hint(detail: &str) -> &'static str {
+    if detail.contains("client certificate") {
+        ""
+    } else {
+        " (give the CA that signs Consul's certificate with --consul-ca-file / CONSUL_CACERT, and \
+         check that the address is Consul's HTTPS port)"
+    }
 }
 
 fn apply_roll_event(rolls: &mut OwnedRolls, ev: RollEvent) {
@@ -463,7 +468,7 @@ impl Farm {
                 detail.clone()
             };
             return Some(FarmError::AclRefused {
-                token_given: self.config.consul.token.is_some(),
+                token: self.config.consul.token_origin(),
                 detail,
                 needs: access::needs(
                     matches!(self.config.scheduler, SchedulerKind::Pool(_)),

@@ -175,17 +175,55 @@ async fn the_acl_token_is_sent_and_denials_are_typed() {
 
 #[tokio::test]
 async fn config_reads_consul_environment_variables() {
-    // SAFETY of the test: no other test in this binary reads these variables.
+    let vars = [
+        ("CONSUL_HTTP_ADDR", "10.1.2.3:8500"),
+        ("CONSUL_HTTP_SSL", "true"),
+        ("CONSUL_HTTP_TOKEN", "abc"),
+        ("CONSUL_HTTP_TOKEN_FILE", "/etc/consul/token"),
+        ("CONSUL_CACERT", "/etc/consul/ca.pem"),
+        ("CONSUL_CAPATH", "/etc/consul/cas"),
+        ("CONSUL_CLIENT_CERT", "/etc/consul/client.pem"),
+        ("CONSUL_CLIENT_KEY", "/etc/consul/client-key.pem"),
+        ("CONSUL_TLS_SERVER_NAME", "server.dc1.consul"),
+        ("CONSUL_HTTP_SSL_VERIFY", "0"),
+    ];
+    // SAFETY of the test: nextest runs each test in a process of its own.
     unsafe {
+        for (k, v) in vars {
+            std::env::set_var(k, v);
+        }
+    }
+    let cfg = ConsulConfig::from_env().unwrap();
+    assert_eq!(cfg.address, "https://10.1.2.3:8500");
+    assert_eq!(cfg.token.as_deref(), Some("abc"));
+    let path = |p: &str| Some(std::path::PathBuf::from(p));
+    assert_eq!(cfg.token_file, path("/etc/consul/token"));
+    assert_eq!(cfg.tls.ca_file, path("/etc/consul/ca.pem"));
+    assert_eq!(cfg.tls.ca_path, path("/etc/consul/cas"));
+    assert_eq!(cfg.tls.client_cert, path("/etc/consul/client.pem"));
+    assert_eq!(cfg.tls.client_key, path("/etc/consul/client-key.pem"));
+    assert_eq!(cfg.tls.server_name.as_deref(), Some("server.dc1.consul"));
+    assert!(cfg.tls.skip_verify);
+
+    unsafe {
+        std::env::set_var("CONSUL_HTTP_SSL_VERIFY", "maybe");
+    }
+    let Err(ConsulError::Config(msg)) = ConsulConfig::from_env() else {
+        panic!("a boolean that does not parse is refused");
+    };
+    assert!(
+        msg.contains("CONSUL_HTTP_SSL_VERIFY") && msg.contains("\"maybe\""),
+        "{msg}"
+    );
+
+    unsafe {
+        for (k, _) in vars {
+            std::env::remove_var(k);
+        }
         std::env::set_var("CONSUL_HTTP_ADDR", "10.1.2.3:8500");
         std::env::set_var("CONSUL_HTTP_TOKEN", "abc");
     }
-    let cfg = ConsulConfig::from_env();
-    unsafe {
-        std::env::remove_var("CONSUL_HTTP_ADDR");
-        std::env::remove_var("CONSUL_HTTP_TOKEN");
-    }
-    assert_eq!(cfg.address, "10.1.2.3:8500");
+    let cfg = ConsulConfig::from_env().unwrap();
     assert_eq!(cfg.token.as_deref(), Some("abc"));
     let c = Consul::new(cfg).unwrap();
     assert_eq!(c.address(), "http://10.1.2.3:8500");

@@ -88,7 +88,7 @@ impl Server {
     pub fn url(&self) -> String {
         match self {
             Server::Embedded(s) => s.url(),
-            Server::Real(a) => a.http_url(),
+            Server::Real(a) => a.url(),
         }
     }
 
@@ -182,12 +182,13 @@ impl Cluster {
     /// A cluster around an agent already running (a client agent of a real Consul cluster).
     pub fn around_agent(agent: ConsulAgent) -> Cluster {
         init_tracing();
-        let consul = match &agent.config.acl_master_token {
-            Some(token) => Consul::new(
+        let consul = match (&agent.config.acl_master_token, &agent.config.tls) {
+            (Some(token), _) => Consul::new(
                 rcfarm::consul::ConsulConfig::new(agent.http_url()).with_token(Some(token.clone())),
             )
             .unwrap(),
-            None => client_for(&agent.http_url()),
+            (None, Some(t)) if t.https_only => Consul::new(agent.client_config()).unwrap(),
+            (None, _) => client_for(&agent.http_url()),
         };
         let mut c = Cluster::around(Server::Real(Box::new(agent)), consul.clone());
         c.external = Some(ExternalObserver::spawn(consul));
@@ -315,6 +316,35 @@ impl Cluster {
             .kv_put(&id.key(), record.to_string().as_bytes(), None)
             .await
             .unwrap();
+    }
+
+    /// Starts a roll of `old` onto version 2 of its pod's manifest, as `rcctl roll start` does;
+    /// the new RC's id (the roll's).
+    pub async fn start_roll(&self, old: RcId, minimum: u64, delay: Duration) -> RcId {
+        let pod = rcfarm::rc::RcStore::new(self.consul.clone())
+            .get(old)
+            .await
+            .unwrap()
+            .unwrap()
+            .pod_id()
+            .to_string();
+        rcfarm::roll::RollStore::new(self.consul.clone())
+            .start(
+                rcfarm::roll::StartRoll {
+                    old_rc: old,
+                    manifest: Cluster::manifest(&pod, 2),
+                    desired: None,
+                    minimum: Some(minimum),
+                    leave_old: false,
+                    roll_delay: delay,
+                },
+                "test",
+                false,
+            )
+            .await
+            .unwrap()
+            .update
+            .new_rc
     }
 
     /// Rewrites one field of a stored RC record directly in KV.

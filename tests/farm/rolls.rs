@@ -18,30 +18,7 @@ use crate::on_both_backends;
 const ROLL_FLAGS: [&str; 4] = ["--roll-resync", "300ms", "--roll-stall-after", "3s"];
 
 async fn start_roll(c: &Cluster, old: RcId, minimum: u64, delay: Duration) -> RcId {
-    let pod = RcStore::new(c.consul.clone())
-        .get(old)
-        .await
-        .unwrap()
-        .unwrap()
-        .pod_id()
-        .to_string();
-    RollStore::new(c.consul.clone())
-        .start(
-            StartRoll {
-                old_rc: old,
-                manifest: Cluster::manifest(&pod, 2),
-                desired: None,
-                minimum: Some(minimum),
-                leave_old: false,
-                roll_delay: delay,
-            },
-            "test",
-            false,
-        )
-        .await
-        .unwrap()
-        .update
-        .new_rc
+    c.start_roll(old, minimum, delay).await
 }
 
 /// The session holding a roll's lock.

@@ -620,3 +620,140 @@ async fn rcctl_roll_commands_refuse_mistakes_and_drive_a_roll_to_completion() {
     assert_eq!(old_rc["record"]["disabled"], true, "{old_rc:#}");
     stop.cancel();
 }
+
+/// Connection mistakes (P2's flag spellings included) are named at start, exit 2, for rcctl and
+/// for a farm, before anything is sent to Consul.
+#[tokio::test]
+async fn connection_mistakes_are_named_at_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = |name: &str| dir.path().join(name).to_str().unwrap().to_string();
+    std::fs::write(p("empty-token"), "  \n").unwrap();
+    std::fs::write(p("garbage.pem"), "not a certificate\n").unwrap();
+    let key = rcgen::KeyPair::generate().unwrap();
+    let cert = rcgen::CertificateParams::new(vec!["localhost".to_string()])
+        .unwrap()
+        .self_signed(&key)
+        .unwrap();
+    std::fs::write(p("client.pem"), cert.pem()).unwrap();
+    std::fs::write(p("client-key.pem"), key.serialize_pem()).unwrap();
+    std::fs::write(
+        p("alias.toml"),
+        format!(
+            "tls-cert-file = \"{}\"\ntls-key-file = \"{}\"\n",
+            p("garbage.pem"),
+            p("client-key.pem")
+        ),
+    )
+    .unwrap();
+    let (garbage, client, client_key, empty, alias_toml) = (
+        p("garbage.pem"),
+        p("client.pem"),
+        p("client-key.pem"),
+        p("empty-token"),
+        p("alias.toml"),
+    );
+    // (arguments, an environment variable, what the error must say)
+    type Case<'a> = (Vec<&'a str>, Option<(&'a str, &'a str)>, String);
+    let cases: Vec<Case> = vec![
+        (
+            vec!["--header", "X-Team"],
+            None,
+            "--header \"X-Team\": expected NAME=VALUE".into(),
+        ),
+        (
+            vec!["--header", "=v"],
+            None,
+            "the header name is empty".into(),
+        ),
+        (
+            vec!["--header", "Bad Name=v"],
+            None,
+            "not a valid HTTP header name".into(),
+        ),
+        (
+            vec!["--token-file", "/nonexistent/rcfarm-token"],
+            None,
+            "the ACL token file /nonexistent/rcfarm-token (--consul-token-file / CONSUL_HTTP_TOKEN_FILE): cannot read it".into(),
+        ),
+        (
+            vec![],
+            Some(("CONSUL_HTTP_TOKEN_FILE", empty.as_str())),
+            format!("the ACL token file {empty} (--consul-token-file / CONSUL_HTTP_TOKEN_FILE): it is empty"),
+        ),
+        (
+            vec!["--tls-cert-file", &garbage, "--tls-key-file", &client_key],
+            None,
+            format!("the client certificate {garbage} (--consul-client-cert / CONSUL_CLIENT_CERT): no PEM certificate"),
+        ),
+        (
+            vec!["--consul-client-cert", &client, "--consul-client-key", &garbage],
+            None,
+            format!("the client key {garbage} (--consul-client-key / CONSUL_CLIENT_KEY): no PEM private key"),
+        ),
+        (
+            vec!["--consul-client-cert", &client],
+            None,
+            "is given without its key: give the key with --consul-client-key / CONSUL_CLIENT_KEY".into(),
+        ),
+        (
+            vec!["--consul-ssl-verify", "maybe"],
+            None,
+            "--consul-ssl-verify / CONSUL_HTTP_SSL_VERIFY: \"maybe\" is not a boolean".into(),
+        ),
+        (
+            vec![],
+            Some(("CONSUL_HTTP_SSL_VERIFY", "nope")),
+            "\"nope\" is not a boolean".into(),
+        ),
+        (
+            vec!["--consul-ca-path", "/nonexistent/cas"],
+            None,
+            "the Consul CA directory /nonexistent/cas (--consul-ca-path / CONSUL_CAPATH): cannot read it".into(),
+        ),
+    ];
+    for (args, env, needle) in &cases {
+        // rcctl, and a farm.
+        for (bin, cmd) in [
+            (crate::RCCTL, vec!["ping"]),
+            (RCFARM, vec!["serve", "--http", "off"]),
+        ] {
+            let mut c = tokio::process::Command::new(bin);
+            if bin == RCFARM {
+                c.args(&cmd).args(args);
+            } else {
+                c.args(args).args(&cmd);
+            }
+            c.env("CONSUL_HTTP_ADDR", "http://127.0.0.1:1")
+                .env_remove("RCFARM_CONFIG")
+                .env_remove("CONSUL_HTTP_TOKEN");
+            if let Some((k, v)) = env {
+                c.env(k, v);
+            }
+            let out = tokio::time::timeout(Duration::from_secs(20), c.output())
+                .await
+                .expect("exits at once")
+                .unwrap();
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(2), "{bin} {args:?} {env:?}: {err}");
+            assert!(
+                err.contains(needle.as_str()),
+                "{bin} {args:?} {env:?}: {err}"
+            );
+            assert!(!err.contains("panicked"), "{err}");
+        }
+    }
+    // P2's spellings are keys of the farm's TOML file too.
+    let out = tokio::process::Command::new(RCFARM)
+        .args(["serve", "--http", "off", "--config", &alias_toml])
+        .env("CONSUL_HTTP_ADDR", "http://127.0.0.1:1")
+        .env_remove("RCFARM_CONFIG")
+        .output()
+        .await
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains(&format!("the client certificate {garbage}")),
+        "{err}"
+    );
+}

@@ -14,7 +14,7 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand};
 
 use super::{CliError, parse_duration_flag};
-use crate::consul::{Consul, ConsulConfig, ConsulError};
+use crate::consul::{Consul, ConsulError};
 use crate::overview::Overview;
 
 #[derive(Debug, Parser)]
@@ -24,21 +24,8 @@ use crate::overview::Overview;
     about = "Operate rcfarm: replication controllers, nodes, farms and the audit log"
 )]
 pub struct RcctlCli {
-    /// Consul's HTTP address.
-    #[arg(
-        long,
-        global = true,
-        env = "CONSUL_HTTP_ADDR",
-        default_value = "http://127.0.0.1:8500"
-    )]
-    consul: String,
-    /// ACL token for Consul.
-    #[arg(long, global = true, env = "CONSUL_HTTP_TOKEN", hide_env_values = true)]
-    consul_token: Option<String>,
-    /// PEM file of the CA that signs Consul's HTTPS certificate (for `--consul https://…`);
-    /// only its CAs are then trusted. Default: the system's roots.
-    #[arg(long, global = true, env = "CONSUL_CACERT", value_name = "PATH")]
-    consul_ca_file: Option<PathBuf>,
+    #[command(flatten)]
+    connection: super::connection::ConsulArgs,
     /// Machine-readable JSON instead of tables.
     #[arg(long, global = true)]
     json: bool,
@@ -253,10 +240,15 @@ pub(crate) fn rc_actor() -> String {
 
 /// A Consul error, with what to do about it.
 pub(crate) fn consul_failed(e: ConsulError) -> CliError {
-    let hint = match &e {
-        _ if e.tls_problem().is_some() => {
+    if let (Some(tls), ConsulError::Unavailable { addr, .. }) = (e.tls_problem(), &e) {
+        let hint = if tls.contains("client certificate") {
+            ""
+        } else {
             " (give the CA that signs Consul's certificate with --consul-ca-file or CONSUL_CACERT, and check that the address is Consul's HTTPS port)"
-        }
+        };
+        return CliError::Failed(format!("cannot talk TLS to Consul at {addr}: {tls}{hint}"));
+    }
+    let hint = match &e {
         ConsulError::Unavailable { .. } => " (is Consul running? set --consul or CONSUL_HTTP_ADDR)",
         _ => "",
     };
@@ -264,10 +256,8 @@ pub(crate) fn consul_failed(e: ConsulError) -> CliError {
 }
 
 pub async fn run(cli: RcctlCli) -> Result<(), CliError> {
-    let cfg = ConsulConfig::new(cli.consul.clone())
-        .with_token(cli.consul_token.clone())
-        .with_ca_file(cli.consul_ca_file.clone());
-    let consul = Consul::new(cfg).map_err(|e| CliError::Usage(format!("--consul: {e}")))?;
+    let cfg = cli.connection.to_config()?;
+    let consul = Consul::new(cfg).map_err(|e| CliError::Usage(e.to_string()))?;
     let ctx = Ctx {
         consul,
         json: cli.json,
