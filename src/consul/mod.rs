@@ -21,7 +21,7 @@ pub use client::{
 };
 pub use error::{ConsulError, Result};
 pub use session::{Session, SessionConfig};
-pub use tls::TlsConfig;
+pub use tls::{TlsConfig, tls_advice};
 pub(crate) use tree_cache::CacheSignals;
 pub use tree_cache::{ParseFn, TreeCache};
 pub use txn::{KvVerb, MAX_TXN_OPS, TxnFailure, TxnOp, TxnOpError, TxnResponse};

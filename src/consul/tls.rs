@@ -437,3 +437,17 @@ pub(super) fn is_peer_alert(reason: &str) -> bool {
         || reason.contains("peer sent no certificates")
         || reason.contains("CertificateRequired")
 }
+
+/// What to do about a TLS failure (the text of [`super::ConsulError::tls_problem`]), unless the
+/// failure already says it.
+pub fn tls_advice(problem: &str) -> &'static str {
+    if problem.contains("client certificate") {
+        ""
+    } else if problem.contains("not valid for name") {
+        " (connect by a name Consul's certificate holds, or give one of its names with \
+         --consul-tls-server-name / CONSUL_TLS_SERVER_NAME)"
+    } else {
+        " (give the CA that signs Consul's certificate with --consul-ca-file / CONSUL_CACERT, and \
+         check that the address is Consul's HTTPS port)"
+    }
+}

@@ -133,18 +133,8 @@ pub enum FarmError {
 
     /// At start, no TLS connection to Consul could be made: its certificate was not trusted,
     /// it refused ours (or wanted one), or the port does not speak TLS.
-    #[error("cannot talk TLS to Consul at {addr}: {detail}{}", tls_hint(.detail))]
+    #[error("cannot talk TLS to Consul at {addr}: {detail}{}", crate::consul::tls_advice(.detail))]
     Tls { addr: String, detail: String },
-}
-
-/// What to do about a TLS failure, unless the detail already says it.
-fn tls_hint(detail: &str) -> &'static str {
-    if detail.contains("client certificate") {
-        ""
-    } else {
-        " (give the CA that signs Consul's certificate with --consul-ca-file / CONSUL_CACERT, and \
-         check that the address is Consul's HTTPS port)"
-    }
 }
 
 fn apply_roll_event(rolls: &mut OwnedRolls, ev: RollEvent) {

@@ -309,9 +309,20 @@ impl TestCa {
     /// A certificate for 127.0.0.1 and localhost, good for server and client authentication
     /// (as Consul's own agent certificates are), valid until `not_after`; its PEM and key PEM.
     fn leaf(&self, name: &str, not_after: Option<(i32, u8, u8)>) -> (String, String) {
+        self.leaf_for(name, &["127.0.0.1", "localhost"], not_after)
+    }
+
+    /// Like [`TestCa::leaf`], for the names `sans`.
+    fn leaf_for(
+        &self,
+        name: &str,
+        sans: &[&str],
+        not_after: Option<(i32, u8, u8)>,
+    ) -> (String, String) {
         use rcgen::{CertificateParams, DnType, ExtendedKeyUsagePurpose, KeyPair, KeyUsagePurpose};
         let key = KeyPair::generate().unwrap();
-        let mut p = CertificateParams::new(vec!["127.0.0.1".into(), "localhost".into()]).unwrap();
+        let sans: Vec<String> = sans.iter().map(|s| s.to_string()).collect();
+        let mut p = CertificateParams::new(sans).unwrap();
         p.distinguished_name.push(DnType::CommonName, name);
         p.key_usages = vec![
             KeyUsagePurpose::DigitalSignature,
@@ -442,7 +453,7 @@ async fn a_farm_talks_tls_to_consul_with_the_ca_file_and_refuses_an_unknown_cert
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("invalid peer certificate"), "{stderr}");
     assert!(
-        stderr.contains("--consul-ca-file or CONSUL_CACERT"),
+        stderr.contains("--consul-ca-file / CONSUL_CACERT"),
         "{stderr}"
     );
     println!("rcctl without the CA: {stderr}");
@@ -480,6 +491,7 @@ fn a_ca_file_that_cannot_be_used_is_named() {
 
 /// Runs rcctl against `url` with `args` and `env` (Consul's variables cleared first).
 fn rcctl_with(url: &str, args: &[&str], env: &[(&str, &Path)]) -> std::process::Output {
+    // A Path for every value: certificates are files; the rest pass as OsStr all the same.
     let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_rcctl"));
     cmd.args(["--consul", url]).args(args);
     for v in [
@@ -489,6 +501,8 @@ fn rcctl_with(url: &str, args: &[&str], env: &[(&str, &Path)]) -> std::process::
         "CONSUL_CLIENT_KEY",
         "CONSUL_HTTP_TOKEN",
         "CONSUL_HTTP_TOKEN_FILE",
+        "CONSUL_TLS_SERVER_NAME",
+        "CONSUL_HTTP_SSL_VERIFY",
     ] {
         cmd.env_remove(v);
     }
@@ -828,4 +842,85 @@ async fn a_farm_with_exactly_the_documented_rights_works_and_names_any_right_tak
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("Permission denied"), "{stderr}");
     println!("read-only rcctl scaling: {stderr}");
+}
+
+/// Consul's other TLS variables, with rcctl against real Consul's HTTPS listener whose
+/// certificate names only `server.dc1.consul` (as Consul's own agent certificates do):
+/// `CONSUL_TLS_SERVER_NAME` makes it check out, `CONSUL_CAPATH` trusts a directory of CAs,
+/// `CONSUL_HTTP_SSL_VERIFY=false` skips the check, and without them the name is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn consuls_tls_variables_server_name_ca_path_and_no_verify() {
+    let Some(Backend::Real(bin)) = Backend::real() else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let ca = TestCa::new("rcfarm test CA");
+    let (cert, key) = ca.leaf_for("server", &["server.dc1.consul"], None);
+    let cas = d.join("cas");
+    std::fs::create_dir(&cas).unwrap();
+    std::fs::write(cas.join("ca.pem"), &ca.pem).unwrap();
+    std::fs::write(d.join("server.pem"), cert).unwrap();
+    std::fs::write(d.join("server-key.pem"), key).unwrap();
+    let mut config = AgentConfig::dev(&bin, "rcfarm-tls-name");
+    config.tls = Some(AgentTls {
+        ca_file: cas.join("ca.pem"),
+        cert_file: d.join("server.pem"),
+        key_file: d.join("server-key.pem"),
+        verify_incoming: false,
+        https_only: false,
+    });
+    let c = Cluster::start_real(config).await;
+    let https = match &c.server {
+        Server::Real(agent) => agent.https_url().unwrap(),
+        Server::Embedded(_) => unreachable!("a real agent"),
+    };
+    let name = Path::new("server.dc1.consul");
+    let no = Path::new("false");
+    for (what, args, env, ok) in [
+        (
+            "the address's own name",
+            vec!["ping"],
+            vec![("CONSUL_CAPATH", cas.as_path())],
+            false,
+        ),
+        (
+            "CONSUL_TLS_SERVER_NAME",
+            vec!["ping"],
+            vec![
+                ("CONSUL_CAPATH", cas.as_path()),
+                ("CONSUL_TLS_SERVER_NAME", name),
+            ],
+            true,
+        ),
+        (
+            "--consul-tls-server-name",
+            vec!["--consul-tls-server-name", "server.dc1.consul", "ping"],
+            vec![("CONSUL_CAPATH", cas.as_path())],
+            true,
+        ),
+        (
+            "CONSUL_HTTP_SSL_VERIFY=false",
+            vec!["ping"],
+            vec![("CONSUL_HTTP_SSL_VERIFY", no)],
+            true,
+        ),
+    ] {
+        let out = rcctl_with(&https, &args, &env);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.success(), ok, "{what}: {stderr}");
+        if !ok {
+            assert!(
+                stderr.contains("invalid peer certificate: NotValidForName"),
+                "{stderr}"
+            );
+        }
+        if what.contains("VERIFY") {
+            assert!(
+                stderr.contains("Consul's certificate is not checked"),
+                "{stderr}"
+            );
+        }
+        println!("{what}: {}", if ok { "up" } else { stderr.trim() });
+    }
 }

@@ -241,11 +241,7 @@ pub(crate) fn rc_actor() -> String {
 /// A Consul error, with what to do about it.
 pub(crate) fn consul_failed(e: ConsulError) -> CliError {
     if let (Some(tls), ConsulError::Unavailable { addr, .. }) = (e.tls_problem(), &e) {
-        let hint = if tls.contains("client certificate") {
-            ""
-        } else {
-            " (give the CA that signs Consul's certificate with --consul-ca-file or CONSUL_CACERT, and check that the address is Consul's HTTPS port)"
-        };
+        let hint = crate::consul::tls_advice(tls);
         return CliError::Failed(format!("cannot talk TLS to Consul at {addr}: {tls}{hint}"));
     }
     let hint = match &e {
