@@ -911,7 +911,11 @@ async fn consuls_tls_variables_server_name_ca_path_and_no_verify() {
         assert_eq!(out.status.success(), ok, "{what}: {stderr}");
         if !ok {
             assert!(
-                stderr.contains("invalid peer certificate: NotValidForName"),
+                stderr.contains("certificate is only valid for DnsName(\"server.dc1.consul\")"),
+                "{stderr}"
+            );
+            assert!(
+                stderr.contains("--consul-tls-server-name / CONSUL_TLS_SERVER_NAME"),
                 "{stderr}"
             );
         }
