@@ -840,7 +840,10 @@ async fn a_farm_with_exactly_the_documented_rights_works_and_names_any_right_tak
     );
     assert_eq!(out.status.code(), Some(1));
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("Permission denied"), "{stderr}");
+    assert!(
+        stderr.contains("Consul denied the change: Permission denied (the ACL token may not write"),
+        "{stderr}"
+    );
     println!("read-only rcctl scaling: {stderr}");
 }
 

@@ -244,6 +244,16 @@ pub(crate) fn consul_failed(e: ConsulError) -> CliError {
         let hint = crate::consul::tls_advice(tls);
         return CliError::Failed(format!("cannot talk TLS to Consul at {addr}: {tls}{hint}"));
     }
+    if let ConsulError::Conflict(errs) = &e
+        && !errs.is_empty()
+        && errs.iter().all(|o| o.what.contains("Permission denied"))
+    {
+        return CliError::Failed(format!(
+            "Consul denied the change: {} (the ACL token may not write these keys; a read-only \
+             token, as deploy/consul/rcctl-readonly.*.hcl grants, cannot change anything)",
+            errs[0].what
+        ));
+    }
     let hint = match &e {
         ConsulError::Unavailable { .. } => " (is Consul running? set --consul or CONSUL_HTTP_ADDR)",
         _ => "",
