@@ -74,7 +74,11 @@ pub struct FarmArgs {
     pub transfer_timeout: Duration,
     /// Also move pods of static-strategy RCs off nodes that no longer match (node transfers).
     /// Off by default, as P2: a static RC leaves such a pod where it is.
-    #[arg(long, env = "RCFARM_TRANSFER_STATIC")]
+    #[arg(
+        long,
+        env = "RCFARM_TRANSFER_STATIC",
+        value_parser = clap::builder::BoolishValueParser::new()
+    )]
     pub transfer_static: bool,
     /// How long an unheld RC waits for its assigned farm before any farm with room takes it.
     #[arg(long, env = "RCFARM_CLAIM_GRACE", default_value = "3s", value_parser = parse_duration_flag)]

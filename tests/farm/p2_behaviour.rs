@@ -562,3 +562,82 @@ async fn rcctl_rc_set_strategy_rewrites_the_strategy_as_p2_does() {
         assert!(text.contains("dynamic_strategy"), "{text}");
     }
 }
+
+on_both_backends!(a_transfer_in_flight_is_neither_completed_nor_rolled_back_while_frozen);
+async fn a_transfer_in_flight_is_neither_completed_nor_rolled_back_while_frozen(b: Backend) {
+    let mut c = Cluster::start_on(&b).await;
+    c.spawn_farm("f1", &["--transfer-timeout", "3s"]).await;
+    let id = three_nodes_and_an_rc(&c, "dynamic_strategy").await;
+    let api = farm_api(&c, "f1").await;
+    // Health is in use: the new pod (on node-c) never passes, so the transfer waits for it.
+    for n in ["node-a", "node-b"] {
+        c.consul
+            .kv_put(&format!("health/web/{n}"), br#"{"Status":"passing"}"#, None)
+            .await
+            .unwrap();
+    }
+    c.label_node("node-a", &[("env", "drained")]).await;
+    let cr = &c;
+    c.wait_for(Duration::from_secs(20), "transfer started (+1 pod)", || async move {
+        cr.placements().await.get(&id) == Some(&set(&["node-a", "node-b", "node-c"]))
+    })
+    .await;
+    let holder = c
+        .consul
+        .session_create(&SessionRequest {
+            name: Some("freeze-tool".into()),
+            ttl: Some(Duration::from_secs(60)),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let key = id.node_transfer_lock_key();
+    assert!(c.consul.kv_acquire(&key, b"", &holder, None).await.unwrap());
+    let apir = &api;
+    c.wait_for(
+        Duration::from_secs(10),
+        "TransferFrozen shown",
+        || async move {
+            conditions(apir, id)
+                .await
+                .iter()
+                .any(|c| c.starts_with("TransferFrozen"))
+        },
+    )
+    .await;
+    // Past the transfer timeout: frozen, nothing is rolled back (or completed).
+    let before = pod_writes(&c).await;
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(pod_writes(&c).await, before);
+    assert!(
+        c.audit_events(events::NODE_TRANSFER_ROLLBACK)
+            .await
+            .is_empty()
+    );
+    assert!(
+        c.audit_events(events::NODE_TRANSFER_COMPLETION)
+            .await
+            .is_empty()
+    );
+    let frozen = c.audit_events(events::NODE_TRANSFER_FROZEN).await;
+    assert_eq!(frozen.len(), 1);
+    assert_eq!(frozen[0]["transfer_in_flight"]["new_node"], json!("node-c"));
+    // Released: the timed-out transfer is rolled back.
+    assert!(c.consul.kv_release(&key, b"", &holder, None).await.unwrap());
+    c.wait_for(
+        Duration::from_secs(20),
+        "rolled back once released",
+        || async move {
+            cr.audit_events(events::NODE_TRANSFER_ROLLBACK)
+                .await
+                .iter()
+                .any(|d| {
+                    d["rollback_reason"]
+                        .as_str()
+                        .is_some_and(|r| r.contains("not healthy"))
+                })
+        },
+    )
+    .await;
+    c.check_invariants(|_| false);
+}
