@@ -89,6 +89,27 @@ pub async fn pod_writes(c: &Cluster) -> BTreeMap<String, u64> {
     out
 }
 
+/// Takes P2's node-transfer lock of `id` with a session of its own, as an outside tool would
+/// (P2's `LockForNodeTransfer`); returns the session.
+pub async fn freeze(c: &Cluster, id: RcId) -> String {
+    let holder = c
+        .consul
+        .session_create(&SessionRequest {
+            name: Some("freeze-tool".into()),
+            ttl: Some(Duration::from_secs(120)),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert!(
+        c.consul
+            .kv_acquire(&id.node_transfer_lock_key(), b"freeze", &holder, None)
+            .await
+            .unwrap()
+    );
+    holder
+}
+
 fn set(nodes: &[&str]) -> BTreeSet<String> {
     nodes.iter().map(|s| s.to_string()).collect()
 }
@@ -159,22 +180,8 @@ async fn a_held_node_transfer_lock_freezes_a_dynamic_rcs_transfers(b: Backend) {
     let id = three_nodes_and_an_rc(&c, "dynamic_strategy").await;
     let api = farm_api(&c, "f1").await;
     // An outside tool freezes the RC's transfers as P2's LockForNodeTransfer does.
-    let holder = c
-        .consul
-        .session_create(&SessionRequest {
-            name: Some("freeze-tool".into()),
-            ttl: Some(Duration::from_secs(60)),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
+    let holder = freeze(&c, id).await;
     let key = id.node_transfer_lock_key();
-    assert!(
-        c.consul
-            .kv_acquire(&key, b"freeze", &holder, None)
-            .await
-            .unwrap()
-    );
     let cr = &c;
     let (apir, holderr) = (&api, &holder);
     let frozen = c
@@ -582,17 +589,8 @@ async fn a_transfer_in_flight_is_neither_completed_nor_rolled_back_while_frozen(
         cr.placements().await.get(&id) == Some(&set(&["node-a", "node-b", "node-c"]))
     })
     .await;
-    let holder = c
-        .consul
-        .session_create(&SessionRequest {
-            name: Some("freeze-tool".into()),
-            ttl: Some(Duration::from_secs(60)),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
+    let holder = freeze(&c, id).await;
     let key = id.node_transfer_lock_key();
-    assert!(c.consul.kv_acquire(&key, b"", &holder, None).await.unwrap());
     let apir = &api;
     c.wait_for(
         Duration::from_secs(10),

@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 use rcfarm::chaos::agent::AgentConfig;
-use rcfarm::consul::{QueryOptions, SessionRequest};
+use rcfarm::consul::QueryOptions;
 use rcfarm::rc::RcId;
 use rcfarm::rctask::IntentState;
 use serde_json::{Value, json};
@@ -268,21 +268,7 @@ async fn scenario(name: &str, consul: &std::path::Path, which: Which, ids: &Ids)
             touch(&r.c, ids.rc).await;
         }
         "b" => {
-            let holder =
-                r.c.consul
-                    .session_create(&SessionRequest {
-                        name: Some("freeze-tool".into()),
-                        ttl: Some(Duration::from_secs(120)),
-                        ..Default::default()
-                    })
-                    .await
-                    .unwrap();
-            assert!(
-                r.c.consul
-                    .kv_acquire(&ids.rc.node_transfer_lock_key(), b"", &holder, None)
-                    .await
-                    .unwrap()
-            );
+            crate::p2_behaviour::freeze(&r.c, ids.rc).await;
             r.c.label_node("node-a", &[("env", "drained")]).await;
             touch(&r.c, ids.rc).await;
         }
