@@ -228,7 +228,7 @@ async fn scenario(name: &str, consul: &std::path::Path, which: Which, ids: &Ids)
     let mut notes = Vec::new();
     let c = &r.c;
     match name {
-        "a" | "b" => {
+        "a" | "b" | "b-unlocked" => {
             let strategy = if name == "a" {
                 "static_strategy"
             } else {
@@ -267,8 +267,10 @@ async fn scenario(name: &str, consul: &std::path::Path, which: Which, ids: &Ids)
             r.c.label_node("node-a", &[("env", "drained")]).await;
             touch(&r.c, ids.rc).await;
         }
-        "b" => {
-            crate::p2_behaviour::freeze(&r.c, ids.rc).await;
+        "b" | "b-unlocked" => {
+            if name == "b" {
+                crate::p2_behaviour::freeze(&r.c, ids.rc).await;
+            }
             r.c.label_node("node-a", &[("env", "drained")]).await;
             touch(&r.c, ids.rc).await;
         }
@@ -412,6 +414,15 @@ async fn a_held_node_transfer_lock_on_a_dynamic_rc() {
     )
     .await;
     assert_no_pod_writes([&p2, &rf]);
+    // P2 alone, without the lock: its farm behaves the same (it never reads the lock).
+    let Some(Backend::Real(consul)) = Backend::real() else {
+        unreachable!("checked above")
+    };
+    let unlocked = scenario("b-unlocked", &consul, Which::P2, &fresh_ids()).await;
+    println!(
+        "P2 without the node_transfer lock, same scenario: {:?}",
+        unlocked.notes
+    );
     if p2.notes.iter().any(|n| n.contains("exited")) {
         println!(
             "NOTE: P2's farm does not read the node_transfer lock (LockForNodeTransfer is never called by it); \
