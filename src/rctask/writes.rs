@@ -273,6 +273,6 @@ pub(super) enum Applied {
     AllocationExhausted,
     /// Another session holds the mutation lock.
     MutationLocked,
-    /// Someone (this session, named) holds P2's node-transfer lock: transfers are frozen.
+    /// A session (named) holds P2's node-transfer lock: transfers are frozen.
     Frozen(String),
 }
