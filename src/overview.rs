@@ -56,6 +56,8 @@ pub struct FarmOverview {
     pub owned: usize,
     pub fair_share: usize,
     pub rcs: Vec<String>,
+    /// `false`: the farm leaves audit records in Consul (`--audit-shipping off`).
+    pub audit_shipping: bool,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -158,6 +160,12 @@ impl Overview {
             if let Some(t) = &transfer {
                 conditions.push(format!("Transferring {}→{}", t.old_node, t.new_node));
             }
+            if let Some((s, _)) = holders.get(id).and_then(|h| h.node_transfer.as_ref()) {
+                conditions.push(format!(
+                    "TransferFrozen: session {s} holds {}: no node transfer starts, completes or rolls back",
+                    id.node_transfer_lock_key()
+                ));
+            }
             if session.is_none() {
                 conditions.push("Unowned".to_string());
             }
@@ -241,6 +249,7 @@ impl Overview {
                     owned: owned.len(),
                     fair_share: assignment.cap.get(&f.farm_id).copied().unwrap_or(0),
                     rcs: owned,
+                    audit_shipping: f.audit_shipping,
                 }
             })
             .collect();

@@ -270,11 +270,17 @@ async fn audit(
     State(s): State<ApiState>,
     Query(p): Query<AuditParams>,
 ) -> ApiResult<Json<crate::audit::AuditPage>> {
-    let store = s
-        .audit
-        .borrow()
-        .clone()
-        .ok_or_else(|| unavailable("the audit database is not connected yet"))?;
+    let store = s.audit.borrow().clone().ok_or_else(|| {
+        let farm = s.status.farm();
+        if farm.audit_shipping {
+            unavailable("the audit database is not connected yet")
+        } else {
+            unavailable(format!(
+                "this farm has no audit database to query: {}",
+                farm.audit_destination
+            ))
+        }
+    })?;
     let q = AuditQuery {
         rc_id: p.rc,
         event_type: p.event_type,

@@ -20,6 +20,10 @@ pub mod events {
     pub const NODE_TRANSFER_START: &str = "NODE_TRANSFER_START";
     pub const NODE_TRANSFER_COMPLETION: &str = "NODE_TRANSFER_COMPLETION";
     pub const NODE_TRANSFER_ROLLBACK: &str = "NODE_TRANSFER_ROLLBACK";
+    /// Someone holds P2's node-transfer lock of an RC: its transfers are frozen (once per
+    /// hold), and the hold ended.
+    pub const NODE_TRANSFER_FROZEN: &str = "NODE_TRANSFER_FROZEN";
+    pub const NODE_TRANSFER_UNFROZEN: &str = "NODE_TRANSFER_UNFROZEN";
     pub const RC_CREATED: &str = "REPLICATION_CONTROLLER_CREATED";
     /// Desired state changed through rcfarm (rcctl or the API).
     pub const RC_MODIFIED: &str = "REPLICATION_CONTROLLER_MODIFIED";
@@ -52,11 +56,13 @@ pub mod events {
     pub const ROLL_CLAIMED: &str = "ROLLING_UPDATE_CLAIMED";
     pub const ROLL_RELEASED: &str = "ROLLING_UPDATE_RELEASED";
 
-    pub const ALL: [&str; 24] = [
+    pub const ALL: [&str; 26] = [
         RC_RETARGET,
         NODE_TRANSFER_START,
         NODE_TRANSFER_COMPLETION,
         NODE_TRANSFER_ROLLBACK,
+        NODE_TRANSFER_FROZEN,
+        NODE_TRANSFER_UNFROZEN,
         RC_CREATED,
         RC_MODIFIED,
         RC_OBSERVED_CHANGE,

@@ -323,6 +323,8 @@ impl Cluster {
                 "--roll-resync",
                 "500ms",
             ])
+            // The check expects every pod on an eligible node, static RCs' too.
+            .arg("--transfer-static")
             .env("RUST_LOG", "info")
             .current_dir(&self.cfg.log_dir)
             .stdout(Stdio::null())

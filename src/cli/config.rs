@@ -89,7 +89,9 @@ pub fn expand(args: Vec<OsString>) -> Result<Vec<OsString>, CliError> {
             continue;
         }
         let flag = format!("--{}", arg.get_long().unwrap_or(&long));
-        let takes_value = arg.get_num_args().is_none_or(|n| n.takes_values());
+        // A switch (`--transfer-static`) takes no value: `true` sets it, `false` leaves it.
+        let takes_value =
+            arg.get_action().takes_values() && arg.get_num_args().is_none_or(|n| n.takes_values());
         match value {
             toml::Value::Boolean(b) if !takes_value => {
                 if *b {
@@ -165,6 +167,28 @@ mod tests {
             "the flag wins: {s:?}"
         );
         assert!(!s.iter().any(|a| a.contains("config")), "{s:?}");
+    }
+
+    #[test]
+    fn switches_are_set_by_true_and_left_by_false() {
+        let dir = tempfile::tempdir().unwrap();
+        for (text, set) in [
+            ("transfer-static = true\naudit-shipping = \"off\"\n", true),
+            ("transfer-static = false\n", false),
+        ] {
+            let f = dir.path().join("farm.toml");
+            std::fs::write(&f, text).unwrap();
+            let out = expand(os(&["rcfarm", "serve", "--config", f.to_str().unwrap()])).unwrap();
+            let s: Vec<String> = out
+                .iter()
+                .map(|a| a.to_string_lossy().into_owned())
+                .collect();
+            assert_eq!(s.contains(&"--transfer-static".to_string()), set, "{s:?}");
+            assert!(!s.iter().any(|a| a == "true" || a == "false"), "{s:?}");
+            // And clap takes what the file gave.
+            let cli = <crate::cli::RcfarmCli as clap::Parser>::try_parse_from(&out);
+            assert!(cli.is_ok(), "{s:?}: {:?}", cli.err());
+        }
     }
 
     #[test]

@@ -16,6 +16,18 @@ use crate::rctask::TaskConfig;
 use crate::roll::RollConfig;
 use crate::scheduler::PoolConfig;
 
+/// `--audit-shipping`: whether this farm ships the audit outbox to SQL.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum AuditShipping {
+    /// Ship records from Consul's `audit_logs/` to --audit-db and delete them from Consul.
+    #[value(alias = "true")]
+    On,
+    /// Write records into `audit_logs/` only and leave them there for another consumer (as
+    /// P2's farm does).
+    #[value(alias = "false")]
+    Off,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum SchedulerChoice {
     /// Eligible nodes are those whose labels match; no allocation.
@@ -61,6 +73,14 @@ pub struct FarmArgs {
     /// Roll a node transfer back if the new pod is not healthy by then.
     #[arg(long, env = "RCFARM_TRANSFER_TIMEOUT", default_value = "5m", value_parser = parse_duration_flag)]
     pub transfer_timeout: Duration,
+    /// Also move pods of static-strategy RCs off nodes that no longer match (node transfers).
+    /// Off by default, as P2: a static RC leaves such a pod where it is.
+    #[arg(
+        long,
+        env = "RCFARM_TRANSFER_STATIC",
+        value_parser = clap::builder::BoolishValueParser::new()
+    )]
+    pub transfer_static: bool,
     /// How long an unheld RC waits for its assigned farm before any farm with room takes it.
     #[arg(long, env = "RCFARM_CLAIM_GRACE", default_value = "3s", value_parser = parse_duration_flag)]
     pub claim_grace: Duration,
@@ -90,6 +110,11 @@ pub struct FarmArgs {
     /// --state-dir.
     #[arg(long, env = "RCFARM_AUDIT_DB")]
     pub audit_db: Option<String>,
+    /// `on`: ship audit records from Consul's audit_logs/ to --audit-db (one farm at a time)
+    /// and delete them from Consul. `off`: leave them in audit_logs/ for another consumer, as
+    /// P2's farm does (no SQL database is opened unless --audit-db is given, for queries).
+    #[arg(long, env = "RCFARM_AUDIT_SHIPPING", value_enum, default_value = "on")]
+    pub audit_shipping: AuditShipping,
     /// Directory for the farm's local state (the default SQLite audit database).
     #[arg(long, env = "RCFARM_STATE_DIR", default_value = "rcfarm-data")]
     pub state_dir: std::path::PathBuf,
@@ -167,6 +192,7 @@ impl FarmArgs {
         c.task = TaskConfig {
             resync: self.resync_interval,
             transfer_timeout: self.transfer_timeout,
+            transfer_static: self.transfer_static,
             ..TaskConfig::default()
         };
         c.consistency_interval = self.consistency_interval;
@@ -181,13 +207,21 @@ impl FarmArgs {
             max_pace: self.watch_max_pace,
             ..WatchConfig::default()
         };
+        c.audit_shipping = self.audit_shipping == AuditShipping::On;
         let audit_db = match &self.audit_db {
-            Some(u) => u.clone(),
-            None => format!("sqlite://{}", self.state_dir.join("audit.db").display()),
+            Some(u) => Some(u.clone()),
+            // Not shipping, nothing would fill a default database: open none.
+            None if !c.audit_shipping => None,
+            None => Some(format!(
+                "sqlite://{}",
+                self.state_dir.join("audit.db").display()
+            )),
         };
-        crate::audit::store::parse_url(&audit_db)
-            .map_err(|e| CliError::Usage(format!("--audit-db: {e}")))?;
-        c.audit_db = Some(audit_db);
+        if let Some(url) = &audit_db {
+            crate::audit::store::parse_url(url)
+                .map_err(|e| CliError::Usage(format!("--audit-db: {e}")))?;
+        }
+        c.audit_db = audit_db;
         Ok(c)
     }
 }

@@ -74,6 +74,9 @@ pub struct FarmConfig {
     /// Where the audit log is shipped (`sqlite://…` or `postgres://…`); `None`: this farm
     /// does not ship (records wait in Consul for a farm that does).
     pub audit_db: Option<String>,
+    /// `false` (`--audit-shipping off`): never ship, even with `audit_db`: records are left in
+    /// Consul's `audit_logs/` for another consumer, as P2's farm leaves them.
+    pub audit_shipping: bool,
     pub shipper: ShipperConfig,
     pub roll: RollConfig,
 }
@@ -94,8 +97,26 @@ impl FarmConfig {
             watch: WatchConfig::default(),
             http: None,
             audit_db: None,
+            audit_shipping: true,
             shipper: ShipperConfig::default(),
             roll: RollConfig::default(),
+        }
+    }
+
+    /// Whether this farm ships the audit outbox to SQL.
+    pub fn ships_audit(&self) -> bool {
+        self.audit_shipping && self.audit_db.is_some()
+    }
+
+    /// Where this farm's audit records end up, in a sentence for operators.
+    pub fn audit_destination(&self) -> String {
+        match (&self.audit_db, self.audit_shipping) {
+            (Some(db), true) => format!(
+                "audit records are shipped from Consul audit_logs/ to {} (one farm ships at a time)",
+                crate::audit::store::redact(db)
+            ),
+            (_, false) => "audit records are left in Consul audit_logs/ for an external consumer (this farm: --audit-shipping off)".to_string(),
+            (None, true) => "audit records wait in Consul audit_logs/ for a farm that ships them (this farm has no --audit-db)".to_string(),
         }
     }
 
@@ -194,6 +215,8 @@ impl Farm {
         status.update_farm(|f| {
             f.farm_id = config.farm_id.clone();
             f.session_name = config.session_name();
+            f.audit_shipping = config.ships_audit();
+            f.audit_destination = config.audit_destination();
         });
         let (ready, _) = watch::channel(false);
         let (audit, _) = watch::channel(None);
@@ -397,6 +420,7 @@ impl Farm {
             started_at: Utc::now(),
             http: cfg.http.clone(),
             version: env!("CARGO_PKG_VERSION").to_string(),
+            audit_shipping: cfg.audit_shipping,
         };
         let body = serde_json::to_vec(&info).unwrap_or_default();
         let registered = self
@@ -425,7 +449,7 @@ impl Farm {
     /// (see [`access`]), retrying while Consul is unavailable. `false`: shut down meanwhile.
     async fn check_access(&self, shutdown: &CancellationToken) -> Result<bool, FarmError> {
         let pool = matches!(self.config.scheduler, SchedulerKind::Pool(_));
-        let ships_audit = self.config.audit_db.is_some();
+        let ships_audit = self.config.ships_audit();
         let mut backoff = Backoff::new(Duration::from_millis(500), Duration::from_secs(30));
         loop {
             let checked = tokio::select! {
@@ -462,7 +486,7 @@ impl Farm {
                 detail,
                 needs: access::needs(
                     matches!(self.config.scheduler, SchedulerKind::Pool(_)),
-                    self.config.audit_db.is_some(),
+                    self.config.ships_audit(),
                 ),
             });
         }

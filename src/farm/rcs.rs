@@ -178,7 +178,9 @@ impl Farm {
         if locks_tx.borrow().index != locks.index {
             let old = locks_tx.send_replace(locks.clone());
             for (id, t) in &owned.tasks {
-                if old.mutation(*id) != locks.mutation(*id) {
+                if old.mutation(*id) != locks.mutation(*id)
+                    || old.node_transfer(*id) != locks.node_transfer(*id)
+                {
                     t.wake();
                 }
             }

@@ -23,6 +23,13 @@ pub struct FarmInfo {
     #[serde(default)]
     pub http: Option<String>,
     pub version: String,
+    /// `false` when the farm runs with `--audit-shipping off` (older farms: shipping).
+    #[serde(default = "shipping_by_default")]
+    pub audit_shipping: bool,
+}
+
+fn shipping_by_default() -> bool {
+    true
 }
 
 impl FarmInfo {

@@ -52,7 +52,9 @@ impl Farm {
         session: &Session,
         stop: CancellationToken,
     ) -> Option<tokio::task::JoinHandle<()>> {
-        self.config.audit_db.as_ref()?;
+        if !self.config.ships_audit() {
+            return None;
+        }
         let mut store_rx = self.audit.subscribe();
         let consul = self.consul.clone();
         let session_id = session.id().to_string();

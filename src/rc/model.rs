@@ -59,6 +59,11 @@ impl RcId {
         format!("{RC_LOCK_PREFIX}{self}/update")
     }
 
+    /// P2's node-transfer lock: held by anyone, it freezes the RC's node transfers.
+    pub fn node_transfer_lock_key(&self) -> String {
+        format!("{RC_LOCK_PREFIX}{self}/node_transfer")
+    }
+
     /// The value a node transfer writes into the mutation lock it holds.
     pub fn node_transfer_holder(&self) -> String {
         format!("rc-node-transfer-{self}")

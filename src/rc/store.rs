@@ -136,6 +136,9 @@ pub struct LockHolders {
     /// lock only at that index (or only while absent) is how one session's two users of the
     /// lock (a node transfer, a rolling update) keep from taking it from each other.
     pub mutation_index: Option<u64>,
+    /// Session and `LockIndex` of P2's node-transfer lock (`<id>/node_transfer`), if held:
+    /// whoever holds it freezes the RC's node transfers.
+    pub node_transfer: Option<(String, u64)>,
 }
 
 /// The RC lock tree as a farm's tasks see it: who holds what, at which index.
@@ -164,6 +167,11 @@ impl LockView {
     /// Session and value of an RC's mutation lock, if held.
     pub fn mutation(&self, id: RcId) -> Option<&(String, String)> {
         self.holders.get(&id).and_then(|h| h.mutation.as_ref())
+    }
+
+    /// Session and `LockIndex` of an RC's node-transfer lock, if held.
+    pub fn node_transfer(&self, id: RcId) -> Option<&(String, u64)> {
+        self.holders.get(&id).and_then(|h| h.node_transfer.as_ref())
     }
 }
 
@@ -685,8 +693,11 @@ pub fn parse_locks(entries: &[KvPair]) -> (BTreeMap<RcId, LockHolders>, Vec<Stri
                 entry.mutation = holder;
                 entry.mutation_index = Some(e.modify_index);
             }
-            // P2's other locks (update_creation, node_transfer) are not ours to interpret.
-            Some("update_creation" | "node_transfer") => {}
+            Some("node_transfer") => {
+                entry.node_transfer = e.session.clone().map(|s| (s, e.lock_index));
+            }
+            // P2's lock held while a rolling update is created: not ours to interpret.
+            Some("update_creation") => {}
             Some(_) => garbage.push(e.key.clone()),
         }
         out.push((id, entry));
@@ -703,6 +714,9 @@ pub fn parse_locks(entries: &[KvPair]) -> (BTreeMap<RcId, LockHolders>, Vec<Stri
                 if h.mutation_index.is_some() {
                     m.mutation = h.mutation;
                     m.mutation_index = h.mutation_index;
+                }
+                if h.node_transfer.is_some() {
+                    m.node_transfer = h.node_transfer;
                 }
             }
             _ => merged.push((id, h)),
@@ -778,6 +792,10 @@ mod tests {
             kv(id.ownership_lock_key(), Some("s1")),
             kv(id.mutation_lock_key(), Some("s2")),
             kv(format!("{RC_LOCK_PREFIX}{id}/update_creation"), Some("s3")),
+            KvPair {
+                lock_index: 4,
+                ..kv(id.node_transfer_lock_key(), Some("s5"))
+            },
             kv(format!("{RC_LOCK_PREFIX}not-a-uuid"), Some("s4")),
             kv(format!("{RC_LOCK_PREFIX}{id}/weird"), None),
         ];
@@ -785,7 +803,11 @@ mod tests {
         let h = &holders[&id];
         assert_eq!(h.ownership, Some(("s1".into(), "farm-a".into())));
         assert_eq!(h.mutation, Some(("s2".into(), "farm-a".into())));
+        assert_eq!(h.node_transfer, Some(("s5".into(), 4)));
         assert_eq!(garbage.len(), 2);
+        // A released node-transfer lock (the key stays, without a session) freezes nothing.
+        let (holders, _) = parse_locks(&[kv(id.node_transfer_lock_key(), None)]);
+        assert_eq!(holders[&id].node_transfer, None);
     }
 
     #[test]

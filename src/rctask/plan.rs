@@ -50,6 +50,12 @@ pub struct Observed<'a> {
     pub allocation_exhausted: bool,
     /// Another session holds the mutation lock (a rolling update, say): no transfer now.
     pub mutation_locked_elsewhere: bool,
+    /// Whether a static-strategy RC moves pods off ineligible nodes (`--transfer-static`);
+    /// P2 moves only dynamic RCs' pods.
+    pub transfer_static: bool,
+    /// Who holds P2's node-transfer lock, if anyone: no transfer starts, and one in flight is
+    /// neither completed nor rolled back, while it is held.
+    pub transfer_frozen: Option<String>,
     pub now: DateTime<Utc>,
     pub transfer_timeout: Duration,
 }
@@ -104,6 +110,14 @@ pub fn plan(o: &Observed<'_>) -> Plan {
     let n = current.len();
 
     if let Some(t) = &o.transfer {
+        if let Some(holder) = &o.transfer_frozen {
+            p.waiting = Some(format!(
+                "transferring {} → {}: frozen while {holder} holds the node-transfer lock (neither completed nor rolled back until it is released)",
+                t.old_node, t.new_node
+            ));
+            push_repairs(o, &mut p, &BTreeSet::new());
+            return p;
+        }
         let verdict = if !o.current.contains_key(&t.new_node) {
             Some(Err(format!("the new pod on {} is gone", t.new_node)))
         } else if !o.current.contains_key(&t.old_node) {
@@ -218,7 +232,16 @@ pub fn plan(o: &Observed<'_>) -> Plan {
             .iter()
             .find(|e| !o.current.contains_key(*e) && !o.occupied.contains(*e))
             .cloned();
-        if o.mutation_locked_elsewhere {
+        if rc.strategy != AllocationStrategy::Dynamic && !o.transfer_static {
+            // P2 moves only dynamic RCs' pods: a static RC's stays, and nothing is written.
+            p.waiting = Some(format!(
+                "{old} is not eligible; a static RC leaves its pod there, as P2 does (a farm with --transfer-static moves it)"
+            ));
+        } else if let Some(holder) = &o.transfer_frozen {
+            p.waiting = Some(format!(
+                "{old} is not eligible, but node transfers are frozen while {holder} holds the node-transfer lock"
+            ));
+        } else if o.mutation_locked_elsewhere {
             p.waiting = Some(format!(
                 "{old} is not eligible, but another session holds the mutation lock"
             ));
@@ -312,6 +335,8 @@ mod tests {
             occupied: BTreeSet::new(),
             allocation_exhausted: false,
             mutation_locked_elsewhere: false,
+            transfer_static: false,
+            transfer_frozen: None,
             now: t0(),
             transfer_timeout: Duration::from_secs(300),
         }
@@ -418,7 +443,9 @@ mod tests {
     #[test]
     fn a_pod_on_an_ineligible_node_is_transferred_one_at_a_time() {
         let r = rc(3, "static_strategy", false);
-        let p = plan(&observed(&r, &["a", "x", "y"], &["a", "b", "c"]));
+        let mut o = observed(&r, &["a", "x", "y"], &["a", "b", "c"]);
+        o.transfer_static = true;
+        let p = plan(&o);
         assert_eq!(
             p.actions,
             [Action::StartTransfer {
@@ -437,14 +464,74 @@ mod tests {
         );
         // Static with no spare: nothing to move to.
         let st = rc(1, "static_strategy", false);
-        let p = plan(&observed(&st, &["x"], &[]));
+        let mut o = observed(&st, &["x"], &[]);
+        o.transfer_static = true;
+        let p = plan(&o);
         assert!(p.is_idle() && p.waiting.unwrap().contains("no eligible node"));
+    }
+
+    #[test]
+    fn a_static_rcs_pod_on_an_ineligible_node_stays_as_p2_leaves_it() {
+        // Whatever the strategy is spelled (P2 reads anything but dynamic_strategy as static).
+        for strategy in ["static_strategy", "static", ""] {
+            let r = rc(2, strategy, false);
+            let mut o = observed(&r, &["a", "x"], &["a", "b"]);
+            let p = plan(&o);
+            assert!(p.is_idle(), "{strategy:?}: {:?}", p.actions);
+            assert!(p.waiting.unwrap().contains("--transfer-static"));
+            o.transfer_static = true;
+            assert_eq!(
+                plan(&o).actions,
+                [Action::StartTransfer {
+                    old: "x".into(),
+                    new: Some("b".into())
+                }]
+            );
+        }
+        // Repairs and scale-down (ineligible first) still happen, as in P2.
+        let r = rc(1, "static_strategy", false);
+        let mut o = observed(&r, &["a", "x"], &["a", "b"]);
+        o.bad_intents = nodes(&["a"]);
+        assert_eq!(
+            plan(&o).actions,
+            [Action::Unschedule(s(&["x"])), Action::Repair(s(&["a"]))]
+        );
+    }
+
+    #[test]
+    fn a_held_node_transfer_lock_freezes_starts_and_transfers_in_flight() {
+        let r = rc(2, "dynamic_strategy", false);
+        let mut o = observed(&r, &["a", "x"], &["a", "b"]);
+        o.transfer_frozen = Some("session s1".into());
+        let p = plan(&o);
+        assert!(p.is_idle() && p.waiting.unwrap().contains("frozen"));
+        // In flight: neither completed (healthy) nor rolled back (timed out, or the old node
+        // eligible again) while frozen.
+        let mut o = observed(&r, &["a", "x", "b"], &["a", "b"]);
+        o.transfer = Some(Transfer {
+            old_node: "x".into(),
+            new_node: "b".into(),
+            id: "t1".into(),
+            started_at: t0(),
+        });
+        o.now = t0() + chrono::Duration::seconds(3600);
+        o.transfer_frozen = Some("session s1".into());
+        let p = plan(&o);
+        assert!(p.is_idle(), "{:?}", p.actions);
+        assert!(
+            p.waiting
+                .unwrap()
+                .contains("neither completed nor rolled back")
+        );
+        o.transfer_frozen = None;
+        assert_eq!(plan(&o).actions, [Action::CompleteTransfer]);
     }
 
     #[test]
     fn transfer_waits_for_the_other_pods_to_be_healthy() {
         let r = rc(2, "static_strategy", false);
         let mut o = observed(&r, &["a", "x"], &["a", "b"]);
+        o.transfer_static = true;
         o.health_in_use = true;
         o.health = [
             (NodeName::from("a"), HealthStatus::Warning),

@@ -99,6 +99,10 @@ pub struct FarmStatus {
     pub session_losses: u64,
     /// No renewal has succeeded for a TTL; the farm holds on and takes nothing new.
     pub session_in_doubt: bool,
+    /// Whether this farm ships the audit outbox to SQL (`--audit-shipping`, `--audit-db`).
+    pub audit_shipping: bool,
+    /// Where this farm's audit records go, for operators.
+    pub audit_destination: String,
 }
 
 /// Shared status of a farm and its RCs.

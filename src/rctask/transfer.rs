@@ -68,6 +68,11 @@ impl Worker {
         old: NodeName,
         new: Option<NodeName>,
     ) -> Result<Applied, TaskError> {
+        // The farm's view of the lock tree may lag: read P2's node-transfer lock itself before
+        // anything is allocated or written (rcfarm does not take it, as P2's farm does not).
+        if let Some(holder) = self.node_transfer_holder().await? {
+            return Ok(Applied::Frozen(holder));
+        }
         let (new, allocated) = match new {
             Some(n) => (n, false),
             None => match self
@@ -149,6 +154,64 @@ impl Worker {
                 Err(e)
             }
         }
+    }
+
+    /// Who holds P2's node-transfer lock, read from Consul now.
+    async fn node_transfer_holder(&self) -> Result<Option<String>, TaskError> {
+        let (entry, _) = self
+            .ctx
+            .consul
+            .kv_get(
+                &self.id.node_transfer_lock_key(),
+                &crate::consul::QueryOptions::default(),
+            )
+            .await?;
+        Ok(entry
+            .and_then(|e| e.session)
+            .map(|s| format!("session {s}")))
+    }
+
+    /// Reports, once per hold, that P2's node-transfer lock freezes this RC's transfers, and
+    /// once that the hold ended: log, audit record (named after the hold, so a farm that takes
+    /// the RC over does not record it again). The condition is shown by `publish_status`.
+    pub(super) async fn settle_frozen(&mut self, rc: &Rc) -> Result<(), TaskError> {
+        let now = self.ctx.locks.borrow().node_transfer(self.id).cloned();
+        if now == self.frozen {
+            return Ok(());
+        }
+        let key = self.id.node_transfer_lock_key();
+        let details = |(session, lock_index): &(String, u64)| {
+            json!({
+                "replication_controller_id": self.id,
+                "pod_id": rc.pod_id(),
+                "farm_id": self.ctx.farm_id,
+                "lock": key,
+                "session": session,
+                "lock_index": lock_index,
+                "transfer_in_flight": self.transfer.as_ref().map(|t| json!({"old_node": t.old_node, "new_node": t.new_node})),
+            })
+        };
+        if let Some(ended) = &self.frozen {
+            tracing::info!(session = %ended.0, "node transfers unfrozen: the node-transfer lock was released");
+            self.commit_report(AuditRecord::deterministic(
+                &format!("{key}@{}:{}:unfrozen", ended.1, ended.0),
+                events::NODE_TRANSFER_UNFROZEN,
+                details(ended),
+            ))
+            .await?;
+            self.frozen = None;
+        }
+        if let Some(held) = &now {
+            tracing::warn!(session = %held.0, lock = %key, "node transfers frozen: another session holds the node-transfer lock");
+            self.commit_report(AuditRecord::deterministic(
+                &format!("{key}@{}:{}:frozen", held.1, held.0),
+                events::NODE_TRANSFER_FROZEN,
+                details(held),
+            ))
+            .await?;
+        }
+        self.frozen = now;
+        Ok(())
     }
 
     /// Completes (`rollback: None`) or rolls back a transfer in one transaction.

@@ -30,6 +30,8 @@ pub struct TaskConfig {
     pub resync: Duration,
     /// Roll a node transfer back if the new pod is not healthy by then.
     pub transfer_timeout: Duration,
+    /// Move pods of static-strategy RCs off ineligible nodes too (P2 moves only dynamic ones').
+    pub transfer_static: bool,
     pub error_backoff_max: Duration,
 }
 
@@ -38,6 +40,7 @@ impl Default for TaskConfig {
         Self {
             resync: Duration::from_secs(30),
             transfer_timeout: Duration::from_secs(300),
+            transfer_static: false,
             error_backoff_max: Duration::from_secs(30),
         }
     }
@@ -126,6 +129,7 @@ pub fn spawn(
             transfer_since: tokio::time::Instant::now(),
             unconfirmed_alloc: None,
             unmet: None,
+            frozen: None,
             invalid_reported: None,
             rejected_reported: None,
             warned: None,
@@ -161,6 +165,9 @@ pub(super) struct Worker {
     pub(super) unconfirmed_alloc: Option<NodeName>,
     /// The unmet-desires reason last reported (so it is reported once, not every pass).
     pub(super) unmet: Option<String>,
+    /// The hold of P2's node-transfer lock (session, `LockIndex`) last reported as freezing
+    /// this RC's transfers.
+    pub(super) frozen: Option<(String, u64)>,
     /// The `ModifyIndex` of the invalid record last reported.
     pub(super) invalid_reported: Option<u64>,
     /// The `ModifyIndex` of the RC version whose writes Consul refused as too large or
@@ -322,13 +329,18 @@ impl Worker {
                 .map_err(|e| TaskError::Other(e.to_string()))?;
         }
         self.retry_deallocations(rc).await;
+        self.settle_frozen(rc).await?;
         let mut allocation_exhausted = false;
         let mut mutation_locked_elsewhere = false;
+        let mut frozen_by = None;
         let mut result = Ok(false);
         for _ in 0..16 {
             let mut o = self
                 .observe(rc, allocation_exhausted, mutation_locked_elsewhere)
                 .await?;
+            if o.transfer_frozen.is_none() {
+                o.transfer_frozen = frozen_by.clone();
+            }
             let p = plan(&o);
             // Applying needs only the current pods; do not hold every eligible node's name
             // across the writes (thousands of RCs do this at once when a farm starts).
@@ -346,6 +358,7 @@ impl Worker {
                 Applied::Done => {}
                 Applied::AllocationExhausted => allocation_exhausted = true,
                 Applied::MutationLocked => mutation_locked_elsewhere = true,
+                Applied::Frozen(holder) => frozen_by = Some(holder),
             }
         }
         metrics::counter!("rcfarm_converge_passes_total").increment(1);
@@ -408,6 +421,13 @@ impl Worker {
             occupied,
             allocation_exhausted,
             mutation_locked_elsewhere: locked_elsewhere,
+            transfer_static: self.ctx.config.transfer_static,
+            transfer_frozen: self
+                .ctx
+                .locks
+                .borrow()
+                .node_transfer(self.id)
+                .map(|(s, _)| format!("session {s}")),
             now: Utc::now(),
             transfer_timeout: self.ctx.config.transfer_timeout,
         })
@@ -443,6 +463,15 @@ impl Worker {
                 p.waiting
                     .clone()
                     .filter(|_| !rc.disabled && self.transfer.is_none()),
+            );
+            s.set_condition(
+                "TransferFrozen",
+                o.transfer_frozen.as_ref().map(|holder| {
+                    format!(
+                        "{holder} holds {}: no node transfer starts, completes or rolls back",
+                        self.id.node_transfer_lock_key()
+                    )
+                }),
             );
         });
     }

@@ -273,4 +273,6 @@ pub(super) enum Applied {
     AllocationExhausted,
     /// Another session holds the mutation lock.
     MutationLocked,
+    /// A session (named) holds P2's node-transfer lock: transfers are frozen.
+    Frozen(String),
 }

@@ -32,6 +32,9 @@ impl Worker {
         action: RollAction,
     ) -> Result<(), RollError> {
         let u = &roll.update;
+        if action == RollAction::DeleteOrphan {
+            return self.delete_orphan(roll, o).await;
+        }
         let (Some(old), Some(new)) = (o.old.clone(), o.new.clone()) else {
             return Err(RollError::Other("an RC of the roll is missing".into()));
         };
@@ -195,6 +198,8 @@ impl Worker {
                 ops.push(TxnOp::delete(roll_lock_key(self.id)));
                 (audits, false)
             }
+            // Invariant: returned above, before the RCs are needed.
+            RollAction::DeleteOrphan => unreachable!("applied by delete_orphan"),
         };
         audits.extend(self.progress_record(roll));
         let index = self.commit(ops, audits).await?;
@@ -224,6 +229,8 @@ impl Worker {
             RollAction::RetireOld => {
                 tracing::info!("the new RC is complete; the old RC removes its leftover pods")
             }
+            // Invariant: returned at the top of `apply`.
+            RollAction::DeleteOrphan => unreachable!("applied by delete_orphan"),
             RollAction::Complete => {
                 tracing::info!(old_deleted = !u.leave_old, "rolling update complete");
                 metrics::counter!("rcfarm_roll_completions_total").increment(1);
@@ -233,6 +240,60 @@ impl Worker {
             }
         }
         self.await_views(index, wait_locks).await
+    }
+
+    /// Deletes a roll whose old RC does not exist, as P2's roll farm does (`validateRoll`, then
+    /// `mustDeleteRU`): the record, its labels, the RCs' mutation locks this roll holds and its
+    /// own lock, in one transaction fenced by the roll's lock, with a `ROLLING_UPDATE_COMPLETION`
+    /// record (`succeeded` and `canceled`, P2's values for it, and why). The new RC is left as
+    /// it is.
+    async fn delete_orphan(&mut self, roll: &Roll, o: &Observation) -> Result<(), RollError> {
+        let u = &roll.update;
+        let (labels, _) = &o.labels;
+        let mut details = completion_details(
+            self.id,
+            labels,
+            o.new.as_ref().map(|rc| rc.pod_id()),
+            true,
+            true,
+        );
+        let reason = format!(
+            "old RC {} does not exist: the roll is deleted and the new RC {} left as it is, as P2's roll farm does",
+            u.old_rc, u.new_rc
+        );
+        details.insert("farm_id".into(), json!(self.ctx.farm_id));
+        details.insert("old_rc".into(), json!(u.old_rc));
+        details.insert("new_rc".into(), json!(u.new_rc));
+        details.insert("reason".into(), json!(reason));
+        let mut ops = self.fence(roll);
+        ops.push(TxnOp::delete_cas(roll_key(self.id), roll.modify_index));
+        ops.push(LabelStore::delete_op(
+            LabelType::Rolls,
+            &self.id.to_string(),
+        ));
+        let holder = roll_holder(self.id);
+        for id in [u.old_rc, u.new_rc] {
+            let ours = self
+                .ctx
+                .locks
+                .borrow()
+                .mutation(id)
+                .is_some_and(|(s, v)| *s == self.session && *v == holder);
+            if ours {
+                ops.push(TxnOp::check_session(id.mutation_lock_key(), &self.session));
+                ops.push(TxnOp::delete(id.mutation_lock_key()));
+            }
+        }
+        ops.push(TxnOp::delete(roll_lock_key(self.id)));
+        let audits = vec![AuditRecord::new(
+            events::ROLL_COMPLETION,
+            Value::Object(details),
+        )];
+        let index = self.commit(ops, audits).await?;
+        tracing::warn!(%reason, "rolling update deleted");
+        self.ctx.status.remove(self.id);
+        let _ = self.events.send(RollEvent::Completed(self.id, index));
+        Ok(())
     }
 
     /// Waits until the farm's views show our own write, so the next plan counts it.

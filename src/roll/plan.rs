@@ -89,6 +89,8 @@ pub struct RollObserved<'a> {
     /// Whether the roll has started (disabled its old RC and enabled its new one), per its
     /// labels: a roll starts once; an RC flipped back afterwards was someone's decision.
     pub started: bool,
+    /// The old RC's key is absent (confirmed by a read of its own, not only the farm's view).
+    pub old_missing: bool,
 }
 
 /// One step, applied as one fenced transaction.
@@ -107,6 +109,10 @@ pub enum RollAction {
     RetireOld,
     /// Delete the roll (and the old RC, unless `LeaveOld`).
     Complete,
+    /// Delete the roll, whose old RC does not exist, and leave the new RC as it is: what P2's
+    /// roll farm does with such a roll (most likely one whose completion deleted the old RC
+    /// but not the roll). Nothing is scheduled or unscheduled by it.
+    DeleteOrphan,
 }
 
 /// Why a roll waits.
@@ -165,6 +171,11 @@ impl RollPlan {
 /// Decides the next step.
 pub fn plan(o: &RollObserved<'_>) -> RollPlan {
     let u = o.update;
+    // P2's order: a roll whose new RC is missing is left alone (below: blocked); one whose
+    // new RC exists and old RC does not is deleted, whatever else holds.
+    if o.old_missing && o.new.is_ok() {
+        return RollPlan::act(RollAction::DeleteOrphan);
+    }
     if let Some(c) = &o.conflict {
         return RollPlan::wait(WaitKind::Blocked, c.clone());
     }
@@ -455,6 +466,7 @@ mod tests {
             now: Utc::now(),
             ready_since: None,
             started: old.disabled,
+            old_missing: false,
         }
     }
 
@@ -619,6 +631,23 @@ mod tests {
         let mut o = observe(&u, counts(3, 3, 3, false), counts(0, 0, 0, false));
         o.conflict = Some("shares RC x with roll y".into());
         assert_eq!(plan(&o).waiting.unwrap().0, WaitKind::Blocked);
+    }
+
+    #[test]
+    fn a_roll_whose_old_rc_is_gone_is_deleted_and_one_whose_new_rc_is_gone_waits() {
+        let u = update(3, 2);
+        let mut o = observe(&u, counts(3, 3, 3, false), counts(1, 1, 1, false));
+        o.old = Err("does not exist".into());
+        o.old_missing = true;
+        // Whatever else holds: another roll first, locks elsewhere (P2 checks nothing else).
+        o.conflict = Some("shares RC x with roll y".into());
+        o.new_lock = LockState::Elsewhere("session s".into());
+        assert_eq!(plan(&o).action, Some(RollAction::DeleteOrphan));
+        // Both gone: P2 leaves the roll alone (it never claims it).
+        o.new = Err("does not exist".into());
+        let p = plan(&o);
+        assert_eq!(p.action, None);
+        assert_eq!(p.waiting.unwrap().0, WaitKind::Blocked);
     }
 
     /// A model of a roll's world: nodes whose pods belong to the old or the new RC, start
@@ -793,6 +822,7 @@ mod tests {
                         now: Utc::now(),
                         ready_since: None,
                         started,
+                        old_missing: false,
                     };
                     let up_before = w.up();
                     match plan(&o).action {
@@ -810,6 +840,7 @@ mod tests {
                         Some(RollAction::RetireOld) => w.old = (0, false),
                         Some(RollAction::Complete) => { done = true; break; }
                         Some(RollAction::Lock) => unreachable!("locks are ours"),
+                        Some(RollAction::DeleteOrphan) => unreachable!("both RCs exist"),
                         None => {}
                     }
                     w.converge();

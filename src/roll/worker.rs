@@ -309,7 +309,7 @@ impl Worker {
                 return Ok(Outcome::Wait(delay));
             };
             tracing::debug!(?action, "applying");
-            let done = matches!(action, RollAction::Complete);
+            let done = matches!(action, RollAction::Complete | RollAction::DeleteOrphan);
             self.apply(roll, &o, action).await?;
             self.progressed();
             if done {
@@ -342,6 +342,18 @@ impl Worker {
         };
         let old = lookup(u.old_rc);
         let new = lookup(u.new_rc);
+        // The farm's RC view may lag a roll created with its RCs: a roll is deleted only for
+        // an old RC that Consul itself says is absent.
+        let old_missing = match &old {
+            Err(_) if !listing.invalid.contains_key(&u.old_rc.key()) => self
+                .ctx
+                .consul
+                .kv_get(&u.old_rc.key(), &crate::consul::QueryOptions::default())
+                .await?
+                .0
+                .is_none(),
+            _ => false,
+        };
         // Pods of both RCs, and what their nodes run.
         let pods_of = |rc: &Rc| -> Vec<(String, String)> {
             self.ctx
@@ -411,6 +423,7 @@ impl Worker {
             now,
             ready_since: self.ready_since,
             started: labels.0.contains_key(STARTED_LABEL),
+            old_missing,
         };
         let planned = plan(&observed);
         if planned.step_ready {

@@ -90,7 +90,8 @@ on_both_backends!(every_kind_of_desired_state_change);
 async fn every_kind_of_desired_state_change(b: Backend) {
     let mut c = Cluster::start_on(&b).await;
     nodes(&c, 6, 2).await; // node-00,02,04 in z0; 01,03,05 in z1
-    c.spawn_farm("solo", &[]).await;
+    // Static RCs' pods move off nodes that stop matching only with --transfer-static.
+    c.spawn_farm("solo", &["--transfer-static"]).await;
     let id = RcId::new();
     c.put_rc(id, "web", "zone=z0", 2, "static_strategy").await;
     let cr = &c;

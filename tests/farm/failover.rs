@@ -437,7 +437,14 @@ async fn a_stray_mutation_lock_must_not_block_the_next_owner_forever(b: Backend)
         },
     )
     .await;
-    // And f2 moves the pod of its RC off a node that stops matching.
+    // And f2 moves the pod of its RC off a node that stops matching (a dynamic RC's: a
+    // static one's stays, as in P2).
+    c.patch_rc(
+        served_by_f2,
+        "allocation_strategy",
+        json!("dynamic_strategy"),
+    )
+    .await;
     let node = c.placements().await[&served_by_f2]
         .iter()
         .next()

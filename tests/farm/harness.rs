@@ -123,6 +123,21 @@ pub struct Cluster {
     _dir: tempfile::TempDir,
 }
 
+/// Collects a child's stderr, line by line, into the returned buffer.
+pub fn capture_stderr(child: &mut Child) -> Arc<Mutex<String>> {
+    let log = Arc::new(Mutex::new(String::new()));
+    let sink = log.clone();
+    let mut lines = BufReader::new(child.stderr.take().expect("stderr piped")).lines();
+    tokio::spawn(async move {
+        while let Ok(Some(l)) = lines.next_line().await {
+            let mut s = sink.lock();
+            s.push_str(&l);
+            s.push('\n');
+        }
+    });
+    log
+}
+
 pub fn signal(pid: u32, sig: &str) {
     let st = std::process::Command::new("kill")
         .arg(format!("-{sig}"))
@@ -260,16 +275,7 @@ impl Cluster {
             .kill_on_drop(true);
         let mut child = cmd.spawn().expect("rcfarm serve starts");
         let pid = child.id().unwrap();
-        let log = Arc::new(Mutex::new(String::new()));
-        let sink = log.clone();
-        let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
-        tokio::spawn(async move {
-            while let Ok(Some(l)) = lines.next_line().await {
-                let mut s = sink.lock();
-                s.push_str(&l);
-                s.push('\n');
-            }
-        });
+        let log = capture_stderr(&mut child);
         self.farms.push(FarmProc {
             id: id.to_string(),
             child,

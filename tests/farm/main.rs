@@ -10,6 +10,8 @@ mod chaos;
 mod converge;
 mod failover;
 mod harness;
+mod p2_behaviour;
+mod p2_side_by_side;
 mod rolls;
 mod security;
 mod trouble;

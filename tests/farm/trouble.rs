@@ -245,7 +245,8 @@ async fn lossy_farm_serving(c: &mut Cluster, selector: &str) -> (FaultyProxy, Rc
     )
     .await
     .unwrap();
-    c.spawn_farm_via("lossy", &proxy.url(), &[]).await;
+    c.spawn_farm_via("lossy", &proxy.url(), &["--transfer-static"])
+        .await;
     let id = RcId::new();
     c.put_rc(id, "web", selector, 1, "static_strategy").await;
     (proxy, id)

@@ -69,6 +69,22 @@ struct QueryArgs {
     db: DbArg,
 }
 
+/// Where audit records go when no live farm ships them to SQL (`--audit-shipping off`), for
+/// an operator who wonders why the database stays empty. From the farm registry (what the
+/// farms' `/v1/farms` shows); `None` when a farm ships, or none is live, or Consul is away.
+pub(super) async fn shipping_note(ctx: &Ctx) -> Option<String> {
+    let farms = ctx.overview_farms().await.ok()?;
+    if farms.is_empty() || farms.iter().any(|f| f.audit_shipping) {
+        return None;
+    }
+    let ids: Vec<&str> = farms.iter().map(|f| f.farm_id.as_str()).collect();
+    Some(format!(
+        "audit records are left in Consul audit_logs/ for an external consumer ({} {}: --audit-shipping off); no farm ships them to this database",
+        if ids.len() == 1 { "this farm" } else { "farms" },
+        ids.join(", ")
+    ))
+}
+
 /// An age like `90d`, `12h`, or any Go duration.
 fn parse_age(s: &str) -> Result<chrono::Duration, CliError> {
     let bad = || CliError::Usage(format!("{s:?}: give an age like 90d, 12h or 30m"));
@@ -141,6 +157,9 @@ async fn query(ctx: &Ctx, a: QueryArgs) -> Result<(), CliError> {
         limit: Some(a.limit),
         cursor: a.cursor.clone(),
     };
+    if let Some(note) = shipping_note(ctx).await {
+        eprintln!("{note}");
+    }
     let store = open(&a.db).await?;
     let page = store.query(&q).await.map_err(|e| match e {
         crate::audit::AuditError::BadQuery(m) => CliError::Usage(m),

@@ -149,6 +149,15 @@ enum RcCommand {
         #[command(flatten)]
         dry: DryRun,
     },
+    /// Set the allocation strategy (P2's `p2-rctl update-strategy`): writes
+    /// `static_strategy` or `dynamic_strategy` into the record.
+    SetStrategy {
+        id: String,
+        #[arg(value_enum)]
+        strategy: rc::StrategyArg,
+        #[command(flatten)]
+        dry: DryRun,
+    },
 }
 
 #[derive(Debug, Subcommand)]

@@ -14,8 +14,10 @@ use crate::rc::{AllocationStrategy, Mutation, NewRc, RcId, RcStore, RcStoreError
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
 pub enum StrategyArg {
     /// Only nodes the selector matches.
+    #[value(alias = "static_strategy")]
     Static,
     /// May allocate more nodes from the scheduler and move pods off ineligible nodes.
+    #[value(alias = "dynamic_strategy")]
     Dynamic,
 }
 
@@ -169,6 +171,18 @@ pub async fn run(ctx: &Ctx, cmd: RcCommand) -> Result<(), CliError> {
                 Mutation::SetNodeSelector(selector),
                 dry.dry_run,
                 "node selector set",
+            )
+            .await
+        }
+        RcCommand::SetStrategy { id, strategy, dry } => {
+            let s = AllocationStrategy::from(strategy);
+            mutate(
+                ctx,
+                &store,
+                &id,
+                Mutation::SetStrategy(s),
+                dry.dry_run,
+                &format!("allocation strategy set to {}", s.as_str()),
             )
             .await
         }
@@ -508,5 +522,8 @@ pub async fn farms(ctx: &Ctx) -> Result<(), CliError> {
         ]);
     }
     t.print();
+    if let Some(note) = super::audit::shipping_note(ctx).await {
+        println!("{note}");
+    }
     Ok(())
 }
