@@ -10,6 +10,7 @@ mod chaos;
 mod converge;
 mod failover;
 mod harness;
+mod p2_nodes;
 mod rolls;
 mod security;
 mod trouble;
