@@ -605,9 +605,10 @@ async fn running(
 
 /// Waits until nothing of the pod is left on any of `on` (see [`P2Nodes::leftovers`]), or
 /// fails the test saying what is left. The intents and processes must go within 30 s; the
-/// preparer's keys may take longer: P2's uninstall races runit (it deletes the service dir
-/// while `runsv` still writes into it, "Uninstall failed … supervise: directory not empty")
-/// and then retries after its 30-s stop timeouts, twice, so about 65 s instead of 1.5 s.
+/// preparer's keys may take longer: now and then (once in ~50 deletions here) P2's uninstall
+/// races runit — it deletes the service dir while `runsv` still writes into it ("Uninstall
+/// failed … supervise: directory not empty") — and its retry first waits out two 30-s stop
+/// timeouts of a service whose `runsv` is gone, so about a minute instead of 1.5 s.
 async fn all_gone(c: &Cluster, nodes: &P2Nodes, pod: &str, on: &[String]) {
     let started = Instant::now();
     let mut stopped = None;
