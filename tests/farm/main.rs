@@ -11,6 +11,7 @@ mod converge;
 mod failover;
 mod harness;
 mod p2_behaviour;
+mod p2_nodes;
 mod p2_side_by_side;
 mod rolls;
 mod security;
