@@ -25,9 +25,10 @@ const MASTER_TOKEN: &str = "3f0c6b6e-rcfarm-test-master";
 /// client uses that token.
 async fn acl_cluster(backend: &Backend) -> Cluster {
     match backend {
-        Backend::Embedded => {
+        Backend::Embedded(compat) => {
             Cluster::start_with(ServerConfig {
                 acl_token: Some(MASTER_TOKEN.into()),
+                compat: *compat,
                 ..Cluster::server_config()
             })
             .await
