@@ -17,7 +17,7 @@ use rcfarm::rc::RcId;
 use rcfarm::server::ServerConfig;
 
 use crate::harness::{Backend, Cluster, Server, nodes, rcs};
-use crate::on_both_backends;
+use crate::on_every_backend;
 
 const MASTER_TOKEN: &str = "3f0c6b6e-rcfarm-test-master";
 
@@ -163,7 +163,7 @@ key "lock/" { policy = "write" }"#;
     );
     c.check_invariants(|_| false);
 }
-on_both_backends!(a_refused_acl_token_stops_the_farm_at_start);
+on_every_backend!(a_refused_acl_token_stops_the_farm_at_start);
 
 /// A CA, and a certificate it signs for 127.0.0.1 and localhost, in `dir`.
 fn make_certs(dir: &Path) -> AgentTls {
