@@ -43,8 +43,8 @@ pub struct ConsulDevArgs {
     )]
     pub http_max_conns_per_client: usize,
     /// Answer as this Consul where versions differ: 0.7 (no get-or-empty/check-not-exists txn
-    /// verbs, no connection limit, 0.7's size limits and session JSON, legacy ACL answers; see
-    /// docs/consul-backends.md) or 1.x.
+    /// verbs, no connection limit whatever --http-max-conns-per-client says, 0.7's size limits
+    /// and session JSON, legacy ACL answers; see docs/consul-backends.md) or 1.x.
     #[arg(long, env = "RCFARM_CONSUL_DEV_COMPAT", default_value = "1.x", value_parser = parse_compat)]
     pub compat: Compat,
 }
