@@ -89,17 +89,28 @@ async fn rcs_with_200_kb_manifests_converge_without_a_413(b: Backend) {
 
 /// Consul < 0.8.5 answered reads from a leader still replaying its log after an election: an
 /// older state at a lower index (hashicorp/consul#2644). The farms' watches must hold their
-/// view (`WatchConfig::regression_grace`) rather than act on it: with the RCs, their locks,
-/// pods and the farms' own sessions briefly gone from every answer, no pod is moved, no RC
-/// changes hands and nothing is written.
+/// view (`WatchConfig::regression_grace`) rather than act on it. Here the old state still has a
+/// third farm that has since stopped and handed its RCs over, holding its locks: believed, the
+/// other two would see their fair share shrink and hand RCs back and forth. No pod may move, no
+/// RC change hands, nothing be written.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stale_answers_after_an_election_move_nothing_on_consul_0_7() {
     let mut c = Cluster::start_on(&Backend::Embedded(Compat::V0_7)).await;
     nodes(&c, 4, 1).await;
-    // What a replaying leader shows: the nodes, and no RC, lock, pod or farm yet.
+    let ids = c.farms_sharing(3, 9, 2).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    // What a replaying leader will show: three farms, each with its RCs.
     let checkpoint = c.server.embedded().checkpoint();
-    let ids = c.farms_sharing(2, 6, 2).await;
-    // Let the handovers of the start settle.
+    crate::harness::signal(c.farms[2].pid, "TERM");
+    let cr = &c;
+    let idr = &ids;
+    c.wait_for(
+        Duration::from_secs(20),
+        "f3's RCs handed over to f1 and f2",
+        move || async move { cr.placed_and_shared(idr, 2, 2).await },
+    )
+    .await;
+    // Let the handovers settle.
     tokio::time::sleep(Duration::from_secs(3)).await;
     let placed = c.placements().await;
     let owners: BTreeMap<RcId, String> = c.owner_farms().await;
