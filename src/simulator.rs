@@ -18,7 +18,9 @@ use serde_json::json;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::consul::{Consul, ConsulError, MAX_TXN_OPS, TxnOp, WatchConfig};
+use crate::consul::{
+    Consul, ConsulError, MAX_TXN_BYTES, MAX_TXN_OPS, TxnBudget, TxnOp, WatchConfig, split_to_fit,
+};
 use crate::health::{HEALTH_PREFIX, HealthStatus, parse_health};
 use crate::labels::{LabelSet, LabelStore, LabelType};
 use crate::rc::Manifest;
@@ -364,7 +366,16 @@ impl NodeSimulator {
     /// and health are rewritten for pods that start later; a lost write of a running pod
     /// is rewritten when its intent changes).
     async fn flush(&self, writes: Vec<TxnOp>) {
-        for chunk in writes.chunks(MAX_TXN_OPS) {
+        // Reality holds the manifest: with big ones, fewer writes per transaction.
+        let singles: Vec<Vec<TxnOp>> = writes.into_iter().map(|op| vec![op]).collect();
+        let budget = TxnBudget {
+            groups: MAX_TXN_OPS,
+            ops: MAX_TXN_OPS,
+            bytes: MAX_TXN_BYTES,
+        };
+        for run in split_to_fit(&singles, budget) {
+            let ops = singles[run].concat();
+            let chunk = ops.as_slice();
             let mut attempt = 0;
             loop {
                 self.stats.lock().requests += 1;

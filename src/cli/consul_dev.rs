@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use super::{CliError, parse_duration_flag, shutdown_signal};
-use crate::server::{EmbeddedServer, ServerConfig};
+use crate::server::{Compat, EmbeddedServer, ServerConfig};
 
 #[derive(Debug, clap::Args)]
 pub struct ConsulDevArgs {
@@ -42,6 +42,16 @@ pub struct ConsulDevArgs {
         default_value_t = crate::server::DEFAULT_HTTP_MAX_CONNS_PER_CLIENT
     )]
     pub http_max_conns_per_client: usize,
+    /// Answer as this Consul where versions differ: 0.7 (no get-or-empty/check-not-exists txn
+    /// verbs, no connection limit whatever --http-max-conns-per-client says, 0.7's size limits
+    /// and session JSON, legacy ACL answers; see docs/consul-backends.md) or 1.x.
+    #[arg(long, env = "RCFARM_CONSUL_DEV_COMPAT", default_value = "1.x", value_parser = parse_compat)]
+    pub compat: Compat,
+}
+
+fn parse_compat(s: &str) -> Result<Compat, String> {
+    s.parse()
+        .map_err(|e: crate::server::UnknownCompat| e.to_string())
 }
 
 impl ConsulDevArgs {
@@ -54,6 +64,7 @@ impl ConsulDevArgs {
             node_name: self.node_name.clone(),
             max_txn_ops: self.max_txn_ops,
             http_max_conns_per_client: self.http_max_conns_per_client,
+            compat: self.compat,
             ..ServerConfig::default()
         }
     }
@@ -80,8 +91,9 @@ pub async fn start(args: &ConsulDevArgs) -> Result<EmbeddedServer, CliError> {
         )
     };
     tracing::info!(
-        "consul-dev serving the Consul HTTP API on {} ({reach})",
-        server.url()
+        "consul-dev serving the Consul HTTP API on {} as Consul {} ({reach})",
+        server.url(),
+        args.compat
     );
     match (&args.data_dir, server.recovery()) {
         (Some(dir), Some(r)) => tracing::info!(

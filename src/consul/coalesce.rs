@@ -20,8 +20,9 @@ use super::client::{Consul, Permit};
 use super::error::{ConsulError, Result};
 use super::txn::{MAX_TXN_OPS, TxnOp};
 
-/// A batch stops growing past this many (estimated) body bytes: Consul refuses a body over
-/// ~512 KiB, and one caller's big write should not make others' fail.
+/// A batch stops growing past this many body bytes: Consul refuses a body over 512 KiB
+/// ([`super::txn::MAX_TXN_BYTES`]), and one caller's big write should not make others' fail.
+/// Only a caller whose own transaction is bigger sends a bigger body, alone.
 const MAX_BATCH_BYTES: usize = 128 * 1024;
 
 /// Transactions waiting for a connection.
@@ -36,13 +37,6 @@ struct Pending {
     done: oneshot::Sender<Result<u64>>,
 }
 
-/// Roughly what `ops` add to a body: keys, base64 values and the JSON around them.
-fn body_bytes(ops: &[TxnOp]) -> usize {
-    ops.iter()
-        .map(|op| 96 + op.key.len() + op.value.as_ref().map_or(0, |v| v.len() * 4 / 3))
-        .sum()
-}
-
 impl Consul {
     /// Commits `ops` all or nothing, as [`Consul::txn`] does, possibly in one transaction with
     /// other callers' ops (see the module's comment). Returns the index it committed at (0 if
@@ -53,7 +47,7 @@ impl Consul {
     pub async fn txn_coalesced(&self, ops: Vec<TxnOp>) -> Result<u64> {
         super::txn::check_op_count(ops.len())?;
         let (done, mut answer) = oneshot::channel();
-        let bytes = body_bytes(&ops);
+        let bytes = super::txn::encoded_len(&ops);
         self.inner
             .txn_queue
             .waiting
@@ -88,23 +82,7 @@ impl Consul {
     /// Takes the oldest waiting transactions that fit in one, skipping those whose callers are
     /// gone.
     fn take_batch(&self) -> Vec<Pending> {
-        let mut waiting = self.inner.txn_queue.waiting.lock();
-        let (mut ops, mut bytes) = (0, 0);
-        let mut batch = Vec::new();
-        while let Some(p) = waiting.front() {
-            if p.done.is_closed() {
-                waiting.pop_front();
-                continue;
-            }
-            let fits = ops + p.ops.len() <= MAX_TXN_OPS && bytes + p.bytes <= MAX_BATCH_BYTES;
-            if !batch.is_empty() && !fits {
-                break;
-            }
-            ops += p.ops.len();
-            bytes += p.bytes;
-            batch.extend(waiting.pop_front());
-        }
-        batch
+        take_fitting(&mut self.inner.txn_queue.waiting.lock())
     }
 
     async fn send_batch(&self, mut batch: Vec<Pending>, permit: Permit) {
@@ -193,8 +171,112 @@ impl Consul {
     }
 }
 
+/// The oldest waiting transactions that fit in one: 64 ops and [`MAX_BATCH_BYTES`] of body
+/// (the first one goes whatever its size).
+fn take_fitting(waiting: &mut VecDeque<Pending>) -> Vec<Pending> {
+    let (mut ops, mut bytes) = (0, 0);
+    let mut batch = Vec::new();
+    while let Some(p) = waiting.front() {
+        if p.done.is_closed() {
+            waiting.pop_front();
+            continue;
+        }
+        let fits = ops + p.ops.len() <= MAX_TXN_OPS && bytes + p.bytes <= MAX_BATCH_BYTES;
+        if !batch.is_empty() && !fits {
+            break;
+        }
+        ops += p.ops.len();
+        bytes += p.bytes;
+        batch.extend(waiting.pop_front());
+    }
+    batch
+}
+
 fn fail_all(batch: Vec<Pending>, e: &ConsulError) {
     for p in batch {
         let _ = p.done.send(Err(e.clone()));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::consul::txn::MAX_TXN_BYTES;
+
+    fn queue(txns: Vec<Vec<TxnOp>>) -> (VecDeque<Pending>, Vec<oneshot::Receiver<Result<u64>>>) {
+        let mut rxs = Vec::new();
+        let waiting = txns
+            .into_iter()
+            .map(|ops| {
+                let (done, rx) = oneshot::channel();
+                rxs.push(rx);
+                let bytes = super::super::txn::encoded_len(&ops);
+                Pending { ops, bytes, done }
+            })
+            .collect();
+        (waiting, rxs)
+    }
+
+    /// An RC task's write: the fencing check, intent and pod label of one node, the audit record.
+    fn pod_write(i: usize, manifest: &[u8]) -> Vec<TxnOp> {
+        vec![
+            TxnOp::check_session(format!("lock/replication_controllers/{i}"), "session"),
+            TxnOp::set(format!("intent/node-{i}/web"), manifest.to_vec()),
+            TxnOp::set(
+                format!("labels/pod/node-{i}/web"),
+                br#"{"pod_id":"web"}"#.to_vec(),
+            ),
+            TxnOp::cas(format!("audit_logs/{i}"), vec![b'a'; 300], 0),
+        ]
+    }
+
+    fn body_len(batch: &[Pending]) -> usize {
+        let ops: Vec<&TxnOp> = batch.iter().flat_map(|p| &p.ops).collect();
+        serde_json::to_vec(&ops).unwrap().len()
+    }
+
+    #[test]
+    fn batches_of_200_kb_manifests_stay_under_512_kib() {
+        let manifest = vec![b'm'; 200 * 1024];
+        let (mut waiting, _rxs) = queue((0..20).map(|i| pod_write(i, &manifest)).collect());
+        let mut batches = 0;
+        while !waiting.is_empty() {
+            let batch = take_fitting(&mut waiting);
+            assert!(!batch.is_empty());
+            assert!(body_len(&batch) <= MAX_TXN_BYTES, "{}", body_len(&batch));
+            batches += 1;
+        }
+        // Two of them would be ~550 KiB: each goes alone.
+        assert_eq!(batches, 20);
+    }
+
+    #[test]
+    fn small_writes_still_go_64_ops_at_a_time() {
+        let (mut waiting, _rxs) = queue((0..48).map(|i| pod_write(i, b"id: web")).collect());
+        let sizes: Vec<usize> = std::iter::from_fn(|| {
+            let b = take_fitting(&mut waiting);
+            (!b.is_empty()).then_some(b.len())
+        })
+        .collect();
+        assert_eq!(sizes, vec![16, 16, 16]);
+    }
+
+    #[test]
+    fn a_big_write_goes_alone_and_the_queue_behind_it_is_batched() {
+        let big = vec![b'm'; 400 * 1024];
+        let mut txns = vec![pod_write(0, &big)];
+        txns.extend((1..5).map(|i| pod_write(i, b"id: web")));
+        txns.push(pod_write(5, &big));
+        let (mut waiting, mut rxs) = queue(txns);
+        // A caller that gave up is skipped.
+        drop(rxs.remove(2));
+        let first = take_fitting(&mut waiting);
+        assert_eq!(first.len(), 1);
+        let second = take_fitting(&mut waiting);
+        assert_eq!(second.len(), 3, "the small ones, without the abandoned one");
+        let third = take_fitting(&mut waiting);
+        assert_eq!(third.len(), 1);
+        assert!(body_len(&third) > MAX_BATCH_BYTES, "a big one still goes");
+        assert!(waiting.is_empty());
     }
 }

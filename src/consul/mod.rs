@@ -24,7 +24,10 @@ pub use session::{Session, SessionConfig};
 pub use tls::{TlsConfig, tls_advice};
 pub(crate) use tree_cache::CacheSignals;
 pub use tree_cache::{ParseFn, TreeCache};
-pub use txn::{KvVerb, MAX_TXN_OPS, TxnFailure, TxnOp, TxnOpError, TxnResponse};
+pub use txn::{
+    KvVerb, MAX_TXN_BYTES, MAX_TXN_OPS, TxnBudget, TxnFailure, TxnOp, TxnOpError, TxnResponse,
+    encoded_len, split_to_fit,
+};
 pub use types::{
     KvPair, QueryMeta, QueryOptions, ServiceCheck, SessionBehavior, SessionEntry, SessionRequest,
 };

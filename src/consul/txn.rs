@@ -10,6 +10,48 @@ use super::types::KvPair;
 /// works with every version.
 pub const MAX_TXN_OPS: usize = 64;
 
+/// The largest transaction body to send: Consul 1.x refuses a body over `txn_max_req_len`
+/// (512 KiB by default; `kv_max_value_size` if larger), Consul 0.7 a transaction whose values
+/// add up to more than 512 KiB (and a body is larger than its decoded values).
+pub const MAX_TXN_BYTES: usize = 512 * 1024;
+
+/// What one transaction may carry when ops are split over several.
+#[derive(Debug, Clone, Copy)]
+pub struct TxnBudget {
+    /// Most groups (of ops that must go together) per transaction.
+    pub groups: usize,
+    pub ops: usize,
+    /// Most body bytes ([`TxnOp::encoded_len`] of the ops, with the array's commas).
+    pub bytes: usize,
+}
+
+/// The bytes `ops` add to a transaction body: each op's JSON and a comma.
+pub fn encoded_len(ops: &[TxnOp]) -> usize {
+    ops.iter().map(|op| op.encoded_len() + 1).sum()
+}
+
+/// Splits `groups` (each a set of ops that must be in one transaction) into runs of
+/// consecutive groups that each fit `budget`, in order. A group that does not fit alone gets a
+/// run of its own: Consul's 413 then names what was too big.
+pub fn split_to_fit(groups: &[Vec<TxnOp>], budget: TxnBudget) -> Vec<std::ops::Range<usize>> {
+    let mut runs = Vec::new();
+    let (mut start, mut ops, mut bytes) = (0, 0, 0);
+    for (i, g) in groups.iter().enumerate() {
+        let (n, b) = (g.len(), encoded_len(g));
+        let fits = i - start < budget.groups && ops + n <= budget.ops && bytes + b <= budget.bytes;
+        if i > start && !fits {
+            runs.push(start..i);
+            (start, ops, bytes) = (i, 0, 0);
+        }
+        ops += n;
+        bytes += b;
+    }
+    if start < groups.len() {
+        runs.push(start..groups.len());
+    }
+    runs
+}
+
 /// Refuses, before anything is sent, a transaction Consul would refuse for its size.
 pub(super) fn check_op_count(count: usize) -> super::Result<()> {
     if count > MAX_TXN_OPS {
@@ -199,6 +241,46 @@ impl TxnOp {
         self.flags = flags;
         self
     }
+
+    /// The length of this op's JSON in a transaction body, as [`Serialize`] writes it, without
+    /// writing it: batches are cut by it.
+    pub fn encoded_len(&self) -> usize {
+        fn digits(mut n: u64) -> usize {
+            let mut d = 1;
+            while n >= 10 {
+                n /= 10;
+                d += 1;
+            }
+            d
+        }
+        // `{"KV":{"Verb":"…","Key":"…"` and `}}`.
+        let mut len = 7 + 8 + self.verb.as_str().len() + 1 + 8 + json_str_len(&self.key) + 1 + 2;
+        if let Some(v) = &self.value {
+            len += 10 + v.len().div_ceil(3) * 4 + 1;
+        }
+        if self.flags != 0 {
+            len += 9 + digits(self.flags);
+        }
+        if self.index != 0 {
+            len += 9 + digits(self.index);
+        }
+        if let Some(s) = &self.session {
+            len += 12 + json_str_len(s) + 1;
+        }
+        len
+    }
+}
+
+/// The length of `s` inside a JSON string, as serde_json escapes it.
+fn json_str_len(s: &str) -> usize {
+    s.len()
+        + s.bytes()
+            .map(|b| match b {
+                b'"' | b'\\' | b'\n' | b'\r' | b'\t' | 0x08 | 0x0c => 1,
+                0..=0x1f => 5,
+                _ => 0,
+            })
+            .sum::<usize>()
 }
 
 impl Serialize for TxnOp {
@@ -345,6 +427,78 @@ impl std::fmt::Display for TxnOpError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn encoded_len_is_the_serialized_length() {
+        let ops = [
+            TxnOp::set("a", b"x".to_vec()),
+            TxnOp::set("intent/node-1/web", vec![7u8; 200 * 1024 + 1]),
+            TxnOp::set("e", Vec::new()),
+            TxnOp::cas("k\"q\\\n\u{1}\u{7f}é", b"yz".to_vec(), 0),
+            TxnOp::cas("k", b"abc".to_vec(), 1234567890).with_flags(u64::MAX),
+            TxnOp::check_session("lock/replication_controllers/x", "3f2a-…"),
+            TxnOp::check_index("r", 9),
+            TxnOp::delete_tree("p/"),
+            TxnOp::lock("l", b"me".to_vec(), "s\t"),
+        ];
+        for op in &ops {
+            assert_eq!(
+                op.encoded_len(),
+                serde_json::to_vec(op).unwrap().len(),
+                "{op:?}"
+            );
+        }
+        // A body: the ops, the commas between them and the brackets.
+        let body = serde_json::to_vec(&ops).unwrap().len();
+        assert_eq!(encoded_len(&ops) + 1, body);
+    }
+
+    #[test]
+    fn splits_keep_every_run_under_the_budget_and_groups_whole() {
+        let manifest = vec![b'm'; 200 * 1024];
+        let node = |i: usize| {
+            vec![
+                TxnOp::set(format!("intent/node-{i}/web"), manifest.clone()),
+                TxnOp::set(format!("labels/pod/node-{i}/web"), b"{}".to_vec()),
+            ]
+        };
+        let groups: Vec<Vec<TxnOp>> = (0..7).map(node).collect();
+        let budget = TxnBudget {
+            groups: 15,
+            ops: 60,
+            bytes: MAX_TXN_BYTES - 4096,
+        };
+        let runs = split_to_fit(&groups, budget);
+        // 200 KiB is ~273 KiB in base64: one node per transaction.
+        assert_eq!(runs, (0..7).map(|i| i..i + 1).collect::<Vec<_>>());
+        let small: Vec<Vec<TxnOp>> = (0..40)
+            .map(|i| vec![TxnOp::set(format!("intent/n{i}/web"), b"id: web".to_vec()); 2])
+            .collect();
+        // Small manifests: cut by the group cap only, as before.
+        assert_eq!(split_to_fit(&small, budget), vec![0..15, 15..30, 30..40]);
+        assert_eq!(
+            split_to_fit(&small, TxnBudget { ops: 7, ..budget }),
+            (0..14)
+                .map(|i| i * 3..(i * 3 + 3).min(40))
+                .collect::<Vec<_>>()
+        );
+        // Mixed sizes: every run fits, nothing is lost or reordered, and an oversized group
+        // goes alone.
+        let mut mixed = groups.clone();
+        mixed.insert(3, vec![TxnOp::set("huge", vec![0u8; 600 * 1024])]);
+        mixed.extend(small.iter().take(5).cloned());
+        let runs = split_to_fit(&mixed, budget);
+        let mut next = 0;
+        for r in &runs {
+            assert_eq!(r.start, next);
+            next = r.end;
+            let bytes = encoded_len(&mixed[r.clone()].concat());
+            assert!(bytes <= budget.bytes || r.len() == 1, "{r:?}: {bytes}");
+        }
+        assert_eq!(next, mixed.len());
+        assert!(runs.contains(&(3..4)));
+        assert!(split_to_fit(&[], budget).is_empty());
+    }
 
     #[test]
     fn ops_serialize_as_consul_expects() {

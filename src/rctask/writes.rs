@@ -10,13 +10,17 @@ use super::intents::{IntentState, intent_key};
 use super::plan::{Action, Observed};
 use super::worker::{TaskError, Worker};
 use crate::audit::{AuditRecord, events};
-use crate::consul::{TxnFailure, TxnOp};
+use crate::consul::{TxnBudget, TxnFailure, TxnOp};
 use crate::labels::{LabelSet, LabelStore, LabelType, pod_label_id};
 use crate::rc::{POD_ID_LABEL, RC_ID_LABEL, Rc, RcStore};
 use crate::scheduler::{NodeName, SchedulerError};
 
 /// Room left in a transaction for the ownership check and audit records.
 const TXN_OVERHEAD: usize = 4;
+
+/// Body bytes kept free for the checks [`Worker::commit_for`] adds (two ops with a key and a
+/// session or index each) beside the audit record, whose size is reckoned apart.
+const CHECKS_BYTES: usize = 1024;
 
 impl Worker {
     /// Commits a write planned against `rc`: fenced by the ownership lock, and refused if the
@@ -165,15 +169,24 @@ impl Worker {
             Action::Replace(targets) => self.write_pods(rc, o, &targets, false).await,
             Action::Repair(targets) => self.write_pods(rc, o, &targets, true).await,
             Action::Unschedule(targets) => {
-                for chunk in targets.chunks((crate::consul::MAX_TXN_OPS - TXN_OVERHEAD) / 2) {
-                    let mut ops = Vec::new();
-                    for node in chunk {
+                let per_node: Vec<Vec<TxnOp>> = targets
+                    .iter()
+                    .map(|node| {
                         let pod = o
                             .current
                             .get(node)
                             .map(String::as_str)
                             .unwrap_or(rc.pod_id());
-                        ops.extend(self.unschedule_ops(rc, node, pod));
+                        self.unschedule_ops(rc, node, pod)
+                    })
+                    .collect();
+                // The node set only shrinks: its record is biggest before the first batch.
+                let budget =
+                    self.budget(rc, &nodes, (crate::consul::MAX_TXN_OPS - TXN_OVERHEAD) / 2);
+                for run in crate::consul::split_to_fit(&per_node, budget) {
+                    let chunk = &targets[run.clone()];
+                    let ops = per_node[run].concat();
+                    for node in chunk {
                         nodes.remove(node);
                     }
                     let idx = self
@@ -216,6 +229,18 @@ impl Worker {
         }
     }
 
+    /// What one of this RC's pod writes may carry: `nodes_per_txn` nodes, and a body under
+    /// Consul's limit with room for the checks and for a retarget record of `largest` (each
+    /// manifest is written once per node: with big manifests, fewer nodes per transaction).
+    fn budget(&self, rc: &Rc, largest: &BTreeSet<NodeName>, nodes_per_txn: usize) -> TxnBudget {
+        let audit = self.retarget(rc, largest).txn_op().encoded_len();
+        TxnBudget {
+            groups: nodes_per_txn,
+            ops: crate::consul::MAX_TXN_OPS - TXN_OVERHEAD,
+            bytes: crate::consul::MAX_TXN_BYTES.saturating_sub(audit + CHECKS_BYTES),
+        }
+    }
+
     /// Writes intent and labels on `targets` (replacing pods of an older pod id in place). A
     /// repair changes no node set, so it is audited as a repair, not a retarget.
     pub(super) async fn write_pods(
@@ -227,15 +252,24 @@ impl Worker {
     ) -> Result<Applied, TaskError> {
         let mut nodes: BTreeSet<NodeName> = o.current.keys().cloned().collect();
         // Up to four ops per node (a replacement removes the old pod's intent and labels).
-        for chunk in targets.chunks((crate::consul::MAX_TXN_OPS - TXN_OVERHEAD) / 4) {
-            let mut ops = Vec::new();
-            for node in chunk {
+        let per_node: Vec<Vec<TxnOp>> = targets
+            .iter()
+            .map(|node| {
+                let mut ops = Vec::new();
                 if let Some(old_pod) = o.current.get(node).filter(|p| p.as_str() != rc.pod_id()) {
                     ops.extend(self.unschedule_ops(rc, node, old_pod));
                 }
                 ops.extend(self.schedule_ops(rc, node));
-                nodes.insert(node.clone());
-            }
+                ops
+            })
+            .collect();
+        // The node set only grows: its record is biggest after the last batch.
+        let after: BTreeSet<NodeName> = nodes.iter().chain(targets).cloned().collect();
+        let budget = self.budget(rc, &after, (crate::consul::MAX_TXN_OPS - TXN_OVERHEAD) / 4);
+        for run in crate::consul::split_to_fit(&per_node, budget) {
+            let chunk = &targets[run.clone()];
+            let ops = per_node[run].concat();
+            nodes.extend(chunk.iter().cloned());
             let audit = if repair {
                 AuditRecord::new(
                     events::RC_REPAIRED,

@@ -16,9 +16,10 @@ use serde_json::{Map, Value, json};
 use tokio::time::Instant;
 
 use super::Shared;
+use super::compat::Compat;
 use super::store::{Behavior, KvOp, KvWriteOutcome, SessionRecord};
 use super::waiters::WatchTarget;
-use crate::consul::KvPair;
+use crate::consul::{KvPair, SessionEntry};
 use crate::util::parse_go_duration;
 
 const KV_SIZE_DOC: &str = "https://www.consul.io/docs/agent/config/config-files#kv_max_value_size";
@@ -26,6 +27,10 @@ const TXN_SIZE_DOC: &str = "https://www.consul.io/docs/agent/config/config-files
 const DEFAULT_WAIT: Duration = Duration::from_secs(300);
 const MAX_WAIT: Duration = Duration::from_secs(600);
 const SESSION_TTL_MAX: Duration = Duration::from_secs(24 * 3600);
+/// Consul 0.7's fixed limit on a KV value, and on the sum of a transaction's values.
+const MAX_KV_SIZE_0_7: usize = 512 * 1024;
+/// Consul 0.7 reads a transaction's body whatever its size; this server stops somewhere.
+const MAX_TXN_BODY_0_7: usize = 64 << 20;
 
 /// An error answer: Consul's errors are a status and a plain-text body.
 #[derive(Debug)]
@@ -71,6 +76,10 @@ fn err(status: StatusCode, body: impl Into<String>) -> ApiError {
 
 fn bad_request(body: impl Into<String>) -> ApiError {
     err(StatusCode::BAD_REQUEST, body)
+}
+
+fn too_large(body: impl Into<String>) -> ApiError {
+    err(StatusCode::PAYLOAD_TOO_LARGE, body)
 }
 
 fn internal(body: impl Into<String>) -> ApiError {
@@ -288,16 +297,21 @@ pub(super) async fn handle(shared: Arc<Shared>, req: Request<Body>) -> Response 
         // request fail (as Go's server does).
         h.insert(header::CONNECTION, HeaderValue::from_static("close"));
     }
-    h.insert(header::VARY, HeaderValue::from_static("Accept-Encoding"));
-    let policy = if shared.config.acl_token.is_some() {
-        "deny"
+    if shared.config.compat == Compat::V0_7 {
+        h.remove("X-Consul-Query-Backend");
     } else {
-        "allow"
-    };
-    h.insert(
-        "X-Consul-Default-Acl-Policy",
-        HeaderValue::from_static(policy),
-    );
+        // Consul 0.7 neither compresses (no `Vary`) nor says its ACL policy.
+        h.insert(header::VARY, HeaderValue::from_static("Accept-Encoding"));
+        let policy = if shared.config.acl_token.is_some() {
+            "deny"
+        } else {
+            "allow"
+        };
+        h.insert(
+            "X-Consul-Default-Acl-Policy",
+            HeaderValue::from_static(policy),
+        );
+    }
     resp
 }
 
@@ -359,6 +373,11 @@ async fn route(shared: Arc<Shared>, req: Request<Body>) -> Response {
     };
 
     let method = req.method().clone();
+    let compat = shared.config.compat;
+    if compat == Compat::V0_7 && !allowed.contains(&method.as_str()) {
+        // Consul 0.7: an empty 405 without `Allow`, for OPTIONS too.
+        return StatusCode::METHOD_NOT_ALLOWED.into_response();
+    }
     let allow = std::iter::once("OPTIONS")
         .chain(allowed.iter().copied())
         .collect::<Vec<_>>()
@@ -381,12 +400,17 @@ async fn route(shared: Arc<Shared>, req: Request<Body>) -> Response {
         return r;
     }
 
+    let mut anonymous = false;
     if let Some(required) = &shared.config.acl_token
         && !matches!(endpoint, Endpoint::StatusLeader | Endpoint::StatusPeers)
+        && !(compat == Compat::V0_7 && endpoint.is_session())
     {
         match request_token(&req, &params) {
             Some(t) if &t == required => {}
             Some(_) => return text(StatusCode::FORBIDDEN, "ACL not found"),
+            // Consul 0.7's anonymous token under a deny policy: reads are filtered (the
+            // endpoints below answer as if nothing matched), writes refused.
+            None if compat == Compat::V0_7 => anonymous = true,
             None => {
                 return text(
                     StatusCode::FORBIDDEN,
@@ -395,8 +419,16 @@ async fn route(shared: Arc<Shared>, req: Request<Body>) -> Response {
             }
         }
     }
+    if anonymous && let Endpoint::Kv(_) = endpoint {
+        if method == Method::GET {
+            let index = shared.state.lock().store.index();
+            return not_found_with_meta(index);
+        }
+        return text(StatusCode::FORBIDDEN, "Permission denied");
+    }
 
     let result = match endpoint {
+        Endpoint::Txn if anonymous => txn_anonymous_0_7(&shared, &params, req).await,
         Endpoint::Kv(key) => match method {
             Method::GET => kv_get(&shared, &key, &params).await,
             Method::PUT => kv_put(&shared, &key, &params, req).await,
@@ -415,6 +447,21 @@ async fn route(shared: Arc<Shared>, req: Request<Body>) -> Response {
         Endpoint::StatusPeers => status(&shared, &params, false),
     };
     result.unwrap_or_else(IntoResponse::into_response)
+}
+
+impl Endpoint {
+    /// Consul 0.7 has no ACLs on sessions.
+    fn is_session(&self) -> bool {
+        matches!(
+            self,
+            Endpoint::SessionCreate
+                | Endpoint::SessionDestroy(_)
+                | Endpoint::SessionRenew(_)
+                | Endpoint::SessionInfo(_)
+                | Endpoint::SessionNode(_)
+                | Endpoint::SessionList
+        )
+    }
 }
 
 enum Endpoint {
@@ -443,6 +490,10 @@ async fn blocking<T>(
         Instant::now() + opts.wait + jitter
     });
     loop {
+        if let Some(stale) = shared.stale.answer(&eval) {
+            // A Consul 0.7 leader replaying its log answers at once from what it has replayed.
+            return Ok(stale);
+        }
         let timed_out = deadline.is_some_and(|d| Instant::now() >= d);
         let (value, index, applied, waiter) = {
             let mut st = shared.state.lock();
@@ -657,14 +708,24 @@ async fn kv_put(
         Some(v) => Some(parse_uint(v)?),
         None => None,
     };
-    let max = shared.config.kv_max_value_size;
-    let value = read_body(req, max, |len| match len {
-        Some(len) => format!(
-            "Request body({len} bytes) too large, max size: {max} bytes. See {KV_SIZE_DOC}."
-        ),
-        None => format!("Request body too large. Max allowed is {max} bytes."),
-    })
-    .await?;
+    let value = match shared.config.compat {
+        Compat::V0_7 => {
+            read_body(req, MAX_KV_SIZE_0_7, |_| {
+                format!("Value exceeds {MAX_KV_SIZE_0_7} byte limit")
+            })
+            .await?
+        }
+        Compat::V1 => {
+            let max = shared.config.kv_max_value_size;
+            read_body(req, max, |len| match len {
+                Some(len) => format!(
+                    "Request body({len} bytes) too large, max size: {max} bytes. See {KV_SIZE_DOC}."
+                ),
+                None => format!("Request body too large. Max allowed is {max} bytes."),
+            })
+            .await?
+        }
+    };
     let key = key.to_string();
     let op = if let Some(index) = cas {
         KvOp::Cas {
@@ -741,58 +802,136 @@ async fn kv_apply(shared: &Shared, op: &KvOp) -> Result<Response, Answer> {
 
 // ---- Transactions -----------------------------------------------------------------------------
 
-async fn txn(shared: &Shared, p: &Params, req: Request<Body>) -> Result<Response, Answer> {
-    let max = shared
-        .config
-        .kv_max_value_size
-        .max(shared.config.txn_max_req_len);
-    let body = read_body(req, max, |len| match len {
-        Some(len) => format!(
-            "Request body({len} bytes) too large, max size: {max} bytes. See {TXN_SIZE_DOC}."
-        ),
-        None => format!("Request body too large, max size: {max} bytes. See {TXN_SIZE_DOC}."),
-    })
-    .await?;
-    let ops = decode_txn(&body, shared.config.kv_max_value_size)?;
-    if ops.len() > shared.config.max_txn_ops {
-        return Err(err(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            format!(
-                "Transaction contains too many operations ({} > {})",
-                ops.len(),
-                shared.config.max_txn_ops
-            ),
-        ));
+/// What a transaction may hold.
+struct TxnRules {
+    compat: Compat,
+    max_ops: usize,
+    /// Largest decoded value of one op.
+    max_value: usize,
+    /// Largest sum of the decoded values (Consul 0.7 only; 1.x limits the body instead).
+    max_total: Option<usize>,
+}
+
+impl TxnRules {
+    fn of(shared: &Shared) -> TxnRules {
+        let c = &shared.config;
+        match c.compat {
+            Compat::V0_7 => TxnRules {
+                compat: c.compat,
+                max_ops: c.max_txn_ops,
+                max_value: MAX_KV_SIZE_0_7,
+                max_total: Some(MAX_KV_SIZE_0_7),
+            },
+            Compat::V1 => TxnRules {
+                compat: c.compat,
+                max_ops: c.max_txn_ops,
+                max_value: c.kv_max_value_size,
+                max_total: None,
+            },
+        }
     }
-    let ops: Vec<KvOp> = ops;
+}
+
+async fn read_txn_body(shared: &Shared, req: Request<Body>) -> Result<Bytes, Answer> {
+    match shared.config.compat {
+        Compat::V0_7 => {
+            read_body(req, MAX_TXN_BODY_0_7, |_| {
+                format!("Request body too large, max size: {MAX_TXN_BODY_0_7} bytes")
+            })
+            .await
+        }
+        // Consul 1.x: `txn_max_req_len`, or `kv_max_value_size` if that is larger.
+        Compat::V1 => {
+            let max = shared
+                .config
+                .kv_max_value_size
+                .max(shared.config.txn_max_req_len);
+            read_body(req, max, |len| match len {
+                Some(len) => format!(
+                    "Request body({len} bytes) too large, max size: {max} bytes. See {TXN_SIZE_DOC}."
+                ),
+                None => {
+                    format!("Request body too large, max size: {max} bytes. See {TXN_SIZE_DOC}.")
+                }
+            })
+            .await
+        }
+    }
+}
+
+/// A transaction from Consul 0.7's anonymous token under a deny policy: every op but `get` and
+/// `get-tree` is refused (409, `Permission denied` at its index); the reads' results are
+/// filtered out.
+async fn txn_anonymous_0_7(
+    shared: &Shared,
+    p: &Params,
+    req: Request<Body>,
+) -> Result<Response, Answer> {
+    let body = read_txn_body(shared, req).await?;
+    let ops = decode_txn(&body, &TxnRules::of(shared))?;
+    let denied: Vec<(usize, String)> = ops
+        .iter()
+        .enumerate()
+        .filter(|(_, op)| !matches!(op, KvOp::Get { .. } | KvOp::GetTree { .. }))
+        .map(|(i, _)| (i, "Permission denied".to_string()))
+        .collect();
+    let result = if denied.is_empty() {
+        Ok(Vec::new())
+    } else {
+        Err(denied)
+    };
+    if ops.iter().any(KvOp::is_write) {
+        let (status, body) = txn_body(result);
+        Ok(json_body(status, &body, p.has("pretty")))
+    } else {
+        read_txn_answer(shared, p, result)
+    }
+}
+
+/// A read-only transaction's answer: Consul's TxnReadResponse, which embeds its QueryMeta in
+/// the body, and no index header.
+fn read_txn_answer(
+    shared: &Shared,
+    p: &Params,
+    result: Result<Vec<KvPair>, super::store::TxnErrors>,
+) -> Result<Response, Answer> {
+    let opts = parse_read_opts(p)?;
+    let (status, mut body) = txn_body(result);
+    if let Value::Object(m) = &mut body {
+        let v0_7 = shared.config.compat == Compat::V0_7;
+        m.insert("Index".into(), json!(if v0_7 { 0 } else { 1 }));
+        m.insert("LastContact".into(), json!(0));
+        m.insert("KnownLeader".into(), json!(true));
+        if !v0_7 {
+            m.insert("ConsistencyLevel".into(), json!(""));
+            m.insert("NotModified".into(), json!(false));
+            m.insert("Backend".into(), json!(0));
+            m.insert("ResultsFilteredByACLs".into(), json!(false));
+        }
+    }
+    let mut r = json_body(status, &body, opts.pretty);
+    r.headers_mut()
+        .insert("X-Consul-KnownLeader", HeaderValue::from_static("true"));
+    r.headers_mut()
+        .insert("X-Consul-LastContact", HeaderValue::from_static("0"));
+    Ok(r)
+}
+
+async fn txn(shared: &Shared, p: &Params, req: Request<Body>) -> Result<Response, Answer> {
+    let body = read_txn_body(shared, req).await?;
+    let ops = decode_txn(&body, &TxnRules::of(shared))?;
     let writes = ops.iter().any(KvOp::is_write);
     let pretty = p.has("pretty");
     if !writes {
-        // Read-only: not blocking, parsed like a read, answered with Consul's TxnReadResponse
-        // (which embeds its QueryMeta in the body) and no index header.
-        let opts = parse_read_opts(p)?;
+        // Read-only: not blocking, parsed like a read.
+        parse_read_opts(p)?;
         let (result, applied) = {
             let mut st = shared.state.lock();
             let r = st.store.txn(&ops, Instant::now());
             (r, st.store.index())
         };
         shared.wait_durable(applied).await?;
-        let (status, mut body) = txn_body(result.map(|(res, _)| res));
-        if let Value::Object(m) = &mut body {
-            m.insert("Index".into(), json!(1));
-            m.insert("LastContact".into(), json!(0));
-            m.insert("KnownLeader".into(), json!(true));
-            m.insert("ConsistencyLevel".into(), json!(""));
-            m.insert("NotModified".into(), json!(false));
-            m.insert("Backend".into(), json!(0));
-            m.insert("ResultsFilteredByACLs".into(), json!(false));
-        }
-        let mut r = json_body(status, &body, opts.pretty);
-        r.headers_mut()
-            .insert("X-Consul-KnownLeader", HeaderValue::from_static("true"));
-        r.headers_mut()
-            .insert("X-Consul-LastContact", HeaderValue::from_static("0"));
-        return Ok(r);
+        return read_txn_answer(shared, p, result.map(|(res, _)| res));
     }
     shared.check_writable()?;
     let (result, index) = {
@@ -861,8 +1000,11 @@ fn type_err(got: &Value, field: &str, want: &str) -> Answer {
 }
 
 /// Decodes a `/v1/txn` body like Consul's `lib.DecodeJSON` into `api.TxnOps`: field names match
-/// case-insensitively, unknown fields are refused, `Value` is standard base64.
-fn decode_txn(body: &[u8], max_value: usize) -> Result<Vec<KvOp>, Answer> {
+/// case-insensitively, unknown fields are refused (ignored by 0.7), `Value` is standard base64.
+/// Then Consul's checks, in its order: the number of ops, each value's size, and under 0.7 the
+/// sum of the values.
+fn decode_txn(body: &[u8], rules: &TxnRules) -> Result<Vec<KvOp>, Answer> {
+    let lax = rules.compat == Compat::V0_7;
     if body.iter().all(u8::is_ascii_whitespace) {
         return Err(parse_err("EOF"));
     }
@@ -877,7 +1019,15 @@ fn decode_txn(body: &[u8], max_value: usize) -> Result<Vec<KvOp>, Answer> {
             )));
         }
     };
+    if items.len() > rules.max_ops {
+        return Err(too_large(format!(
+            "Transaction contains too many operations ({} > {})",
+            items.len(),
+            rules.max_ops
+        )));
+    }
     let mut ops = Vec::with_capacity(items.len());
+    let mut total = 0usize;
     for item in items {
         let obj = match item {
             Value::Object(o) => o,
@@ -892,6 +1042,8 @@ fn decode_txn(body: &[u8], max_value: usize) -> Result<Vec<KvOp>, Answer> {
         for (k, val) in &obj {
             match k.to_ascii_lowercase().as_str() {
                 "kv" => kv = Some(val),
+                // Consul 0.7 knows only KV ops and ignores other fields.
+                _ if lax => {}
                 "node" | "service" | "check" => {
                     return Err(parse_err(format!(
                         "json: unknown field {k:?} (this development server implements KV operations only)"
@@ -901,6 +1053,10 @@ fn decode_txn(body: &[u8], max_value: usize) -> Result<Vec<KvOp>, Answer> {
             }
         }
         let Some(Value::Object(kv)) = kv else {
+            if lax {
+                // Consul 0.7 skips an op without a KV part.
+                continue;
+            }
             return Err(bad_request("Failed to parse body: unknown operation type"));
         };
         for k in kv.keys() {
@@ -914,7 +1070,7 @@ fn decode_txn(body: &[u8], max_value: usize) -> Result<Vec<KvOp>, Answer> {
                 "namespace",
                 "partition",
             ];
-            if !known.contains(&k.to_ascii_lowercase().as_str()) {
+            if !lax && !known.contains(&k.to_ascii_lowercase().as_str()) {
                 return Err(parse_err(format!("json: unknown field {k:?}")));
             }
         }
@@ -951,14 +1107,17 @@ fn decode_txn(body: &[u8], max_value: usize) -> Result<Vec<KvOp>, Answer> {
             })?,
             Some(other) => return Err(type_err(other, "Value", "[]uint8")),
         };
-        if value.len() > max_value {
-            return Err(err(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                format!(
-                    "Value for key {key:?} is too large ({} > {max_value} bytes)",
-                    value.len()
-                ),
-            ));
+        if value.len() > rules.max_value {
+            return Err(too_large(format!(
+                "Value for key {key:?} is too large ({} > {} bytes)",
+                value.len(),
+                rules.max_value
+            )));
+        }
+        total += value.len();
+        if !rules.compat.knows_verb(&verb) {
+            ops.push(KvOp::Unknown { verb });
+            continue;
         }
         ops.push(match verb.as_str() {
             "set" => KvOp::Set { key, value, flags },
@@ -992,6 +1151,13 @@ fn decode_txn(body: &[u8], max_value: usize) -> Result<Vec<KvOp>, Answer> {
             _ => KvOp::Unknown { verb },
         });
     }
+    if let Some(max) = rules.max_total
+        && total > max
+    {
+        return Err(too_large(format!(
+            "Cumulative size of key data is too large ({total} > {max} bytes)"
+        )));
+    }
     Ok(ops)
 }
 
@@ -1015,6 +1181,9 @@ async fn session_create(shared: &Shared, req: Request<Body>) -> Result<Response,
     let mut legacy_checks: Option<Vec<String>> = None;
     let mut service_checks: Option<Vec<(String, String)>> = None;
     let decode_err = |m: String| bad_request(format!("Request decode failed: {m}"));
+    let lax = shared.config.compat == Compat::V0_7;
+    // Consul 1.x prefixes the state store's refusals; 0.7 does not.
+    let apply_failed = if lax { "" } else { "apply failed: " };
     if has_length && !body.iter().all(u8::is_ascii_whitespace) {
         let v: Value = serde_json::from_slice(&body).map_err(|e| decode_err(e.to_string()))?;
         let obj = match v {
@@ -1061,9 +1230,12 @@ async fn session_create(shared: &Shared, req: Request<Body>) -> Result<Response,
         if let Some(t) = str_field("TTL")? {
             ttl_text = t;
         }
-        node_checks = list_field("NodeChecks")?;
+        // Consul 0.7 knows only `Checks` (and ignores fields it does not know).
+        if !lax {
+            node_checks = list_field("NodeChecks")?;
+        }
         legacy_checks = list_field("Checks")?;
-        if let Some(Value::Array(a)) = field(&obj, "ServiceChecks") {
+        if let Some(Value::Array(a)) = field(&obj, "ServiceChecks").filter(|_| !lax) {
             let mut v = Vec::new();
             for sc in a {
                 let id = sc
@@ -1120,7 +1292,7 @@ async fn session_create(shared: &Shared, req: Request<Body>) -> Result<Response,
         }
     }
     if node != shared.config.node_name {
-        return Err(internal("apply failed: Missing node registration"));
+        return Err(internal(format!("{apply_failed}Missing node registration")));
     }
     let checks = node_checks
         .or(legacy_checks)
@@ -1128,13 +1300,13 @@ async fn session_create(shared: &Shared, req: Request<Body>) -> Result<Response,
     for c in &checks {
         if c != "serfHealth" {
             return Err(internal(format!(
-                "apply failed: Missing check '{c}' registration"
+                "{apply_failed}Missing check '{c}' registration"
             )));
         }
     }
     if let Some((id, _)) = service_checks.as_ref().and_then(|v| v.first()) {
         return Err(internal(format!(
-            "apply failed: Missing check '{id}' registration"
+            "{apply_failed}Missing check '{id}' registration"
         )));
     }
     shared.check_writable()?;
@@ -1195,7 +1367,7 @@ fn session_renew(shared: &Shared, id: &str, p: &Params) -> Result<Response, Answ
     }
     let renewed = shared.state.lock().store.renew_session(id, Instant::now());
     match renewed {
-        Some(s) => Ok(json_body(StatusCode::OK, &[s], opts.pretty)),
+        Some(s) => Ok(sessions_body(&[s], shared.config.compat, opts.pretty)),
         None => Err(err(
             StatusCode::NOT_FOUND,
             format!("Session id '{id}' not found"),
@@ -1229,9 +1401,49 @@ async fn session_read(shared: &Shared, p: &Params, q: SessionQuery) -> Result<Re
     })
     .await?;
     Ok(with_meta(
-        json_body(StatusCode::OK, &list, opts.pretty),
+        sessions_body(&list, shared.config.compat, opts.pretty),
         index,
     ))
+}
+
+/// Consul 0.7's session JSON: `Checks` where 1.x has `NodeChecks` and `ServiceChecks`.
+#[derive(Serialize)]
+#[serde(rename_all = "PascalCase")]
+struct Session07<'a> {
+    #[serde(rename = "ID")]
+    id: &'a str,
+    name: &'a str,
+    node: &'a str,
+    checks: &'a [String],
+    lock_delay: u64,
+    behavior: &'a str,
+    #[serde(rename = "TTL")]
+    ttl: &'a str,
+    create_index: u64,
+    modify_index: u64,
+}
+
+fn sessions_body(list: &[SessionEntry], compat: Compat, pretty: bool) -> Response {
+    match compat {
+        Compat::V1 => json_body(StatusCode::OK, list, pretty),
+        Compat::V0_7 => {
+            let list: Vec<Session07> = list
+                .iter()
+                .map(|s| Session07 {
+                    id: &s.id,
+                    name: &s.name,
+                    node: &s.node,
+                    checks: s.node_checks.as_deref().unwrap_or_default(),
+                    lock_delay: s.lock_delay,
+                    behavior: &s.behavior,
+                    ttl: &s.ttl,
+                    create_index: s.create_index,
+                    modify_index: s.modify_index,
+                })
+                .collect();
+            json_body(StatusCode::OK, &list, pretty)
+        }
+    }
 }
 
 // ---- Status -----------------------------------------------------------------------------------
@@ -1249,14 +1461,27 @@ fn status(shared: &Shared, p: &Params, leader: bool) -> Result<Response, Answer>
 mod tests {
     use super::*;
 
+    fn rules(max_value: usize) -> TxnRules {
+        TxnRules {
+            compat: Compat::V1,
+            max_ops: 64,
+            max_value,
+            max_total: None,
+        }
+    }
+
     #[test]
     fn txn_bodies_decode_case_insensitively_and_strictly() {
-        let ops = decode_txn(br#"[{"kv":{"verb":"set","key":"a","value":"eA=="}}]"#, 100).unwrap();
+        let ops = decode_txn(
+            br#"[{"kv":{"verb":"set","key":"a","value":"eA=="}}]"#,
+            &rules(100),
+        )
+        .unwrap();
         assert!(
             matches!(&ops[0], KvOp::Set { key, value, .. } if key == "a" && &value[..] == b"x")
         );
         let bad = |b: &[u8]| {
-            let r = decode_txn(b, 100).unwrap_err();
+            let r = decode_txn(b, &rules(100)).unwrap_err();
             assert_eq!(r.status(), StatusCode::BAD_REQUEST);
         };
         bad(b"");
@@ -1266,17 +1491,19 @@ mod tests {
         bad(br#"[{"KV":{"Verb":"set","Key":"a","Bogus":1}}]"#);
         bad(br#"[{"KV":{"Verb":"set","Key":"a","Flags":"x"}}]"#);
         bad(br#"[{"KV":{"Verb":"set","Key":"a","Flags":-1}}]"#);
-        assert!(decode_txn(b"null", 100).unwrap().is_empty());
+        assert!(decode_txn(b"null", &rules(100)).unwrap().is_empty());
         let big = format!(
             r#"[{{"KV":{{"Verb":"set","Key":"a","Value":"{}"}}}}]"#,
             B64.encode([0u8; 200])
         );
         assert_eq!(
-            decode_txn(big.as_bytes(), 100).unwrap_err().status(),
+            decode_txn(big.as_bytes(), &rules(100))
+                .unwrap_err()
+                .status(),
             StatusCode::PAYLOAD_TOO_LARGE
         );
         assert!(matches!(
-            &decode_txn(br#"[{"KV":{"Verb":"zap","Key":"a"}}]"#, 10).unwrap()[0],
+            &decode_txn(br#"[{"KV":{"Verb":"zap","Key":"a"}}]"#, &rules(10)).unwrap()[0],
             KvOp::Unknown { .. }
         ));
     }

@@ -5,6 +5,7 @@
 //! Memory-only by default, like `consul agent -dev`; with a data directory every acknowledged
 //! write survives `kill -9`.
 
+mod compat;
 mod connlimit;
 mod http;
 mod store;
@@ -22,6 +23,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+pub use compat::{Compat, StaleCheckpoint, UnknownCompat};
 pub use store::{Change, Commit, Entry, KvOp, Record, Store};
 
 /// A committed write, as kept by [`ServerConfig::record_commits`].
@@ -63,6 +65,10 @@ pub struct ServerConfig {
     /// `limits.http_max_conns_per_client`, default 200; loopback is not exempt); 0 = no limit.
     /// The one beyond it is answered `429 Too Many Requests` and closed, as Consul does.
     pub http_max_conns_per_client: usize,
+    /// Which Consul to answer as where versions differ (`consul-dev --compat`). Under 0.7
+    /// `http_max_conns_per_client`, `txn_max_req_len` and `kv_max_value_size` do not apply
+    /// (0.7 has fixed 512 KiB value limits and no connection limit).
+    pub compat: Compat,
 }
 
 impl Default for ServerConfig {
@@ -78,6 +84,7 @@ impl Default for ServerConfig {
             txn_max_req_len: 512 * 1024,
             record_commits: false,
             http_max_conns_per_client: DEFAULT_HTTP_MAX_CONNS_PER_CLIENT,
+            compat: Compat::V1,
         }
     }
 }
@@ -102,6 +109,8 @@ pub enum ServerError {
     },
     #[error(transparent)]
     Wal(#[from] WalError),
+    #[error("stale post-election answers are Consul 0.7's; this server runs as Consul {0}")]
+    NotUnderCompat(Compat),
 }
 
 pub(crate) struct State {
@@ -119,6 +128,7 @@ pub(crate) struct Shared {
     pub requests: std::sync::atomic::AtomicU64,
     pub txns: std::sync::atomic::AtomicU64,
     pub conns: Arc<connlimit::ConnLimiter>,
+    pub stale: compat::StaleReads,
 }
 
 impl Shared {
@@ -207,7 +217,12 @@ impl Shared {
             commit_log: config.record_commits.then(Mutex::default),
             requests: Default::default(),
             txns: Default::default(),
-            conns: connlimit::ConnLimiter::new(config.http_max_conns_per_client),
+            // Consul 0.7 limits no client's connections.
+            conns: connlimit::ConnLimiter::new(match config.compat {
+                Compat::V0_7 => 0,
+                Compat::V1 => config.http_max_conns_per_client,
+            }),
+            stale: Default::default(),
             leader: format!("{}:8300", addr.ip()),
             config,
         })
@@ -343,6 +358,37 @@ impl EmbeddedServer {
     /// How many keys start with `prefix`.
     pub fn count_prefix(&self, prefix: &str) -> usize {
         self.shared.state.lock().store.count_prefix(prefix)
+    }
+
+    /// The state as it is now, to be answered from later by [`EmbeddedServer::serve_stale`].
+    pub fn checkpoint(&self) -> StaleCheckpoint {
+        StaleCheckpoint(self.shared.state.lock().store.snapshot())
+    }
+
+    /// Test control, Consul 0.7 only: the next `answers` reads (KV and session queries, blocking
+    /// or not, including those blocked now; not transactions) are answered at once from
+    /// `checkpoint`'s state and index, as a Consul < 0.8.5
+    /// leader still replaying its log after an election answers them (hashicorp/consul#2644).
+    /// Writes still apply to the real state.
+    pub fn serve_stale(
+        &self,
+        checkpoint: StaleCheckpoint,
+        answers: usize,
+    ) -> Result<(), ServerError> {
+        if !self.shared.config.compat.is_0_7() {
+            return Err(ServerError::NotUnderCompat(self.shared.config.compat));
+        }
+        self.shared
+            .stale
+            .start(Store::restore(checkpoint.0, Instant::now()), answers);
+        // Queries blocked now ask again (as clients whose old leader went away do).
+        self.shared.state.lock().waiters.wake_all();
+        Ok(())
+    }
+
+    /// How many answers [`EmbeddedServer::serve_stale`] still has to give.
+    pub fn stale_answers_left(&self) -> usize {
+        self.shared.stale.left()
     }
 
     /// Ends blocking queries, stops serving and flushes the log.

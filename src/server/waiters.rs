@@ -104,6 +104,15 @@ impl Waiters {
         fire(std::mem::take(&mut self.sessions));
     }
 
+    /// Wakes every blocked query (they evaluate again, and block again if nothing changed).
+    pub fn wake_all(&mut self) {
+        for (_, b) in self.keys.drain().chain(self.prefixes.drain()) {
+            fire(b);
+        }
+        self.prefix_lengths.clear();
+        self.sessions_changed();
+    }
+
     /// Blocked queries right now (for metrics and tests).
     pub fn count(&self) -> usize {
         self.keys.values().map(Vec::len).sum::<usize>()

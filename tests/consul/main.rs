@@ -6,6 +6,7 @@ mod common;
 
 mod blocking;
 mod client_behaviour;
+mod compat;
 mod kv;
 mod process;
 mod py_consul;

@@ -523,7 +523,7 @@ Connection: close\r\n\
 Your IP is issuing too many concurrent connections, please rate limit your calls\n";
 
 /// `GET /v1/status/leader` on a kept-alive raw connection: the status line and the body.
-async fn leader_over(conn: &mut tokio::net::TcpStream) -> (String, String) {
+pub(crate) async fn leader_over(conn: &mut tokio::net::TcpStream) -> (String, String) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     conn.write_all(b"GET /v1/status/leader HTTP/1.1\r\nHost: consul\r\n\r\n")
         .await

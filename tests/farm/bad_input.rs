@@ -40,9 +40,10 @@ async fn every_malformed_input_is_reported_once_and_skipped_while_the_rest_is_se
     // each value to 512 KiB and a transaction only by its decoded values, so there such an RC
     // cannot be stored at all (checked below) and any RC that can be stored can be scheduled.
     let mut c = match &backend {
-        Backend::Embedded => {
+        Backend::Embedded(compat) => {
             Cluster::start_with(ServerConfig {
                 kv_max_value_size: 1280 << 10,
+                compat: *compat,
                 ..Cluster::server_config()
             })
             .await

@@ -9,9 +9,9 @@ use rcfarm::rc::RcId;
 use serde_json::json;
 
 use crate::harness::{Backend, Cluster, nodes};
-use crate::on_both_backends;
+use crate::{on_both_backends, on_every_backend};
 
-on_both_backends!(three_farms_converge_fifty_p2_rcs_balanced);
+on_every_backend!(three_farms_converge_fifty_p2_rcs_balanced);
 async fn three_farms_converge_fifty_p2_rcs_balanced(b: Backend) {
     let mut c = Cluster::start_on(&b).await;
     nodes(&c, 30, 3).await;

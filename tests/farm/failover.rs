@@ -9,7 +9,7 @@ use rcfarm::rc::RcId;
 use serde_json::json;
 
 use crate::harness::{Backend, Cluster, TTL, nodes, rcs, signal};
-use crate::on_both_backends;
+use crate::{on_both_backends, on_every_backend};
 
 async fn all_owned_by(c: &Cluster, ids: &[RcId], farms: &[&str]) -> bool {
     let owners = c.owner_farms().await;
@@ -17,7 +17,7 @@ async fn all_owned_by(c: &Cluster, ids: &[RcId], farms: &[&str]) -> bool {
         .all(|id| owners.get(id).is_some_and(|f| farms.contains(&f.as_str())))
 }
 
-on_both_backends!(kill_9_a_farm_and_its_rcs_are_served_again_within_two_ttls);
+on_every_backend!(kill_9_a_farm_and_its_rcs_are_served_again_within_two_ttls);
 async fn kill_9_a_farm_and_its_rcs_are_served_again_within_two_ttls(b: Backend) {
     let mut c = Cluster::start_on(&b).await;
     nodes(&c, 4, 1).await;

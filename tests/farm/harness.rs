@@ -15,7 +15,7 @@ use rcfarm::invariants::Observer;
 use rcfarm::invariants::external::ExternalObserver;
 use rcfarm::labels::{LabelSet, LabelStore, LabelType, parse_labels, split_pod_label_id};
 use rcfarm::rc::{RcId, RcStore};
-use rcfarm::server::{EmbeddedServer, LoggedCommit, ServerConfig};
+use rcfarm::server::{Compat, EmbeddedServer, LoggedCommit, ServerConfig};
 use rcfarm::simulator::{NodeSimulator, SimConfig};
 use serde_json::Value;
 use tokio::io::{AsyncBufReadExt, BufReader};
@@ -37,7 +37,8 @@ pub struct FarmProc {
 /// Which Consul a test runs against.
 #[derive(Debug, Clone)]
 pub enum Backend {
-    Embedded,
+    /// The embedded server, answering as this Consul version where versions differ.
+    Embedded(Compat),
     /// A real Consul agent from this binary.
     Real(std::path::PathBuf),
 }
@@ -63,10 +64,16 @@ impl Backend {
 #[macro_export]
 macro_rules! on_both_backends {
     ($name:ident) => {
+        $crate::on_both_backends!(@with $name {});
+    };
+    (@with $name:ident { $($extra:item)* }) => {
         mod $name {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn embedded() {
-                super::$name($crate::harness::Backend::Embedded).await
+                super::$name($crate::harness::Backend::Embedded(
+                    rcfarm::server::Compat::V1,
+                ))
+                .await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn real_consul() {
@@ -74,7 +81,26 @@ macro_rules! on_both_backends {
                     super::$name(b).await
                 }
             }
+            $($extra)*
         }
+    };
+}
+
+/// Like [`on_both_backends!`], plus `…::embedded_consul_0_7`: the embedded server answering as
+/// Consul 0.7 (`consul-dev --compat 0.7`), so that the farm runs on both emulations in CI
+/// whether or not a real Consul is at hand.
+#[macro_export]
+macro_rules! on_every_backend {
+    ($name:ident) => {
+        $crate::on_both_backends!(@with $name {
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn embedded_consul_0_7() {
+                super::$name($crate::harness::Backend::Embedded(
+                    rcfarm::server::Compat::V0_7,
+                ))
+                .await
+            }
+        });
     };
 }
 
@@ -181,7 +207,13 @@ impl Cluster {
     /// Consul dev agent (sessions down to 1 s allowed).
     pub async fn start_on(backend: &Backend) -> Cluster {
         match backend {
-            Backend::Embedded => Cluster::start().await,
+            Backend::Embedded(compat) => {
+                Cluster::start_with(ServerConfig {
+                    compat: *compat,
+                    ..Cluster::server_config()
+                })
+                .await
+            }
             Backend::Real(bin) => Cluster::start_real(AgentConfig::dev(bin, "rcfarm-test")).await,
         }
     }

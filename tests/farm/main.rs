@@ -7,6 +7,7 @@ mod common;
 mod audit;
 mod bad_input;
 mod chaos;
+mod compat;
 mod converge;
 mod failover;
 mod harness;

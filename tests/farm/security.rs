@@ -17,7 +17,7 @@ use rcfarm::rc::RcId;
 use rcfarm::server::ServerConfig;
 
 use crate::harness::{Backend, Cluster, Server, nodes, rcs};
-use crate::on_both_backends;
+use crate::on_every_backend;
 
 const MASTER_TOKEN: &str = "3f0c6b6e-rcfarm-test-master";
 
@@ -25,9 +25,10 @@ const MASTER_TOKEN: &str = "3f0c6b6e-rcfarm-test-master";
 /// client uses that token.
 async fn acl_cluster(backend: &Backend) -> Cluster {
     match backend {
-        Backend::Embedded => {
+        Backend::Embedded(compat) => {
             Cluster::start_with(ServerConfig {
                 acl_token: Some(MASTER_TOKEN.into()),
+                compat: *compat,
                 ..Cluster::server_config()
             })
             .await
@@ -182,7 +183,7 @@ key "lock/" { policy = "write" }"#;
     );
     c.check_invariants(|_| false);
 }
-on_both_backends!(a_refused_acl_token_stops_the_farm_at_start);
+on_every_backend!(a_refused_acl_token_stops_the_farm_at_start);
 
 /// A token file is read at start (never logged), re-read when it is rotated, and preferred to a
 /// token on the command line, which only draws a warning.

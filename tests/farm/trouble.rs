@@ -71,7 +71,13 @@ async fn consul_down_past_the_ttl_and_back_with_its_data_dir(backend: Backend) {
         ..Cluster::server_config()
     };
     let mut c = match &backend {
-        Backend::Embedded => Cluster::start_with(config.clone()).await,
+        Backend::Embedded(compat) => {
+            Cluster::start_with(ServerConfig {
+                compat: *compat,
+                ..config.clone()
+            })
+            .await
+        }
         // A one-server cluster that keeps its raft log and snapshots on disk.
         Backend::Real(bin) => {
             Cluster::start_real(AgentConfig {
