@@ -284,7 +284,7 @@ async fn a_token_file_is_used_and_reread_when_rotated(backend: Backend) {
     );
     c.check_invariants(|_| false);
 }
-on_both_backends!(a_token_file_is_used_and_reread_when_rotated);
+on_every_backend!(a_token_file_is_used_and_reread_when_rotated);
 
 /// A certificate authority made by a test.
 struct TestCa {
