@@ -14,8 +14,8 @@ use crate::labels::{LabelSet, LabelStore, LabelType, Selector, parse_labels, spl
 use crate::rc::{RC_ID_LABEL, RC_LOCK_PREFIX, RcId, RcStore, parse_locks};
 use crate::rctask::{STATUS_PREFIX, Transfer, parse_transfers};
 use crate::roll::{
-    ROLL_LOCK_PREFIX, ROLL_PREFIX, RcCounts, RollStatus, RollStore, RollStoreError, reality_key,
-    runs,
+    ROLL_LOCK_PREFIX, ROLL_PREFIX, RcCounts, RollControl, RollStatus, RollStore, RollStoreError,
+    control_key, reality_key, runs,
 };
 
 /// One RC.
@@ -400,6 +400,7 @@ pub async fn load_rolls(consul: &Consul) -> Result<Vec<RollOverview>, ConsulErro
         .values()
         .flatten()
         .flat_map(|(n, p)| [reality_key(n, p), format!("{HEALTH_PREFIX}{p}/{n}")])
+        .chain(rolls.rolls.keys().map(|id| control_key(*id)))
         .collect();
     let found = consul.read_keys(&keys).await?;
     let counts = |id: RcId| -> Option<RcCounts> {
@@ -448,6 +449,15 @@ pub async fn load_rolls(consul: &Consul) -> Result<Vec<RollOverview>, ConsulErro
         }
         if let Some(c) = rolls.conflict(r) {
             conditions.push(format!("Blocked: {c}"));
+        }
+        if let Some(kv) = found.get(&control_key(r.id())) {
+            match RollControl::parse(kv.value_bytes()) {
+                Ok(c) if c.paused => conditions.push(format!("Paused: {}", c.describe())),
+                Ok(_) => {}
+                Err(e) => {
+                    conditions.push(format!("Paused: its control record is unreadable ({e})"))
+                }
+            }
         }
         if owner_session.is_none() {
             conditions.push("Unowned".into());

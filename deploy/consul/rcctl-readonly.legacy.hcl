@@ -7,6 +7,7 @@ key "lock/replication_controllers/" { policy = "read" }
 key "lock/rolls/" { policy = "read" }
 key "rolls/" { policy = "read" }
 key "rcfarm/farms/" { policy = "read" }
+key "rcfarm/rolls/" { policy = "read" }
 key "labels/" { policy = "read" }
 key "health/" { policy = "read" }
 key "status/replication_controllers/" { policy = "read" }

@@ -7,6 +7,7 @@ key_prefix "lock/replication_controllers/" { policy = "read" }
 key_prefix "lock/rolls/" { policy = "read" }
 key_prefix "rolls/" { policy = "read" }
 key_prefix "rcfarm/farms/" { policy = "read" }
+key_prefix "rcfarm/rolls/" { policy = "read" }
 key_prefix "labels/" { policy = "read" }
 key_prefix "health/" { policy = "read" }
 key_prefix "status/replication_controllers/" { policy = "read" }

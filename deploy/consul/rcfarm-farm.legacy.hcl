@@ -14,6 +14,8 @@ key "lock/rolls/" { policy = "write" }
 key "rolls/" { policy = "write" }
 # The farm registry: each farm's record under its session.
 key "rcfarm/farms/" { policy = "write" }
+# Operators' pause of a roll (rcctl roll pause), guarded by every roll write; deleted with the roll.
+key "rcfarm/rolls/" { policy = "write" }
 # The audit shipper's lock (one farm ships at a time); not needed with --audit-shipping off.
 key "rcfarm/audit-shipper" { policy = "write" }
 # Node labels are only read; pod, RC and roll labels are written with the pods and rolls.

@@ -105,6 +105,13 @@ async fn metrics(State(s): State<ApiState>) -> Response {
     metrics::gauge!("rcfarm_rcs_unmet")
         .set(rcs.iter().filter(|r| r.has_condition("Unmet")).count() as f64);
     metrics::gauge!("rcfarm_ready").set(if *s.ready.borrow() { 1.0 } else { 0.0 });
+    metrics::gauge!("rcfarm_rolls_paused").set(
+        s.rolls
+            .all()
+            .iter()
+            .filter(|r| r.has_condition("Paused"))
+            .count() as f64,
+    );
     metrics::gauge!("rcfarm_rolls_stalled").set(
         s.rolls
             .all()
@@ -416,6 +423,10 @@ pub fn describe_metrics() {
         (
             "rcfarm_rolls_stalled",
             "rolling updates this farm carries out that are stalled",
+        ),
+        (
+            "rcfarm_rolls_paused",
+            "rolling updates this farm carries out that an operator paused",
         ),
     ];
     for (name, help) in gauges {

@@ -55,8 +55,11 @@ pub mod events {
     pub const ROLL_INVALID: &str = "ROLLING_UPDATE_INVALID";
     pub const ROLL_CLAIMED: &str = "ROLLING_UPDATE_CLAIMED";
     pub const ROLL_RELEASED: &str = "ROLLING_UPDATE_RELEASED";
+    /// An operator paused a roll (`rcctl roll pause`) or resumed it, with the actor.
+    pub const ROLL_PAUSED: &str = "ROLLING_UPDATE_PAUSED";
+    pub const ROLL_RESUMED: &str = "ROLLING_UPDATE_RESUMED";
 
-    pub const ALL: [&str; 26] = [
+    pub const ALL: [&str; 28] = [
         RC_RETARGET,
         NODE_TRANSFER_START,
         NODE_TRANSFER_COMPLETION,
@@ -83,6 +86,8 @@ pub mod events {
         ROLL_INVALID,
         ROLL_CLAIMED,
         ROLL_RELEASED,
+        ROLL_PAUSED,
+        ROLL_RESUMED,
     ];
 }
 

@@ -33,6 +33,7 @@ const RIGHTS: &[(&str, Access)] = &[
     ("lock/rolls/", Access::Write),
     ("rolls/", Access::Write),
     ("rcfarm/farms/", Access::Write),
+    ("rcfarm/rolls/", Access::Write),
     ("labels/node/", Access::Read),
     ("labels/pod/", Access::Write),
     ("labels/replication_controller/", Access::Write),

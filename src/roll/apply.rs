@@ -6,6 +6,7 @@ use std::time::Duration;
 use chrono::Utc;
 use serde_json::{Value, json};
 
+use super::control::control_key;
 use super::plan::RollAction;
 use super::record::{Roll, roll_key, roll_lock_key};
 use super::store::completion_details;
@@ -17,11 +18,13 @@ use crate::rc::{Mutation, Rc, RcStore};
 
 impl Worker {
     /// The checks every write of the roll begins with: this farm holds the roll's lock (op 0),
-    /// and the roll is the version planned against (op 1; an abort deletes it).
-    pub(super) fn fence(&self, roll: &Roll) -> Vec<TxnOp> {
+    /// the roll is the version planned against (op 1; an abort deletes it), and its control is
+    /// as read (op 2: a pause written since fails the write).
+    pub(super) fn fence(&self, roll: &Roll, o: &Observation) -> Vec<TxnOp> {
         vec![
             TxnOp::check_session(roll_lock_key(self.id), &self.session),
             TxnOp::check_index(roll_key(self.id), roll.modify_index),
+            o.control.guard(self.id),
         ]
     }
 
@@ -38,7 +41,7 @@ impl Worker {
         let (Some(old), Some(new)) = (o.old.clone(), o.new.clone()) else {
             return Err(RollError::Other("an RC of the roll is missing".into()));
         };
-        let mut ops = self.fence(roll);
+        let mut ops = self.fence(roll, o);
         let checks = [
             TxnOp::check_session(u.old_rc.mutation_lock_key(), &self.session),
             TxnOp::check_session(u.new_rc.mutation_lock_key(), &self.session),
@@ -194,6 +197,7 @@ impl Worker {
                         }),
                     ));
                 }
+                ops.push(TxnOp::delete(control_key(self.id)));
                 // Our own lock last: the farm sees the roll and its lock go together.
                 ops.push(TxnOp::delete(roll_lock_key(self.id)));
                 (audits, false)
@@ -265,7 +269,7 @@ impl Worker {
         details.insert("old_rc".into(), json!(u.old_rc));
         details.insert("new_rc".into(), json!(u.new_rc));
         details.insert("reason".into(), json!(reason));
-        let mut ops = self.fence(roll);
+        let mut ops = self.fence(roll, o);
         ops.push(TxnOp::delete_cas(roll_key(self.id), roll.modify_index));
         ops.push(LabelStore::delete_op(
             LabelType::Rolls,
@@ -284,6 +288,7 @@ impl Worker {
                 ops.push(TxnOp::delete(id.mutation_lock_key()));
             }
         }
+        ops.push(TxnOp::delete(control_key(self.id)));
         ops.push(TxnOp::delete(roll_lock_key(self.id)));
         let audits = vec![AuditRecord::new(
             events::ROLL_COMPLETION,

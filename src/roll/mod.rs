@@ -10,12 +10,14 @@
 //! - [`status`]: what a farm reports about the rolls it carries out.
 
 mod apply;
+pub mod control;
 pub mod plan;
 pub mod record;
 pub mod status;
 pub mod store;
 pub mod worker;
 
+pub use control::{CONTROL_PREFIX, ControlSeen, RollControl, control_key};
 pub use plan::{
     LockState, RcCounts, RollAction, RollObserved, RollPlan, WaitKind, plan, roll_algorithm,
 };
@@ -25,8 +27,8 @@ pub use record::{
 };
 pub use status::{RollStatus, RollStatusRegistry};
 pub use store::{
-    NewRoll, RollListing, RollStore, RollStoreError, RollWatch, StartRoll, WrittenRoll,
-    update_creation_key,
+    NewRoll, PauseOutcome, RollListing, RollStore, RollStoreError, RollWatch, StartRoll,
+    WrittenRoll, update_creation_key,
 };
 pub use worker::{
     ROLL_HOLDER_PREFIX, RollConfig, RollContext, RollEvent, RollHandle, RollState, STARTED_LABEL,

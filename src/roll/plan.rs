@@ -91,6 +91,9 @@ pub struct RollObserved<'a> {
     pub started: bool,
     /// The old RC's key is absent (confirmed by a read of its own, not only the farm's view).
     pub old_missing: bool,
+    /// An operator paused the roll (`rcctl roll pause`): who and when, in words. `Err`: its
+    /// control record cannot be read, which pauses it too (never a step nobody can stop).
+    pub paused: Option<String>,
 }
 
 /// One step, applied as one fenced transaction.
@@ -132,6 +135,8 @@ pub enum WaitKind {
     Delay,
     /// Pods must come or go (a disabled new RC settling, the old RC removing leftovers).
     Pods,
+    /// An operator paused the roll; it takes no step until resumed.
+    Paused,
 }
 
 impl WaitKind {
@@ -175,6 +180,11 @@ pub fn plan(o: &RollObserved<'_>) -> RollPlan {
     // new RC exists and old RC does not is deleted, whatever else holds.
     if o.old_missing && o.new.is_ok() {
         return RollPlan::act(RollAction::DeleteOrphan);
+    }
+    // Before anything that writes, locks included: a paused roll holds what it holds and
+    // takes nothing more. (A roll whose old RC is gone is deleted all the same, as P2 does.)
+    if let Some(p) = &o.paused {
+        return RollPlan::wait(WaitKind::Paused, p.clone());
     }
     if let Some(c) = &o.conflict {
         return RollPlan::wait(WaitKind::Blocked, c.clone());
@@ -467,7 +477,41 @@ mod tests {
             ready_since: None,
             started: old.disabled,
             old_missing: false,
+            paused: None,
         }
+    }
+
+    #[test]
+    fn a_paused_roll_takes_no_step_and_resumes_from_the_counts() {
+        let u = update(4, 3);
+        // Mid-roll: one pod moved, the next step possible.
+        let old = counts(3, 3, 3, true);
+        let new = counts(1, 1, 1, false);
+        let mut o = observe(&u, old, new);
+        let step = plan(&o).action;
+        assert!(matches!(step, Some(RollAction::Step { .. })), "{step:?}");
+        o.paused = Some("paused by rcctl:ops@host".into());
+        let p = plan(&o);
+        assert_eq!(p.action, None);
+        assert_eq!(
+            p.waiting,
+            Some((WaitKind::Paused, "paused by rcctl:ops@host".into()))
+        );
+        assert!(!p.step_ready, "the roll delay starts again after a resume");
+        // Nor a lock it lacks, nor the start.
+        o.old_lock = LockState::Free;
+        assert_eq!(plan(&o).action, None);
+        let mut o = observe(&u, counts(4, 4, 4, false), counts(0, 0, 0, false));
+        o.paused = Some("paused".into());
+        assert_eq!(plan(&o).action, None);
+        // Resumed: the same step as before the pause, from the RCs' counts.
+        o = observe(&u, old, new);
+        assert_eq!(plan(&o).action, step);
+        // A roll whose old RC is gone is deleted even while paused, as P2 would.
+        let mut o = observe(&u, old, new);
+        o.paused = Some("paused".into());
+        o.old_missing = true;
+        assert_eq!(plan(&o).action, Some(RollAction::DeleteOrphan));
     }
 
     #[test]
@@ -823,6 +867,7 @@ mod tests {
                         ready_since: None,
                         started,
                         old_missing: false,
+                        paused: None,
                     };
                     let up_before = w.up();
                     match plan(&o).action {

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 
+use super::control::{RollControl, control_key};
 use super::record::{InvalidRoll, ROLL_PREFIX, Roll, RollId, Update, roll_id_from_key, roll_key};
 use crate::audit::{AuditRecord, events};
 use crate::consul::{
@@ -50,7 +51,9 @@ pub enum RollStoreError {
         session: String,
         name: String,
     },
-    #[error("the rolling update changed while aborting it; look at it again (rcctl roll show {0})")]
+    #[error(
+        "the rolling update kept changing while this was written; look at it again (rcctl roll show {0})"
+    )]
     Changed(RollId),
 }
 
@@ -161,6 +164,15 @@ pub struct WrittenRoll {
     pub update: Update,
     pub ops: Vec<TxnOp>,
     pub committed: bool,
+}
+
+/// What `RollStore::set_paused` found or did.
+#[derive(Debug, Clone)]
+pub enum PauseOutcome {
+    /// Written (or, on a dry run, the transaction that would be).
+    Written(WrittenRoll),
+    /// Already as asked; nothing written. The control, for the message.
+    Unchanged(RollControl),
 }
 
 /// Reads and writes rolls.
@@ -283,6 +295,95 @@ impl RollStore {
         .await
     }
 
+    /// Pauses (`paused`) or resumes a roll: its control record at `rcfarm/rolls/<id>` and an
+    /// audit record with `actor`, in one transaction guarded by both keys' versions (retried a
+    /// few times if the roll's farm writes meanwhile). A roll that does not exist (finished, or
+    /// never started) is [`RollStoreError::NotFound`]; one already as asked is left alone.
+    pub async fn set_paused(
+        &self,
+        id: RollId,
+        paused: bool,
+        actor: &str,
+        dry_run: bool,
+    ) -> Result<PauseOutcome, RollStoreError> {
+        for _ in 0..5 {
+            let keys = [roll_key(id), control_key(id)];
+            let found = self.consul.read_keys(&keys).await?;
+            let entry = found.get(&keys[0]).ok_or(RollStoreError::NotFound(id))?;
+            let update = Roll::from_kv(
+                &entry.key,
+                entry.value_bytes(),
+                entry.modify_index,
+                entry.create_index,
+            )
+            .map(|r| r.update)
+            .map_err(|inv| {
+                RollStoreError::Refused(format!("its record is invalid: {}", inv.problem))
+            })?;
+            let (current, index) = match found.get(&keys[1]) {
+                // A control that cannot be read counts as paused (the farm treats it so).
+                Some(kv) => (
+                    RollControl::parse(kv.value_bytes()).unwrap_or(RollControl {
+                        paused: true,
+                        ..Default::default()
+                    }),
+                    kv.modify_index,
+                ),
+                None => (RollControl::default(), 0),
+            };
+            if current.paused == paused {
+                return Ok(PauseOutcome::Unchanged(current));
+            }
+            let control = if paused {
+                RollControl {
+                    paused: true,
+                    paused_by: Some(actor.to_string()),
+                    paused_at: Some(chrono::Utc::now()),
+                }
+            } else {
+                RollControl::default()
+            };
+            let audit = AuditRecord::new(
+                if paused {
+                    events::ROLL_PAUSED
+                } else {
+                    events::ROLL_RESUMED
+                },
+                json!({
+                    "rolling_update_id": id,
+                    "old_rc": update.old_rc,
+                    "new_rc": update.new_rc,
+                    "actor": actor,
+                }),
+            );
+            let ops = vec![
+                TxnOp::check_index(roll_key(id), entry.modify_index),
+                TxnOp::cas(control_key(id), control.to_bytes(), index),
+                audit.txn_op(),
+            ];
+            if dry_run {
+                return Ok(PauseOutcome::Written(WrittenRoll {
+                    update,
+                    ops,
+                    committed: false,
+                }));
+            }
+            match self.consul.txn(&ops).await {
+                Ok(_) => {
+                    return Ok(PauseOutcome::Written(WrittenRoll {
+                        update,
+                        ops,
+                        committed: true,
+                    }));
+                }
+                // The roll's farm wrote a step (or created the control) meanwhile: read again.
+                Err(ConsulError::Conflict(_)) => continue,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Err(RollStoreError::Changed(id))
+    }
+
     /// Deletes a roll and leaves both RCs as they are (the old one stays disabled if the roll
     /// started), with P2's `ROLLING_UPDATE_COMPLETION` record (`canceled`). The farm carrying
     /// it out stops and gives its locks back.
@@ -315,6 +416,7 @@ impl RollStore {
         let ops = vec![
             TxnOp::delete_cas(roll_key(id), entry.modify_index),
             LabelStore::delete_op(LabelType::Rolls, &id.to_string()),
+            TxnOp::delete(super::control::control_key(id)),
             AuditRecord::new(events::ROLL_COMPLETION, Value::Object(details)).txn_op(),
         ];
         let update = match roll {

@@ -14,6 +14,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
+use super::control::{ControlSeen, control_key};
 use super::plan::{LockState, RcCounts, RollAction, RollObserved, RollPlan, WaitKind, plan};
 use super::record::{InvalidRoll, Roll, RollId};
 use super::status::RollStatusRegistry;
@@ -179,6 +180,8 @@ pub(super) struct Observation {
     pub(super) mutation_index: (Option<u64>, Option<u64>),
     /// The roll's labels and their key's index.
     pub(super) labels: (LabelSet, u64),
+    /// The operator's control of the roll, as read with the rest.
+    pub(super) control: ControlSeen,
 }
 
 /// How a pass ended.
@@ -372,11 +375,12 @@ impl Worker {
         let new_pods = new.as_ref().map(|rc| pods_of(rc)).unwrap_or_default();
         // What the pods' nodes run, and the roll's labels, in one read.
         let labels_key = LabelType::Rolls.key(&self.id.to_string());
+        let ctl_key = control_key(self.id);
         let keys: Vec<String> = old_pods
             .iter()
             .chain(&new_pods)
             .map(|(n, p)| reality_key(n, p))
-            .chain([labels_key.clone()])
+            .chain([labels_key.clone(), ctl_key.clone()])
             .collect::<BTreeSet<_>>()
             .into_iter()
             .collect();
@@ -390,6 +394,17 @@ impl Worker {
                 )
             })
             .unwrap_or_default();
+        let control = reality
+            .get(&ctl_key)
+            .map(|kv| ControlSeen::from_entry(kv.value_bytes(), kv.modify_index))
+            .unwrap_or_else(ControlSeen::absent);
+        let paused = match &control.control {
+            Ok(c) if c.paused => Some(c.describe()),
+            Ok(_) => None,
+            Err(e) => Some(format!(
+                "paused: its control record {ctl_key} cannot be read ({e}); fix or delete it"
+            )),
+        };
         let count = |rc: &Rc, pods: &[(String, String)]| -> RcCounts {
             RcCounts::count(
                 rc.replicas_desired,
@@ -424,6 +439,7 @@ impl Worker {
             ready_since: self.ready_since,
             started: labels.0.contains_key(STARTED_LABEL),
             old_missing,
+            paused,
         };
         let planned = plan(&observed);
         if planned.step_ready {
@@ -443,6 +459,7 @@ impl Worker {
             new_counts,
             mutation_index,
             labels,
+            control,
         })
     }
 
@@ -468,6 +485,14 @@ impl Worker {
             s.waiting = o.planned.waiting.clone();
             s.lowest_healthy = lowest;
             s.set_condition(
+                "Paused",
+                o.planned
+                    .waiting
+                    .as_ref()
+                    .filter(|(k, _)| *k == WaitKind::Paused)
+                    .map(|(_, why)| why.clone()),
+            );
+            s.set_condition(
                 "Blocked",
                 o.planned
                     .waiting
@@ -489,7 +514,7 @@ impl Worker {
         let Some((kind, why)) = waiting else {
             return Ok(());
         };
-        if *kind == WaitKind::Delay {
+        if matches!(kind, WaitKind::Delay | WaitKind::Paused) {
             // Waiting on purpose.
             self.stuck_since = None;
             return Ok(());

@@ -385,6 +385,24 @@ impl Cluster {
             .new_rc
     }
 
+    /// Runs `rcctl` against this cluster's Consul and audit database: exit code, stdout, stderr.
+    pub async fn rcctl(&self, args: &[&str]) -> (i32, String, String) {
+        let out = Command::new(env!("CARGO_BIN_EXE_rcctl"))
+            .args(["--consul", &self.server.url()])
+            .args(args)
+            .env("RCFARM_AUDIT_DB", &self.audit_db)
+            .env_remove("CONSUL_HTTP_TOKEN")
+            .env_remove("CONSUL_HTTP_TOKEN_FILE")
+            .output()
+            .await
+            .unwrap();
+        (
+            out.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    }
+
     /// Rewrites one field of a stored RC record directly in KV.
     pub async fn patch_rc(&self, id: RcId, field: &str, value: Value) {
         let (e, _) = self

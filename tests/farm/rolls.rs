@@ -682,3 +682,85 @@ async fn p2s_own_rolling_update_cli_completes_against_rcfarms_farms(backend: Bac
     assert!(c.all_up(ids[1], 3).await);
     c.check_invariants(|_| false);
 }
+
+on_both_backends!(a_paused_roll_takes_no_step_keeps_its_lock_and_resumes_from_the_counts);
+async fn a_paused_roll_takes_no_step_keeps_its_lock_and_resumes_from_the_counts(backend: Backend) {
+    let mut c = Cluster::start_on(&backend).await;
+    nodes(&c, 5, 1).await;
+    let _sim = c.simulate(5, 0.0);
+    c.spawn_farm("f1", &ROLL_FLAGS).await;
+    let old = rcs(&c, 1, 4).await[0];
+    let cr = &c;
+    c.wait_for(
+        Duration::from_secs(30),
+        "the old RC up",
+        move || async move { cr.all_up(old, 4).await },
+    )
+    .await;
+    // One pod at a time, a second apart: time to pause it half-way.
+    let roll = start_roll(&c, old, 3, Duration::from_secs(1)).await;
+    let desired = |id: RcId| async move {
+        RcStore::new(cr.consul.clone())
+            .get(id)
+            .await
+            .unwrap()
+            .map(|rc| rc.replicas_desired)
+    };
+    c.wait_for(
+        Duration::from_secs(30),
+        "the first step",
+        move || async move { desired(roll).await.is_some_and(|d| d >= 1) },
+    )
+    .await;
+    let id = roll.to_string();
+    let (code, out, err) = c.rcctl(&["roll", "pause", &id]).await;
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("paused"), "{out}");
+    // From here no step commits: what the RCs want now is what they want until the resume.
+    let at_pause = (desired(old).await, desired(roll).await);
+    let holder = roll_holder(&c, roll).await;
+    assert!(holder.is_some());
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    assert_eq!((desired(old).await, desired(roll).await), at_pause);
+    assert!(roll_exists(&c, roll).await);
+    assert_eq!(roll_holder(&c, roll).await, holder, "the lock is kept");
+    let (code, out, _) = c.rcctl(&["--json", "roll", "show", &id]).await;
+    assert_eq!(code, 0);
+    let shown: Value = serde_json::from_str(&out).unwrap();
+    let conditions = shown.to_string();
+    assert!(conditions.contains("Paused: paused by rcctl:"), "{out}");
+    // Pausing again writes nothing.
+    let (code, out, _) = c.rcctl(&["roll", "pause", &id]).await;
+    assert_eq!(code, 0);
+    assert!(out.contains("already paused by rcctl:"), "{out}");
+
+    let (code, out, err) = c.rcctl(&["roll", "resume", &id]).await;
+    assert_eq!(code, 0, "{out}{err}");
+    completed(&c, roll, old, 4, Duration::from_secs(60)).await;
+    assert_eq!(
+        c.count_prefix("rcfarm/rolls/").await,
+        0,
+        "the control goes with the roll"
+    );
+    let lowest = c.roll_lowest_up().get(&id).copied();
+    assert!(lowest.is_none_or(|l| l >= 3), "lowest pods up {lowest:?}");
+
+    // Audited once each, with who did it.
+    c.wait_for(
+        Duration::from_secs(10),
+        "the audit records",
+        move || async move { cr.audit_events("ROLLING_UPDATE_RESUMED").await.len() == 1 },
+    )
+    .await;
+    let paused = c.audit_events("ROLLING_UPDATE_PAUSED").await;
+    assert_eq!(paused.len(), 1, "{paused:?}");
+    assert!(paused[0]["actor"].as_str().unwrap().starts_with("rcctl:"));
+    assert_eq!(paused[0]["rolling_update_id"], id);
+
+    // The roll is gone: pausing it is a usage mistake, and nothing is written.
+    let (code, _, err) = c.rcctl(&["roll", "pause", &id]).await;
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains(&format!("no rolling update {id}")), "{err}");
+    assert_eq!(c.count_prefix("rcfarm/rolls/").await, 0);
+    c.check_invariants(|_| false);
+}

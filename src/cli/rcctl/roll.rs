@@ -12,7 +12,9 @@ use crate::cli::{CliError, parse_duration_flag};
 use crate::labels::LabelSet;
 use crate::overview::RollOverview;
 use crate::rc::RcId;
-use crate::roll::{NewRoll, RollStore, RollStoreError, StartRoll, Update, WrittenRoll};
+use crate::roll::{
+    NewRoll, PauseOutcome, RollStore, RollStoreError, StartRoll, Update, WrittenRoll,
+};
 
 #[derive(Debug, Subcommand)]
 pub(crate) enum RollCommand {
@@ -55,6 +57,19 @@ pub(crate) enum RollCommand {
     /// Delete a rolling update and leave both RCs as they are (the old RC stays disabled if
     /// the roll started: `rcctl rc enable` it to let it act again).
     Abort {
+        id: String,
+        #[command(flatten)]
+        dry: DryRun,
+    },
+    /// Pause a rolling update: it takes no further step (not even one already planned) and
+    /// keeps its RCs and lock as they are, until `rcctl roll resume`.
+    Pause {
+        id: String,
+        #[command(flatten)]
+        dry: DryRun,
+    },
+    /// Resume a paused rolling update, from where its RCs' counts are.
+    Resume {
         id: String,
         #[command(flatten)]
         dry: DryRun,
@@ -163,6 +178,8 @@ pub(crate) async fn run(ctx: &Ctx, cmd: RollCommand) -> Result<(), CliError> {
                 .map_err(roll_failed)?;
             created(ctx, w, wait).await
         }
+        RollCommand::Pause { id, dry } => set_paused(ctx, &store, &id, true, dry).await,
+        RollCommand::Resume { id, dry } => set_paused(ctx, &store, &id, false, dry).await,
         RollCommand::List => list(ctx).await,
         RollCommand::Show { id } => show(ctx, &id).await,
         RollCommand::Abort { id, dry } => {
@@ -181,6 +198,56 @@ pub(crate) async fn run(ctx: &Ctx, cmd: RollCommand) -> Result<(), CliError> {
                 "rolling update {id} aborted; both RCs are left as they are (the old RC {} stays disabled if the roll had started: `rcctl rc enable {}` to let it act again)",
                 w.update.old_rc, w.update.old_rc
             );
+            Ok(())
+        }
+    }
+}
+
+/// `roll pause` / `roll resume`.
+async fn set_paused(
+    ctx: &Ctx,
+    store: &RollStore,
+    id: &str,
+    paused: bool,
+    dry: DryRun,
+) -> Result<(), CliError> {
+    let id = parse_id(id)?;
+    let outcome = match store.set_paused(id, paused, &rc_actor(), dry.dry_run).await {
+        Err(RollStoreError::NotFound(_)) => {
+            return Err(CliError::Usage(format!(
+                "no rolling update {id}: it finished, was aborted or never existed (rcctl roll list; rcctl audit --type ROLLING_UPDATE_COMPLETION)"
+            )));
+        }
+        other => other.map_err(roll_failed)?,
+    };
+    match outcome {
+        PauseOutcome::Written(w) if !w.committed => print_txn(&w.ops),
+        PauseOutcome::Written(_) if ctx.json => {
+            json(&serde_json::json!({"id": id.to_string(), "paused": paused, "changed": true}))
+        }
+        PauseOutcome::Written(_) => {
+            if paused {
+                println!(
+                    "rolling update {id} paused: it takes no further step until `rcctl roll resume {id}`"
+                );
+            } else {
+                println!("rolling update {id} resumed");
+            }
+            Ok(())
+        }
+        PauseOutcome::Unchanged(c) if ctx.json => json(&serde_json::json!({
+            "id": id.to_string(), "paused": paused, "changed": false,
+            "paused_by": c.paused_by,
+        })),
+        PauseOutcome::Unchanged(c) => {
+            if paused {
+                println!(
+                    "rolling update {id} is already {}; nothing written",
+                    c.describe()
+                );
+            } else {
+                println!("rolling update {id} is not paused; nothing written");
+            }
             Ok(())
         }
     }

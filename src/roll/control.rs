@@ -1,0 +1,113 @@
+//! What operators say about a roll beyond P2's record: paused or not. Kept at
+//! `rcfarm/rolls/<id>` (P2's tools never read it) so that P2's `rolls/<id>` stays byte for byte
+//! P2's. Every write a roll task makes is guarded by this key's version (or, while it does not
+//! exist, creates it), so a pause written while a step is planned makes that step's transaction
+//! fail: a paused roll takes no step, not even one already planned.
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+
+use super::record::RollId;
+use crate::consul::TxnOp;
+
+/// Where the controls of rolls live.
+pub const CONTROL_PREFIX: &str = "rcfarm/rolls/";
+
+/// `rcfarm/rolls/<id>`.
+pub fn control_key(id: RollId) -> String {
+    format!("{CONTROL_PREFIX}{id}")
+}
+
+/// An operator's say over one roll.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RollControl {
+    #[serde(default)]
+    pub paused: bool,
+    /// Who paused it (`rcctl:<user>@<host>`), and when.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub paused_by: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub paused_at: Option<DateTime<Utc>>,
+}
+
+impl RollControl {
+    pub fn parse(bytes: &[u8]) -> Result<RollControl, String> {
+        serde_json::from_slice(bytes).map_err(|e| format!("not a roll control record: {e}"))
+    }
+
+    pub fn to_bytes(&self) -> Vec<u8> {
+        // A struct of plain fields always serializes.
+        serde_json::to_vec(self).unwrap_or_default()
+    }
+
+    /// "paused by X since T", for conditions and messages.
+    pub fn describe(&self) -> String {
+        let mut s = "paused".to_string();
+        if let Some(by) = &self.paused_by {
+            s.push_str(&format!(" by {by}"));
+        }
+        if let Some(at) = &self.paused_at {
+            s.push_str(&format!(" at {}", at.format("%Y-%m-%dT%H:%M:%SZ")));
+        }
+        s
+    }
+}
+
+/// A roll's control as last read: its record and the key's version (0: no key).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ControlSeen {
+    pub control: Result<RollControl, String>,
+    pub index: u64,
+}
+
+impl ControlSeen {
+    pub fn absent() -> ControlSeen {
+        ControlSeen {
+            control: Ok(RollControl::default()),
+            index: 0,
+        }
+    }
+
+    pub fn from_entry(value: &[u8], index: u64) -> ControlSeen {
+        ControlSeen {
+            control: RollControl::parse(value),
+            index,
+        }
+    }
+
+    /// The guard a roll task's write carries: the key unchanged since read, or still absent
+    /// (then created, unpaused, by the same transaction).
+    pub fn guard(&self, id: RollId) -> TxnOp {
+        if self.index > 0 {
+            TxnOp::check_index(control_key(id), self.index)
+        } else {
+            TxnOp::cas(control_key(id), RollControl::default().to_bytes(), 0)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rc::RcId;
+
+    #[test]
+    fn a_control_round_trips_and_guards_by_version() {
+        let c = RollControl {
+            paused: true,
+            paused_by: Some("rcctl:ops@host".into()),
+            paused_at: None,
+        };
+        assert_eq!(RollControl::parse(&c.to_bytes()).unwrap(), c);
+        assert_eq!(c.describe(), "paused by rcctl:ops@host");
+        assert!(!RollControl::parse(b"{}").unwrap().paused);
+        assert!(RollControl::parse(b"nope").is_err());
+        let id = RcId::new();
+        let seen = ControlSeen::from_entry(&c.to_bytes(), 42);
+        assert_eq!(seen.guard(id), TxnOp::check_index(control_key(id), 42));
+        assert_eq!(
+            ControlSeen::absent().guard(id),
+            TxnOp::cas(control_key(id), RollControl::default().to_bytes(), 0)
+        );
+    }
+}
