@@ -54,6 +54,28 @@ async fn completed(c: &Cluster, roll: RcId, old: RcId, n: usize, timeout: Durati
     .await;
 }
 
+/// A cluster of `n` simulated healthy nodes, farm f1 with the roll flags, and one RC of
+/// `replicas` pods all up; the simulator's stop token and the RC.
+async fn rolling_cluster(
+    backend: &Backend,
+    n: usize,
+    replicas: usize,
+) -> (Cluster, tokio_util::sync::CancellationToken, RcId) {
+    let mut c = Cluster::start_on(backend).await;
+    nodes(&c, n, 1).await;
+    let sim = c.simulate(n, 0.0);
+    c.spawn_farm("f1", &ROLL_FLAGS).await;
+    let old = rcs(&c, 1, replicas as i64).await[0];
+    let cr = &c;
+    c.wait_for(
+        Duration::from_secs(30),
+        "the old RC up",
+        move || async move { cr.all_up(old, replicas).await },
+    )
+    .await;
+    (c, sim, old)
+}
+
 on_both_backends!(a_roll_replaces_pods_in_place_and_never_takes_them_below_the_minimum);
 async fn a_roll_replaces_pods_in_place_and_never_takes_them_below_the_minimum(backend: Backend) {
     let mut c = Cluster::start_on(&backend).await;
@@ -306,18 +328,8 @@ async fn a_roll_is_resumed_by_another_farm_after_its_farm_is_killed_or_stopped(b
 
 on_both_backends!(a_roll_that_cannot_progress_says_why_once_and_resumes_when_fixed);
 async fn a_roll_that_cannot_progress_says_why_once_and_resumes_when_fixed(backend: Backend) {
-    let mut c = Cluster::start_on(&backend).await;
-    nodes(&c, 4, 1).await;
-    let sim = c.simulate(4, 0.0);
-    c.spawn_farm("f1", &ROLL_FLAGS).await;
-    let old = rcs(&c, 1, 3).await[0];
+    let (c, sim, old) = rolling_cluster(&backend, 4, 3).await;
     let cr = &c;
-    c.wait_for(
-        Duration::from_secs(30),
-        "the old RC up",
-        move || async move { cr.all_up(old, 3).await },
-    )
-    .await;
     // From now on every new pod fails its health check; the running ones stay up.
     sim.cancel();
     let failing = c.simulate(4, 1.0);
@@ -685,18 +697,8 @@ async fn p2s_own_rolling_update_cli_completes_against_rcfarms_farms(backend: Bac
 
 on_both_backends!(a_paused_roll_takes_no_step_keeps_its_lock_and_resumes_from_the_counts);
 async fn a_paused_roll_takes_no_step_keeps_its_lock_and_resumes_from_the_counts(backend: Backend) {
-    let mut c = Cluster::start_on(&backend).await;
-    nodes(&c, 5, 1).await;
-    let _sim = c.simulate(5, 0.0);
-    c.spawn_farm("f1", &ROLL_FLAGS).await;
-    let old = rcs(&c, 1, 4).await[0];
+    let (c, _sim, old) = rolling_cluster(&backend, 5, 4).await;
     let cr = &c;
-    c.wait_for(
-        Duration::from_secs(30),
-        "the old RC up",
-        move || async move { cr.all_up(old, 4).await },
-    )
-    .await;
     // One pod at a time, a second apart: time to pause it half-way.
     let roll = start_roll(&c, old, 3, Duration::from_secs(1)).await;
     let desired = |id: RcId| async move {
