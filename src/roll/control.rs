@@ -28,6 +28,10 @@ pub struct RollControl {
     pub paused_by: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub paused_at: Option<DateTime<Utc>>,
+    /// At most this many pods replaced per step, even where the minimum would allow more
+    /// (`--max-parallel`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_parallel: Option<u64>,
 }
 
 impl RollControl {
@@ -97,6 +101,7 @@ mod tests {
             paused: true,
             paused_by: Some("rcctl:ops@host".into()),
             paused_at: None,
+            max_parallel: Some(2),
         };
         assert_eq!(RollControl::parse(&c.to_bytes()).unwrap(), c);
         assert_eq!(c.describe(), "paused by rcctl:ops@host");

@@ -94,6 +94,8 @@ pub struct RollObserved<'a> {
     /// An operator paused the roll (`rcctl roll pause`): who and when, in words. `Err`: its
     /// control record cannot be read, which pauses it too (never a step nobody can stop).
     pub paused: Option<String>,
+    /// At most this many pods replaced (added and removed) per step (`--max-parallel`).
+    pub max_parallel: Option<u64>,
 }
 
 /// One step, applied as one fenced transaction.
@@ -290,6 +292,11 @@ pub fn plan(o: &RollObserved<'_>) -> RollPlan {
         target,
         u.minimum_replicas,
     );
+    // Fewer than the minimum allows is always safe: fewer pods down, fewer new pods to wait for.
+    let (remove, add) = match o.max_parallel {
+        Some(n) => (remove.min(n), add.min(n)),
+        None => (remove, add),
+    };
     if add == 0 && remove == 0 {
         let min = u.minimum_replicas;
         let healthy = old_healthy + new.healthy;
@@ -478,6 +485,7 @@ mod tests {
             started: old.disabled,
             old_missing: false,
             paused: None,
+            max_parallel: None,
         }
     }
 
@@ -512,6 +520,28 @@ mod tests {
         o.paused = Some("paused".into());
         o.old_missing = true;
         assert_eq!(plan(&o).action, Some(RollAction::DeleteOrphan));
+    }
+
+    #[test]
+    fn max_parallel_caps_each_step_below_what_the_minimum_allows() {
+        let step = |add, remove, old_to| {
+            Some(RollAction::Step {
+                add,
+                remove,
+                old_to,
+            })
+        };
+        // A minimum of 0 would replace all four pods at once.
+        let u = update(4, 0);
+        let mut o = observe(&u, counts(4, 4, 4, true), counts(0, 0, 0, false));
+        assert_eq!(plan(&o).action, step(4, 4, 0));
+        o.max_parallel = Some(1);
+        assert_eq!(plan(&o).action, step(1, 1, 3));
+        // Where the minimum allows fewer, the minimum decides.
+        let u = update(4, 3);
+        let mut o = observe(&u, counts(4, 4, 4, true), counts(0, 0, 0, false));
+        o.max_parallel = Some(2);
+        assert_eq!(plan(&o).action, step(1, 1, 3));
     }
 
     #[test]
@@ -868,6 +898,7 @@ mod tests {
                         started,
                         old_missing: false,
                         paused: None,
+                        max_parallel: None,
                     };
                     let up_before = w.up();
                     match plan(&o).action {

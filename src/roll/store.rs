@@ -179,6 +179,8 @@ pub enum PauseOutcome {
 #[derive(Debug, Clone)]
 pub struct RollStore {
     consul: Consul,
+    /// What a roll created by this store starts with at `rcfarm/rolls/<id>` (its pace).
+    control: RollControl,
 }
 
 /// The creation session's id in a dry run's printed transaction.
@@ -186,7 +188,22 @@ const DRY_RUN_SESSION: &str = "<creation-session>";
 
 impl RollStore {
     pub fn new(consul: Consul) -> Self {
-        Self { consul }
+        Self {
+            consul,
+            control: RollControl::default(),
+        }
+    }
+
+    /// Rolls this store creates start with `control` (e.g. `--max-parallel`). Every creation
+    /// writes a control record, clearing one a roll of the same id left behind (P2's tools
+    /// delete rolls without it).
+    pub fn with_control(mut self, control: RollControl) -> Self {
+        self.control = control;
+        self
+    }
+
+    fn control_op(&self, u: &Update) -> TxnOp {
+        TxnOp::set(control_key(u.id()), self.control.to_bytes())
     }
 
     pub fn consul(&self) -> &Consul {
@@ -231,6 +248,7 @@ impl RollStore {
                     ops.push(TxnOp::check_index(rc.id.key(), rc.modify_index));
                 }
                 ops.extend(creation_ops(&u, &new_rc, &new.labels, actor));
+                ops.push(self.control_op(&u));
                 Ok((u.clone(), ops))
             },
         )
@@ -290,6 +308,7 @@ impl RollStore {
             let mut ops = vec![TxnOp::check_index(old.id.key(), old.modify_index)];
             ops.extend(created.ops.iter().cloned());
             ops.extend(creation_ops(&u, &new_rc, &LabelSet::new(), actor));
+            ops.push(self.control_op(&u));
             Ok((u.clone(), ops))
         })
         .await
@@ -334,14 +353,21 @@ impl RollStore {
             if current.paused == paused {
                 return Ok(PauseOutcome::Unchanged(current));
             }
+            // The roll's pace stays as it was.
             let control = if paused {
                 RollControl {
                     paused: true,
                     paused_by: Some(actor.to_string()),
                     paused_at: Some(chrono::Utc::now()),
+                    ..current
                 }
             } else {
-                RollControl::default()
+                RollControl {
+                    paused: false,
+                    paused_by: None,
+                    paused_at: None,
+                    ..current
+                }
             };
             let audit = AuditRecord::new(
                 if paused {

@@ -440,6 +440,7 @@ impl Worker {
             started: labels.0.contains_key(STARTED_LABEL),
             old_missing,
             paused,
+            max_parallel: control.control.as_ref().ok().and_then(|c| c.max_parallel),
         };
         let planned = plan(&observed);
         if planned.step_ready {

@@ -40,6 +40,14 @@ async fn roll_exists(c: &Cluster, id: RcId) -> bool {
         .is_some()
 }
 
+/// Waits until the audit log holds `n` records of `event`.
+async fn audited(c: &Cluster, event: &str, n: usize) {
+    c.wait_for(Duration::from_secs(10), event, move || async move {
+        c.audit_events(event).await.len() == n
+    })
+    .await;
+}
+
 /// Waits until the roll is gone, the old RC deleted and the new one runs `n` pods, all up.
 async fn completed(c: &Cluster, roll: RcId, old: RcId, n: usize, timeout: Duration) {
     c.wait_for(timeout, "the roll completes", move || async move {
@@ -123,13 +131,7 @@ async fn a_roll_replaces_pods_in_place_and_never_takes_them_below_the_minimum(ba
     }
 
     // The audit trail: P2's creation and completion records, the start, each step.
-    let cr = &c;
-    c.wait_for(
-        Duration::from_secs(10),
-        "the audit records",
-        move || async move { cr.audit_events("ROLLING_UPDATE_COMPLETION").await.len() == 1 },
-    )
-    .await;
+    audited(&c, "ROLLING_UPDATE_COMPLETION", 1).await;
     let creation = c.audit_events("ROLLING_UPDATE_CREATION").await;
     assert_eq!(creation.len(), 1);
     assert_eq!(creation[0]["rolling_update_id"], roll.to_string());
@@ -765,4 +767,75 @@ async fn a_paused_roll_takes_no_step_keeps_its_lock_and_resumes_from_the_counts(
     assert!(err.contains(&format!("no rolling update {id}")), "{err}");
     assert_eq!(c.count_prefix("rcfarm/rolls/").await, 0);
     c.check_invariants(|_| false);
+}
+
+on_both_backends!(max_parallel_and_max_unavailable_pace_a_roll_started_by_rcctl);
+async fn max_parallel_and_max_unavailable_pace_a_roll_started_by_rcctl(backend: Backend) {
+    let (c, _sim, old) = rolling_cluster(&backend, 4, 4).await;
+    let dir = tempfile::tempdir().unwrap();
+    let manifest = dir.path().join("v2.yaml");
+    std::fs::write(&manifest, Cluster::manifest("svc-0", 2)).unwrap();
+    let (m, id) = (manifest.to_str().unwrap(), old.to_string());
+
+    // Mistakes: exit 2, nothing written.
+    for (args, says) in [
+        (
+            vec!["--max-unavailable", "150%"],
+            "a percentage of at most 100%",
+        ),
+        (vec!["--max-unavailable", "10%"], "that is 0 of 4 pods"),
+        (
+            vec!["--max-unavailable", "many"],
+            "give a number of pods (2) or a percentage",
+        ),
+        (vec!["--max-parallel", "0"], "--max-parallel 0"),
+        (
+            vec!["--max-unavailable", "1", "--minimum", "2"],
+            "cannot be used with",
+        ),
+    ] {
+        let mut a = vec!["roll", "start", &id, "-f", m];
+        a.extend(&args);
+        let (code, out, err) = c.rcctl(&a).await;
+        assert_eq!(code, 2, "{args:?}: {out}{err}");
+        assert!(err.contains(says), "{args:?}: {err}");
+    }
+    assert_eq!(c.count_prefix("rolls/").await, 0);
+
+    // 100% unavailable is a minimum of 0, which alone would replace all four pods in one step;
+    // --max-parallel 1 replaces them one at a time.
+    let (code, out, err) = c
+        .rcctl(&[
+            "roll",
+            "start",
+            &id,
+            "-f",
+            m,
+            "--max-unavailable",
+            "100%",
+            "--max-parallel",
+            "1",
+        ])
+        .await;
+    assert_eq!(code, 0, "{out}{err}");
+    let roll = RcId::parse(out.trim()).unwrap();
+    let stored = RollStore::new(c.consul.clone())
+        .list()
+        .await
+        .unwrap()
+        .rolls
+        .get(&roll)
+        .unwrap()
+        .update
+        .minimum_replicas;
+    assert_eq!(stored, 0, "P2's field holds the converted minimum");
+    completed(&c, roll, old, 4, Duration::from_secs(60)).await;
+    audited(&c, "ROLLING_UPDATE_COMPLETION", 1).await;
+    let steps = c.audit_events("ROLLING_UPDATE_STEP").await;
+    let added: Vec<u64> = steps
+        .iter()
+        .filter_map(|s| s["replicas_added"].as_u64())
+        .collect();
+    assert_eq!(added.iter().sum::<u64>(), 4, "{steps:#?}");
+    assert!(added.iter().all(|a| *a <= 1), "one pod per step: {added:?}");
 }

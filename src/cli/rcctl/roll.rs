@@ -13,7 +13,7 @@ use crate::labels::LabelSet;
 use crate::overview::RollOverview;
 use crate::rc::RcId;
 use crate::roll::{
-    NewRoll, PauseOutcome, RollStore, RollStoreError, StartRoll, Update, WrittenRoll,
+    NewRoll, PauseOutcome, RollControl, RollStore, RollStoreError, StartRoll, Update, WrittenRoll,
 };
 
 #[derive(Debug, Subcommand)]
@@ -84,8 +84,16 @@ pub(crate) struct RollOpts {
     desired: Option<u64>,
     /// Healthy replicas (old and new together) never to go below; must be below --desired
     /// (`roll start`: one below it by default, so pods are replaced one at a time).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "max_unavailable")]
     minimum: Option<u64>,
+    /// The minimum said the other way: at most N pods, or P% of --desired (rounded down),
+    /// unavailable at once. Stored as P2's minimum (desired less that).
+    #[arg(long, value_name = "N|P%")]
+    max_unavailable: Option<String>,
+    /// At most N pods replaced per step, even where the minimum would allow more (a minimum
+    /// of 0 otherwise replaces every pod at once).
+    #[arg(long, value_name = "N")]
+    max_parallel: Option<u64>,
     /// Pause before each step once it is safe, so new pods prove themselves.
     #[arg(long, default_value = "0s", value_parser = parse_duration_flag)]
     roll_delay: Duration,
@@ -103,6 +111,51 @@ pub(crate) struct WaitOpts {
     /// Give up waiting after this long (exit 1; the roll goes on).
     #[arg(long, default_value = "30m", value_parser = parse_duration_flag)]
     timeout: Duration,
+}
+
+impl RollOpts {
+    /// The roll's minimum from --minimum, or from --max-unavailable of `desired`.
+    fn minimum(&self, desired: u64) -> Result<Option<u64>, CliError> {
+        let Some(raw) = &self.max_unavailable else {
+            return Ok(self.minimum);
+        };
+        let bad = |why: String| CliError::Usage(format!("--max-unavailable {raw:?}: {why}"));
+        let unavailable = match raw.trim().strip_suffix('%') {
+            Some(p) => {
+                let p: u64 = p
+                    .trim()
+                    .parse()
+                    .map_err(|_| bad("give a number of pods (2) or a percentage (25%)".into()))?;
+                if p > 100 {
+                    return Err(bad("a percentage of at most 100%".into()));
+                }
+                desired * p / 100
+            }
+            None => raw
+                .trim()
+                .parse()
+                .map_err(|_| bad("give a number of pods (2) or a percentage (25%)".into()))?,
+        };
+        if unavailable == 0 {
+            return Err(bad(format!(
+                "that is 0 of {desired} pods: the roll could never take a pod down; give at least 1 pod or a larger percentage"
+            )));
+        }
+        Ok(Some(desired.saturating_sub(unavailable)))
+    }
+
+    /// The roll's control record: its pace.
+    fn control(&self) -> Result<RollControl, CliError> {
+        if self.max_parallel == Some(0) {
+            return Err(CliError::Usage(
+                "--max-parallel 0: the roll could never replace a pod; give at least 1".into(),
+            ));
+        }
+        Ok(RollControl {
+            max_parallel: self.max_parallel,
+            ..Default::default()
+        })
+    }
 }
 
 fn roll_failed(e: RollStoreError) -> CliError {
@@ -128,13 +181,28 @@ pub(crate) async fn run(ctx: &Ctx, cmd: RollCommand) -> Result<(), CliError> {
         } => {
             let old = parse_id(&rc)?;
             let manifest = read_manifest(&manifest)?;
+            let minimum = match (&opts.max_unavailable, opts.desired) {
+                (None, _) => opts.minimum,
+                (Some(_), Some(d)) => opts.minimum(d)?,
+                (Some(_), None) => {
+                    let rc = crate::rc::RcStore::new(ctx.consul.clone())
+                        .get(old)
+                        .await
+                        .map_err(|e| CliError::Failed(e.to_string()))?
+                        .ok_or_else(|| {
+                            CliError::Failed(format!("replication controller {old} does not exist"))
+                        })?;
+                    opts.minimum(rc.replicas_desired)?
+                }
+            };
             let w = store
+                .with_control(opts.control()?)
                 .start(
                     StartRoll {
                         old_rc: old,
                         manifest,
                         desired: opts.desired,
-                        minimum: opts.minimum,
+                        minimum,
                         leave_old: opts.leave_old,
                         roll_delay: opts.roll_delay,
                     },
@@ -152,9 +220,15 @@ pub(crate) async fn run(ctx: &Ctx, cmd: RollCommand) -> Result<(), CliError> {
             wait,
             dry,
         } => {
-            let (Some(desired), Some(minimum)) = (opts.desired, opts.minimum) else {
+            let Some(desired) = opts.desired else {
                 return Err(CliError::Usage(
-                    "roll create needs --desired N and --minimum M (the minimum below the desired count)".into(),
+                    "roll create needs --desired N and --minimum M (or --max-unavailable N|P%)"
+                        .into(),
+                ));
+            };
+            let Some(minimum) = opts.minimum(desired)? else {
+                return Err(CliError::Usage(
+                    "roll create needs --minimum M (the minimum below the desired count) or --max-unavailable N|P%".into(),
                 ));
             };
             let update = Update {
@@ -166,6 +240,7 @@ pub(crate) async fn run(ctx: &Ctx, cmd: RollCommand) -> Result<(), CliError> {
                 roll_delay: opts.roll_delay,
             };
             let w = store
+                .with_control(opts.control()?)
                 .create(
                     NewRoll {
                         update,
