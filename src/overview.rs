@@ -452,8 +452,14 @@ pub async fn load_rolls(consul: &Consul) -> Result<Vec<RollOverview>, ConsulErro
         }
         if let Some(kv) = found.get(&control_key(r.id())) {
             match RollControl::parse(kv.value_bytes()) {
-                Ok(c) if c.paused => conditions.push(format!("Paused: {}", c.describe())),
-                Ok(_) => {}
+                Ok(c) => {
+                    if let Some(f) = &c.failed {
+                        conditions.push(format!("Failed: {}", f.reason));
+                    }
+                    if c.paused {
+                        conditions.push(format!("Paused: {}", c.describe()));
+                    }
+                }
                 Err(e) => {
                     conditions.push(format!("Paused: its control record is unreadable ({e})"))
                 }

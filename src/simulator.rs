@@ -37,6 +37,8 @@ pub struct SimConfig {
     pub startup: Duration,
     /// The fraction of pods that never pass (0 to 1).
     pub unhealthy_rate: f64,
+    /// Pods whose manifest contains this text never pass.
+    pub fail_manifests: Option<String>,
     pub seed: u64,
     pub watch: WatchConfig,
 }
@@ -55,6 +57,7 @@ impl Default for SimConfig {
             labels: LabelSet::new(),
             startup: Duration::from_secs(1),
             unhealthy_rate: 0.0,
+            fail_manifests: None,
             seed: 0,
             watch: WatchConfig::default(),
         }
@@ -280,7 +283,16 @@ impl NodeSimulator {
                     p.ready_at = None;
                     p.running = Some(p.want_digest.clone());
                     writes.push(TxnOp::set(reality_key(node, pod), p.want.as_ref().clone()));
-                    let (status, why) = if self.is_unhealthy(node, pod, &p.want_digest) {
+                    let bad_manifest =
+                        self.config.fail_manifests.as_deref().is_some_and(|pat| {
+                            String::from_utf8_lossy(p.want.as_ref()).contains(pat)
+                        });
+                    let (status, why) = if bad_manifest {
+                        (
+                            HealthStatus::Critical,
+                            "simulated failure (--fail-manifests)",
+                        )
+                    } else if self.is_unhealthy(node, pod, &p.want_digest) {
                         self.stats.lock().unhealthy += 1;
                         (
                             HealthStatus::Critical,

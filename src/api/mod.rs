@@ -105,20 +105,15 @@ async fn metrics(State(s): State<ApiState>) -> Response {
     metrics::gauge!("rcfarm_rcs_unmet")
         .set(rcs.iter().filter(|r| r.has_condition("Unmet")).count() as f64);
     metrics::gauge!("rcfarm_ready").set(if *s.ready.borrow() { 1.0 } else { 0.0 });
-    metrics::gauge!("rcfarm_rolls_paused").set(
-        s.rolls
-            .all()
-            .iter()
-            .filter(|r| r.has_condition("Paused"))
-            .count() as f64,
-    );
-    metrics::gauge!("rcfarm_rolls_stalled").set(
-        s.rolls
-            .all()
-            .iter()
-            .filter(|r| r.has_condition("Stalled"))
-            .count() as f64,
-    );
+    let rolls = s.rolls.all();
+    for (gauge, condition) in [
+        ("rcfarm_rolls_failed", "Failed"),
+        ("rcfarm_rolls_paused", "Paused"),
+        ("rcfarm_rolls_stalled", "Stalled"),
+    ] {
+        metrics::gauge!(gauge)
+            .set(rolls.iter().filter(|r| r.has_condition(condition)).count() as f64);
+    }
     let sh = &s.shipper;
     use std::sync::atomic::Ordering::Relaxed;
     metrics::gauge!("rcfarm_audit_backlog").set(sh.backlog.load(Relaxed) as f64);
@@ -423,6 +418,10 @@ pub fn describe_metrics() {
         (
             "rcfarm_rolls_stalled",
             "rolling updates this farm carries out that are stalled",
+        ),
+        (
+            "rcfarm_rolls_failed",
+            "rolling updates this farm holds that failed (their progress deadline passed)",
         ),
         (
             "rcfarm_rolls_paused",

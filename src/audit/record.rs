@@ -58,8 +58,11 @@ pub mod events {
     /// An operator paused a roll (`rcctl roll pause`) or resumed it, with the actor.
     pub const ROLL_PAUSED: &str = "ROLLING_UPDATE_PAUSED";
     pub const ROLL_RESUMED: &str = "ROLLING_UPDATE_RESUMED";
+    /// A roll failed: no new pod became up for its progress deadline (with why, and each new
+    /// pod's state). Terminal until an operator resumes or aborts it.
+    pub const ROLL_FAILED: &str = "ROLLING_UPDATE_FAILED";
 
-    pub const ALL: [&str; 28] = [
+    pub const ALL: [&str; 29] = [
         RC_RETARGET,
         NODE_TRANSFER_START,
         NODE_TRANSFER_COMPLETION,
@@ -88,6 +91,7 @@ pub mod events {
         ROLL_RELEASED,
         ROLL_PAUSED,
         ROLL_RESUMED,
+        ROLL_FAILED,
     ];
 }
 

@@ -29,6 +29,10 @@ pub enum CliError {
     Usage(String),
     #[error("{0}")]
     Failed(String),
+    /// A rolling update followed with `--wait` failed (exit 3, distinct from a command that
+    /// failed to do what it was asked).
+    #[error("{0}")]
+    RollFailed(String),
 }
 
 impl CliError {
@@ -36,6 +40,7 @@ impl CliError {
         match self {
             CliError::Usage(_) => ExitCode::from(2),
             CliError::Failed(_) => ExitCode::from(1),
+            CliError::RollFailed(_) => ExitCode::from(3),
         }
     }
 }

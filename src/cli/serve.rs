@@ -88,6 +88,10 @@ pub struct FarmArgs {
     /// moved for this long (at once when it can never move as things are).
     #[arg(long, env = "RCFARM_ROLL_STALL_AFTER", default_value = "5m", value_parser = parse_duration_flag)]
     pub roll_stall_after: Duration,
+    /// A rolling update with no new pod becoming up for this long Fails (a terminal state,
+    /// kept until an operator resumes or aborts it); a roll's own --progress-deadline wins.
+    #[arg(long, env = "RCFARM_ROLL_PROGRESS_DEADLINE", default_value = "10m", value_parser = parse_duration_flag)]
+    pub roll_progress_deadline: Duration,
     /// Look at a waiting rolling update this often even without changes (what nodes run,
     /// `reality/`, is not watched).
     #[arg(long, env = "RCFARM_ROLL_RESYNC", default_value = "5s", value_parser = parse_duration_flag)]
@@ -198,6 +202,7 @@ impl FarmArgs {
         c.consistency_interval = self.consistency_interval;
         c.roll = RollConfig {
             stall_after: self.roll_stall_after,
+            progress_deadline: self.roll_progress_deadline,
             resync: self.roll_resync.max(Duration::from_millis(100)),
             ..RollConfig::default()
         };

@@ -27,6 +27,10 @@ pub struct SimBehaviour {
     /// Which pods fail is decided from this seed (the same seed fails the same pods).
     #[arg(long, default_value_t = 0)]
     pub sim_seed: u64,
+    /// Pods whose manifest contains this text never pass their health check (a bad deploy,
+    /// to try a roll's progress deadline).
+    #[arg(long, value_name = "PATTERN")]
+    pub fail_manifests: Option<String>,
 }
 
 impl SimBehaviour {
@@ -52,6 +56,7 @@ impl SimBehaviour {
             labels: parse_pairs(&labels, "--labels")?,
             startup: self.startup,
             unhealthy_rate: self.unhealthy_rate,
+            fail_manifests: self.fail_manifests.clone().filter(|p| !p.is_empty()),
             seed: self.sim_seed,
             ..SimConfig::default()
         })

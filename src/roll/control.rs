@@ -32,6 +32,21 @@ pub struct RollControl {
     /// (`--max-parallel`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_parallel: Option<u64>,
+    /// No new pod becoming up for this long fails the roll (Go duration, `--progress-deadline`);
+    /// the farm's `--roll-progress-deadline` when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub progress_deadline: Option<String>,
+    /// Set by the farm when the roll failed: a terminal state, kept until an operator acts
+    /// (`rcctl roll resume` gives it another deadline, `rcctl roll abort` ends it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failed: Option<RollFailure>,
+}
+
+/// Why and when a roll failed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RollFailure {
+    pub reason: String,
+    pub at: DateTime<Utc>,
 }
 
 impl RollControl {
@@ -102,6 +117,8 @@ mod tests {
             paused_by: Some("rcctl:ops@host".into()),
             paused_at: None,
             max_parallel: Some(2),
+            progress_deadline: Some("10m".into()),
+            failed: None,
         };
         assert_eq!(RollControl::parse(&c.to_bytes()).unwrap(), c);
         assert_eq!(c.describe(), "paused by rcctl:ops@host");

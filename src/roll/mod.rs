@@ -17,7 +17,7 @@ pub mod status;
 pub mod store;
 pub mod worker;
 
-pub use control::{CONTROL_PREFIX, ControlSeen, RollControl, control_key};
+pub use control::{CONTROL_PREFIX, ControlSeen, RollControl, RollFailure, control_key};
 pub use plan::{
     LockState, RcCounts, RollAction, RollObserved, RollPlan, WaitKind, plan, roll_algorithm,
 };

@@ -96,6 +96,8 @@ pub struct RollObserved<'a> {
     pub paused: Option<String>,
     /// At most this many pods replaced (added and removed) per step (`--max-parallel`).
     pub max_parallel: Option<u64>,
+    /// The roll failed (its progress deadline passed): why. Terminal until an operator acts.
+    pub failed: Option<String>,
 }
 
 /// One step, applied as one fenced transaction.
@@ -139,6 +141,8 @@ pub enum WaitKind {
     Pods,
     /// An operator paused the roll; it takes no step until resumed.
     Paused,
+    /// The roll failed; it takes no step until an operator resumes or aborts it.
+    Failed,
 }
 
 impl WaitKind {
@@ -185,6 +189,9 @@ pub fn plan(o: &RollObserved<'_>) -> RollPlan {
     }
     // Before anything that writes, locks included: a paused roll holds what it holds and
     // takes nothing more. (A roll whose old RC is gone is deleted all the same, as P2 does.)
+    if let Some(f) = &o.failed {
+        return RollPlan::wait(WaitKind::Failed, f.clone());
+    }
     if let Some(p) = &o.paused {
         return RollPlan::wait(WaitKind::Paused, p.clone());
     }
@@ -486,6 +493,7 @@ mod tests {
             old_missing: false,
             paused: None,
             max_parallel: None,
+            failed: None,
         }
     }
 
@@ -515,6 +523,11 @@ mod tests {
         // Resumed: the same step as before the pause, from the RCs' counts.
         o = observe(&u, old, new);
         assert_eq!(plan(&o).action, step);
+        // A failed roll takes no step either, paused or not.
+        let mut f = observe(&u, old, new);
+        f.failed = Some("no new pod became up for 10m".into());
+        assert_eq!(plan(&f).action, None);
+        assert_eq!(plan(&f).waiting.unwrap().0, WaitKind::Failed);
         // A roll whose old RC is gone is deleted even while paused, as P2 would.
         let mut o = observe(&u, old, new);
         o.paused = Some("paused".into());
@@ -899,6 +912,7 @@ mod tests {
                         old_missing: false,
                         paused: None,
                         max_parallel: None,
+                        failed: None,
                     };
                     let up_before = w.up();
                     match plan(&o).action {

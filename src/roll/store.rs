@@ -350,9 +350,11 @@ impl RollStore {
                 ),
                 None => (RollControl::default(), 0),
             };
-            if current.paused == paused {
+            // A resume also ends a failure: the operator gives the roll another deadline.
+            if current.paused == paused && (paused || current.failed.is_none()) {
                 return Ok(PauseOutcome::Unchanged(current));
             }
+            let was_failed = current.failed.as_ref().map(|f| f.reason.clone());
             // The roll's pace stays as it was.
             let control = if paused {
                 RollControl {
@@ -366,6 +368,7 @@ impl RollStore {
                     paused: false,
                     paused_by: None,
                     paused_at: None,
+                    failed: None,
                     ..current
                 }
             };
@@ -380,6 +383,7 @@ impl RollStore {
                     "old_rc": update.old_rc,
                     "new_rc": update.new_rc,
                     "actor": actor,
+                    "was_failed": was_failed,
                 }),
             );
             let ops = vec![

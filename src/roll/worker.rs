@@ -14,12 +14,12 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use super::control::{ControlSeen, control_key};
+use super::control::{ControlSeen, RollFailure, control_key};
 use super::plan::{LockState, RcCounts, RollAction, RollObserved, RollPlan, WaitKind, plan};
 use super::record::{InvalidRoll, Roll, RollId};
 use super::status::RollStatusRegistry;
 use crate::audit::{AuditRecord, events};
-use crate::consul::{Consul, ConsulError, KvPair};
+use crate::consul::{Consul, ConsulError, KvPair, TxnOp};
 use crate::health::HealthCache;
 use crate::labels::{LabelCache, LabelSet, LabelType, Selector, split_pod_label_id};
 use crate::rc::{LockView, RC_ID_LABEL, Rc, RcId, RcListing};
@@ -55,6 +55,8 @@ pub fn roll_holder(id: RollId) -> String {
 pub struct RollConfig {
     /// A roll that has not moved for this long is reported stalled (once).
     pub stall_after: Duration,
+    /// No new pod becoming up for this long fails a roll (unless the roll says otherwise).
+    pub progress_deadline: Duration,
     /// Look again this often while waiting, even if nothing changed (`reality/` is not
     /// watched).
     pub resync: Duration,
@@ -65,6 +67,7 @@ impl Default for RollConfig {
     fn default() -> Self {
         Self {
             stall_after: Duration::from_secs(300),
+            progress_deadline: Duration::from_secs(600),
             resync: Duration::from_secs(5),
             error_backoff_max: Duration::from_secs(30),
         }
@@ -143,6 +146,8 @@ pub fn spawn(
             stuck_since: None,
             alerted: None,
             lowest_healthy: None,
+            last_progress: Instant::now(),
+            best_new_up: None,
             backoff: Backoff::new(Duration::from_millis(200), Duration::from_secs(30)),
         }
         .run()
@@ -166,6 +171,11 @@ pub(super) struct Worker {
     /// The stall reason reported, if a stall is reported.
     pub(super) alerted: Option<String>,
     pub(super) lowest_healthy: Option<u64>,
+    /// When a new pod last became up (or the roll stepped, or was resumed): the progress
+    /// deadline counts from here. Per owner: a handover starts it again.
+    pub(super) last_progress: Instant,
+    /// The most new pods seen up.
+    pub(super) best_new_up: Option<u64>,
     pub(super) backoff: Backoff,
 }
 
@@ -182,6 +192,10 @@ pub(super) struct Observation {
     pub(super) labels: (LabelSet, u64),
     /// The operator's control of the roll, as read with the rest.
     pub(super) control: ControlSeen,
+    /// Each pod of the new RC: where, whether it runs the new manifest, its health.
+    pub(super) new_pods: Vec<String>,
+    /// The roll's progress deadline.
+    pub(super) deadline: Duration,
 }
 
 /// How a pass ended.
@@ -295,6 +309,10 @@ impl Worker {
             self.publish(roll, &o);
             let Some(action) = o.planned.action.clone() else {
                 let waiting = o.planned.waiting.clone();
+                if self.watch_deadline(roll, &o).await? {
+                    // Failed now: the next look shows it.
+                    continue;
+                }
                 self.settle_wait(roll, waiting.as_ref()).await?;
                 let delay = match &waiting {
                     Some((WaitKind::Delay, _)) => {
@@ -398,6 +416,52 @@ impl Worker {
             .get(&ctl_key)
             .map(|kv| ControlSeen::from_entry(kv.value_bytes(), kv.modify_index))
             .unwrap_or_else(ControlSeen::absent);
+        let failed = control
+            .control
+            .as_ref()
+            .ok()
+            .and_then(|c| c.failed.as_ref())
+            .map(|f| f.reason.clone());
+        let deadline = control
+            .control
+            .as_ref()
+            .ok()
+            .and_then(|c| c.progress_deadline.as_deref())
+            .and_then(|d| crate::util::parse_go_duration(d).ok())
+            .filter(|d| !d.negative && d.nanos > 0)
+            .map_or(self.ctx.config.progress_deadline, |d| {
+                Duration::from_nanos(d.nanos)
+            });
+        let new_pods_seen: Vec<String> = match &new {
+            Ok(rc) => new_pods
+                .iter()
+                .map(|(node, pod)| {
+                    let running = runs(reality.get(&reality_key(node, pod)))
+                        .is_some_and(|d| d == rc.manifest.digest());
+                    let health = self.ctx.health.status(pod, node).map_or(
+                        "no health result".to_string(),
+                        |h| {
+                            format!(
+                                "health {}",
+                                serde_json::to_value(h)
+                                    .unwrap_or_default()
+                                    .as_str()
+                                    .unwrap_or("?")
+                            )
+                        },
+                    );
+                    format!(
+                        "{node}/{pod} ({}, {health})",
+                        if running {
+                            "runs the new manifest"
+                        } else {
+                            "not yet running the new manifest"
+                        }
+                    )
+                })
+                .collect(),
+            Err(_) => Vec::new(),
+        };
         let paused = match &control.control {
             Ok(c) if c.paused => Some(c.describe()),
             Ok(_) => None,
@@ -441,6 +505,7 @@ impl Worker {
             old_missing,
             paused,
             max_parallel: control.control.as_ref().ok().and_then(|c| c.max_parallel),
+            failed,
         };
         let planned = plan(&observed);
         if planned.step_ready {
@@ -461,6 +526,8 @@ impl Worker {
             mutation_index,
             labels,
             control,
+            new_pods: new_pods_seen,
+            deadline,
         })
     }
 
@@ -485,23 +552,65 @@ impl Worker {
             s.new = o.new_counts;
             s.waiting = o.planned.waiting.clone();
             s.lowest_healthy = lowest;
-            s.set_condition(
-                "Paused",
-                o.planned
-                    .waiting
-                    .as_ref()
-                    .filter(|(k, _)| *k == WaitKind::Paused)
-                    .map(|(_, why)| why.clone()),
-            );
-            s.set_condition(
-                "Blocked",
-                o.planned
-                    .waiting
-                    .as_ref()
-                    .filter(|(k, _)| *k == WaitKind::Blocked)
-                    .map(|(_, why)| why.clone()),
-            );
+            for (kind, condition) in [
+                (WaitKind::Failed, "Failed"),
+                (WaitKind::Paused, "Paused"),
+                (WaitKind::Blocked, "Blocked"),
+            ] {
+                let why = o.planned.waiting.as_ref().filter(|(k, _)| *k == kind);
+                s.set_condition(condition, why.map(|(_, why)| why.clone()));
+            }
         });
+    }
+
+    /// Fails the roll when no new pod has become up for its progress deadline: its control
+    /// record says so (a terminal state, kept until an operator acts) and a
+    /// `ROLLING_UPDATE_FAILED` record says why, in one fenced transaction. `true`: failed now.
+    async fn watch_deadline(&mut self, roll: &Roll, o: &Observation) -> Result<bool, RollError> {
+        let up = o.new_counts.map_or(0, |c| c.healthy);
+        if self.best_new_up.is_none_or(|b| up > b) {
+            self.best_new_up = Some(up);
+            self.last_progress = Instant::now();
+        }
+        let Some((kind, why)) = &o.planned.waiting else {
+            return Ok(false);
+        };
+        // A paused roll's deadline starts again on its resume; a delay means a step is ready.
+        if matches!(kind, WaitKind::Paused | WaitKind::Delay | WaitKind::Failed) {
+            self.last_progress = Instant::now();
+            return Ok(false);
+        }
+        if self.last_progress.elapsed() < o.deadline {
+            return Ok(false);
+        }
+        let deadline = format_go_duration(o.deadline);
+        let reason = format!(
+            "no new pod became up for {deadline} ({up} of {} new pods up): {why}",
+            roll.update.desired_replicas
+        );
+        tracing::warn!(%reason, "rolling update failed");
+        metrics::counter!("rcfarm_roll_failures_total").increment(1);
+        let mut control = o.control.control.clone().unwrap_or_default();
+        control.failed = Some(RollFailure {
+            reason: reason.clone(),
+            at: Utc::now(),
+        });
+        let mut ops = self.fence(roll, o);
+        ops.push(TxnOp::set(control_key(self.id), control.to_bytes()));
+        let audit = AuditRecord::new(
+            events::ROLL_FAILED,
+            json!({
+                "rolling_update_id": self.id,
+                "old_rc": roll.update.old_rc,
+                "new_rc": roll.update.new_rc,
+                "reason": reason,
+                "progress_deadline": deadline,
+                "new_pods": o.new_pods,
+                "farm_id": self.ctx.farm_id,
+            }),
+        );
+        self.commit(ops, vec![audit]).await?;
+        Ok(true)
     }
 
     /// Tracks how long the roll has waited; reports a stall once (log, metric, status, audit)
@@ -515,7 +624,7 @@ impl Worker {
         let Some((kind, why)) = waiting else {
             return Ok(());
         };
-        if matches!(kind, WaitKind::Delay | WaitKind::Paused) {
+        if matches!(kind, WaitKind::Delay | WaitKind::Paused | WaitKind::Failed) {
             // Waiting on purpose.
             self.stuck_since = None;
             return Ok(());
@@ -566,6 +675,7 @@ impl Worker {
     /// The roll moved.
     fn progressed(&mut self) {
         self.stuck_since = None;
+        self.last_progress = Instant::now();
         if self.alerted.take().is_some() {
             tracing::info!("rolling update progresses again");
             self.ctx.status.update(self.id, &self.ctx.farm_id, |s| {

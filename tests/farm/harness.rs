@@ -692,11 +692,31 @@ impl Cluster {
     /// Plays P2's preparer for `node-00` … `node-<n-1>` (the nodes [`nodes`] labels) in this
     /// process, until the returned token is cancelled.
     pub fn simulate(&self, n: usize, unhealthy_rate: f64) -> tokio_util::sync::CancellationToken {
+        self.simulate_with(
+            n,
+            SimConfig {
+                unhealthy_rate,
+                ..SimConfig::default()
+            },
+        )
+    }
+
+    /// Simulated nodes that never make a pod whose manifest contains `pattern` healthy.
+    pub fn simulate_failing(&self, n: usize, pattern: &str) -> tokio_util::sync::CancellationToken {
+        self.simulate_with(
+            n,
+            SimConfig {
+                fail_manifests: Some(pattern.to_string()),
+                ..SimConfig::default()
+            },
+        )
+    }
+
+    fn simulate_with(&self, n: usize, config: SimConfig) -> tokio_util::sync::CancellationToken {
         let config = SimConfig {
             nodes: (0..n).map(|i| format!("node-{i:02}")).collect(),
             startup: Duration::from_millis(300),
-            unhealthy_rate,
-            ..SimConfig::default()
+            ..config
         };
         let sim = NodeSimulator::new(self.consul.clone(), config).unwrap();
         let stop = tokio_util::sync::CancellationToken::new();

@@ -40,6 +40,15 @@ async fn roll_exists(c: &Cluster, id: RcId) -> bool {
         .is_some()
 }
 
+/// What an RC wants now (`None`: it is gone).
+async fn desired_of(c: &Cluster, id: RcId) -> Option<u64> {
+    RcStore::new(c.consul.clone())
+        .get(id)
+        .await
+        .unwrap()
+        .map(|rc| rc.replicas_desired)
+}
+
 /// Waits until the audit log holds `n` records of `event`.
 async fn audited(c: &Cluster, event: &str, n: usize) {
     c.wait_for(Duration::from_secs(10), event, move || async move {
@@ -69,9 +78,22 @@ async fn rolling_cluster(
     n: usize,
     replicas: usize,
 ) -> (Cluster, tokio_util::sync::CancellationToken, RcId) {
+    rolling_cluster_failing(backend, n, replicas, None).await
+}
+
+/// [`rolling_cluster`] whose nodes never make pods of manifests containing `fail` healthy.
+async fn rolling_cluster_failing(
+    backend: &Backend,
+    n: usize,
+    replicas: usize,
+    fail: Option<&str>,
+) -> (Cluster, tokio_util::sync::CancellationToken, RcId) {
     let mut c = Cluster::start_on(backend).await;
     nodes(&c, n, 1).await;
-    let sim = c.simulate(n, 0.0);
+    let sim = match fail {
+        Some(pattern) => c.simulate_failing(n, pattern),
+        None => c.simulate(n, 0.0),
+    };
     c.spawn_farm("f1", &ROLL_FLAGS).await;
     let old = rcs(&c, 1, replicas as i64).await[0];
     let cr = &c;
@@ -703,13 +725,7 @@ async fn a_paused_roll_takes_no_step_keeps_its_lock_and_resumes_from_the_counts(
     let cr = &c;
     // One pod at a time, a second apart: time to pause it half-way.
     let roll = start_roll(&c, old, 3, Duration::from_secs(1)).await;
-    let desired = |id: RcId| async move {
-        RcStore::new(cr.consul.clone())
-            .get(id)
-            .await
-            .unwrap()
-            .map(|rc| rc.replicas_desired)
-    };
+    let desired = |id: RcId| desired_of(cr, id);
     c.wait_for(
         Duration::from_secs(30),
         "the first step",
@@ -838,4 +854,75 @@ async fn max_parallel_and_max_unavailable_pace_a_roll_started_by_rcctl(backend: 
         .collect();
     assert_eq!(added.iter().sum::<u64>(), 4, "{steps:#?}");
     assert!(added.iter().all(|a| *a <= 1), "one pod per step: {added:?}");
+}
+
+on_both_backends!(a_roll_whose_new_pods_never_pass_fails_at_its_deadline_and_stops);
+async fn a_roll_whose_new_pods_never_pass_fails_at_its_deadline_and_stops(backend: Backend) {
+    // Version 9 of any manifest never passes its health check: a bad deploy.
+    let (c, _sim, old) = rolling_cluster_failing(&backend, 4, 3, Some("-9.tar.gz")).await;
+    let cr = &c;
+    let dir = tempfile::tempdir().unwrap();
+    let manifest = dir.path().join("v9.yaml");
+    std::fs::write(&manifest, Cluster::manifest("svc-0", 9)).unwrap();
+    let m = manifest.to_str().unwrap();
+
+    // --wait ends as soon as the roll fails, with its own exit code and the reason.
+    let started = std::time::Instant::now();
+    let (code, out, err) = c
+        .rcctl(&[
+            "roll",
+            "start",
+            &old.to_string(),
+            "-f",
+            m,
+            "--progress-deadline",
+            "3s",
+            "--wait",
+            "--timeout",
+            "120s",
+        ])
+        .await;
+    assert_eq!(code, 3, "{out}{err}");
+    assert!(
+        started.elapsed() < Duration::from_secs(60),
+        "not at the timeout"
+    );
+    assert!(err.contains("failed: no new pod became up for 3s"), "{err}");
+    assert!(err.contains("rcctl roll resume"), "{err}");
+    let roll = RcId::parse(out.lines().next().unwrap().trim()).unwrap();
+    println!("--wait: {}", err.lines().last().unwrap_or_default());
+
+    // Failed is terminal and kept visible: no further step, the roll and its lock stay.
+    let desired = |id: RcId| desired_of(cr, id);
+    let at_failure = (desired(old).await, desired(roll).await);
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert_eq!((desired(old).await, desired(roll).await), at_failure);
+    assert!(roll_exists(&c, roll).await);
+    assert!(roll_holder(&c, roll).await.is_some());
+    let (code, out, _) = c
+        .rcctl(&["--json", "roll", "show", &roll.to_string()])
+        .await;
+    assert_eq!(code, 0);
+    assert!(out.contains("Failed: no new pod became up for 3s"), "{out}");
+    let failed = c.audit_events("ROLLING_UPDATE_FAILED").await;
+    assert_eq!(failed.len(), 1, "{failed:?}");
+    assert_eq!(failed[0]["progress_deadline"], "3s");
+    let pods = failed[0]["new_pods"].to_string();
+    assert!(
+        pods.contains("health critical"),
+        "which pods, what their health says: {pods}"
+    );
+    // The old pods kept the roll's minimum the whole time.
+    let lowest = c.roll_lowest_up().get(&roll.to_string()).copied();
+    assert!(lowest.is_none_or(|l| l >= 2), "lowest pods up {lowest:?}");
+
+    // A resume gives it another deadline (it fails again: nothing got better); an abort ends it.
+    let (code, out, _) = c.rcctl(&["roll", "resume", &roll.to_string()]).await;
+    assert_eq!(code, 0, "{out}");
+    audited(&c, "ROLLING_UPDATE_FAILED", 2).await;
+    let (code, _, err) = c.rcctl(&["roll", "abort", &roll.to_string()]).await;
+    assert_eq!(code, 0, "{err}");
+    assert!(!roll_exists(&c, roll).await);
+    assert_eq!(c.count_prefix("rcfarm/rolls/").await, 0);
+    c.check_invariants(|_| false);
 }

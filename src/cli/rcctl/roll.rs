@@ -94,6 +94,11 @@ pub(crate) struct RollOpts {
     /// of 0 otherwise replaces every pod at once).
     #[arg(long, value_name = "N")]
     max_parallel: Option<u64>,
+    /// Fail the roll when no new pod becomes up for this long (a terminal state: the farm
+    /// takes no further step until `rcctl roll resume` or `abort`). Default: the farm's
+    /// --roll-progress-deadline (10m).
+    #[arg(long, value_name = "D", value_parser = parse_duration_flag)]
+    progress_deadline: Option<Duration>,
     /// Pause before each step once it is safe, so new pods prove themselves.
     #[arg(long, default_value = "0s", value_parser = parse_duration_flag)]
     roll_delay: Duration,
@@ -151,8 +156,15 @@ impl RollOpts {
                 "--max-parallel 0: the roll could never replace a pod; give at least 1".into(),
             ));
         }
+        if self.progress_deadline == Some(Duration::ZERO) {
+            return Err(CliError::Usage(
+                "--progress-deadline 0s: every roll would fail at once; give a duration like 10m"
+                    .into(),
+            ));
+        }
         Ok(RollControl {
             max_parallel: self.max_parallel,
+            progress_deadline: self.progress_deadline.map(crate::util::format_go_duration),
             ..Default::default()
         })
     }
@@ -306,7 +318,9 @@ async fn set_paused(
                     "rolling update {id} paused: it takes no further step until `rcctl roll resume {id}`"
                 );
             } else {
-                println!("rolling update {id} resumed");
+                println!(
+                    "rolling update {id} resumed (a failure, if it had failed, is cleared: its deadline starts again)"
+                );
             }
             Ok(())
         }
@@ -321,7 +335,7 @@ async fn set_paused(
                     c.describe()
                 );
             } else {
-                println!("rolling update {id} is not paused; nothing written");
+                println!("rolling update {id} is neither paused nor failed; nothing written");
             }
             Ok(())
         }
@@ -557,6 +571,12 @@ async fn follow(ctx: &Ctx, id: RcId, u: &Update, timeout: Duration) -> Result<()
         if line != last {
             eprintln!("  {line}");
             last = line;
+        }
+        if let Some(f) = r.conditions.iter().find(|c| c.starts_with("Failed")) {
+            return Err(CliError::RollFailed(format!(
+                "rolling update {id} {}; it takes no further step: `rcctl roll resume {id}` gives it another deadline, `rcctl roll abort {id}` ends it",
+                f.replacen("Failed: ", "failed: ", 1)
+            )));
         }
         if started.elapsed() >= timeout {
             return Err(CliError::Failed(format!(
