@@ -1,4 +1,5 @@
-//! What operators say about a roll beyond P2's record: paused or not. Kept at
+//! What operators say about a roll beyond P2's record (paused or not, its pace, its progress
+//! deadline) and whether its farm failed it. Kept at
 //! `rcfarm/rolls/<id>` (P2's tools never read it) so that P2's `rolls/<id>` stays byte for byte
 //! P2's. Every write a roll task makes is guarded by this key's version (or, while it does not
 //! exist, creates it), so a pause written while a step is planned makes that step's transaction
@@ -59,7 +60,7 @@ impl RollControl {
         serde_json::to_vec(self).unwrap_or_default()
     }
 
-    /// "paused by X since T", for conditions and messages.
+    /// "paused by X at T", for conditions and messages.
     pub fn describe(&self) -> String {
         let mut s = "paused".to_string();
         if let Some(by) = &self.paused_by {
