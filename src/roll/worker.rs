@@ -192,8 +192,8 @@ pub(super) struct Observation {
     pub(super) labels: (LabelSet, u64),
     /// The operator's control of the roll, as read with the rest.
     pub(super) control: ControlSeen,
-    /// Each pod of the new RC: where, whether it runs the new manifest, its health.
-    pub(super) new_pods: Vec<String>,
+    /// Each pod of the new RC: node, pod id, whether it runs the new manifest.
+    pub(super) new_pods: Vec<(String, String, bool)>,
     /// The roll's progress deadline.
     pub(super) deadline: Duration,
 }
@@ -432,36 +432,6 @@ impl Worker {
             .map_or(self.ctx.config.progress_deadline, |d| {
                 Duration::from_nanos(d.nanos)
             });
-        let new_pods_seen: Vec<String> = match &new {
-            Ok(rc) => new_pods
-                .iter()
-                .map(|(node, pod)| {
-                    let running = runs(reality.get(&reality_key(node, pod)))
-                        .is_some_and(|d| d == rc.manifest.digest());
-                    let health = self.ctx.health.status(pod, node).map_or(
-                        "no health result".to_string(),
-                        |h| {
-                            format!(
-                                "health {}",
-                                serde_json::to_value(h)
-                                    .unwrap_or_default()
-                                    .as_str()
-                                    .unwrap_or("?")
-                            )
-                        },
-                    );
-                    format!(
-                        "{node}/{pod} ({}, {health})",
-                        if running {
-                            "runs the new manifest"
-                        } else {
-                            "not yet running the new manifest"
-                        }
-                    )
-                })
-                .collect(),
-            Err(_) => Vec::new(),
-        };
         let paused = match &control.control {
             Ok(c) if c.paused => Some(c.describe()),
             Ok(_) => None,
@@ -484,6 +454,19 @@ impl Worker {
         };
         let old_counts = old.as_ref().ok().map(|rc| count(rc, &old_pods));
         let new_counts = new.as_ref().ok().map(|rc| count(rc, &new_pods));
+        // Where each new pod is and whether it runs the new manifest; its health is looked up
+        // only if the roll fails (the one reader of this).
+        let new_pods: Vec<(String, String, bool)> = match &new {
+            Ok(rc) => new_pods
+                .into_iter()
+                .map(|(node, pod)| {
+                    let running = runs(reality.get(&reality_key(&node, &pod)))
+                        .is_some_and(|d| d == rc.manifest.digest());
+                    (node, pod, running)
+                })
+                .collect(),
+            Err(_) => Vec::new(),
+        };
         let locks = self.ctx.locks.borrow().clone();
         let holder = roll_holder(self.id);
         let lock_state = |id: RcId| match locks.mutation(id) {
@@ -526,7 +509,7 @@ impl Worker {
             mutation_index,
             labels,
             control,
-            new_pods: new_pods_seen,
+            new_pods,
             deadline,
         })
     }
@@ -605,12 +588,35 @@ impl Worker {
                 "new_rc": roll.update.new_rc,
                 "reason": reason,
                 "progress_deadline": deadline,
-                "new_pods": o.new_pods,
+                "new_pods": self.describe_new_pods(o),
                 "farm_id": self.ctx.farm_id,
             }),
         );
         self.commit(ops, vec![audit]).await?;
         Ok(true)
+    }
+
+    /// Each new pod in words, with what its health check says now: for a failure's record.
+    fn describe_new_pods(&self, o: &Observation) -> Vec<String> {
+        o.new_pods
+            .iter()
+            .map(|(node, pod, running)| {
+                let health =
+                    self.ctx
+                        .health
+                        .status(pod, node)
+                        .map_or("no health result".to_string(), |h| {
+                            let word = serde_json::to_value(h).unwrap_or_default();
+                            format!("health {}", word.as_str().unwrap_or("?"))
+                        });
+                let runs = if *running {
+                    "runs the new manifest"
+                } else {
+                    "not yet running the new manifest"
+                };
+                format!("{node}/{pod} ({runs}, {health})")
+            })
+            .collect()
     }
 
     /// Tracks how long the roll has waited; reports a stall once (log, metric, status, audit)

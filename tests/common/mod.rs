@@ -110,3 +110,12 @@ pub fn py_venv() -> std::path::PathBuf {
     std::fs::write(&marker, wanted).unwrap();
     venv
 }
+
+/// A finished process as tests read it: exit code (-1 when killed by a signal), stdout, stderr.
+pub fn outcome(out: std::process::Output) -> (i32, String, String) {
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}

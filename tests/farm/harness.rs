@@ -396,11 +396,7 @@ impl Cluster {
             .output()
             .await
             .unwrap();
-        (
-            out.status.code().unwrap_or(-1),
-            String::from_utf8_lossy(&out.stdout).into_owned(),
-            String::from_utf8_lossy(&out.stderr).into_owned(),
-        )
+        crate::common::outcome(out)
     }
 
     /// Rewrites one field of a stored RC record directly in KV.

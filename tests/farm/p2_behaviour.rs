@@ -202,12 +202,8 @@ async fn a_held_node_transfer_lock_freezes_a_dynamic_rcs_transfers(b: Backend) {
     tokio::time::sleep(Duration::from_secs(4)).await;
     assert_eq!(pod_writes(&c).await, before, "frozen: nothing moves");
     // rcctl shows it too (from Consul's lock tree).
-    let out = tokio::process::Command::new(RCCTL)
-        .args(["--consul", &c.server.url(), "--json", "rc", "list"])
-        .output()
-        .await
-        .unwrap();
-    let listed: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let (_, out, _) = c.rcctl(&["--json", "rc", "list"]).await;
+    let listed: Value = serde_json::from_str(&out).unwrap();
     let line = listed.to_string();
     assert!(line.contains("TransferFrozen"), "{line}");
     // Audited once, although the RC was planned many times meanwhile.

@@ -531,15 +531,9 @@ fn artifact_of(manifest: &[u8]) -> String {
 
 /// Runs rcctl against the cluster's Consul and audit database; stdout, or the test fails.
 async fn rcctl(c: &Cluster, args: &[&str]) -> String {
-    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_rcctl"))
-        .args(["--consul", &c.server.url()])
-        .args(args)
-        .env("RCFARM_AUDIT_DB", &c.audit_db)
-        .env_remove("CONSUL_HTTP_TOKEN")
-        .output()
-        .await
-        .unwrap();
-    succeeded(&format!("rcctl {args:?}"), out)
+    let (code, out, err) = c.rcctl(args).await;
+    assert_eq!(code, 0, "rcctl {args:?} failed: {out}{err}");
+    out
 }
 
 /// `rcctl rc create` of `replicas` pods of `manifest` on the nodes labelled `p2=<tag>`.

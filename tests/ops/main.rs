@@ -112,9 +112,5 @@ pub async fn rcctl(s: &Setup, args: &[&str]) -> (i32, String, String) {
         .output()
         .await
         .unwrap();
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
+    common::outcome(out)
 }
