@@ -290,6 +290,9 @@ pub async fn nodes(
         .collect())
 }
 
+/// The condition of a roll paused for its canary (the farm's status says `Paused`, with why).
+pub const CANARY_CONDITION: &str = "Paused (canary)";
+
 /// One rolling update, as Consul shows it.
 #[derive(Debug, Clone, Serialize)]
 pub struct RollOverview {
@@ -456,7 +459,13 @@ pub async fn load_rolls(consul: &Consul) -> Result<Vec<RollOverview>, ConsulErro
                     if let Some(f) = &c.failed {
                         conditions.push(format!("Failed: {}", f.reason));
                     }
-                    if c.paused {
+                    if c.canary_paused() {
+                        conditions.push(format!(
+                            "{CANARY_CONDITION}: its {} canary pods are up; `rcctl roll promote {}` goes on to the end",
+                            c.canary.unwrap_or_default(),
+                            r.id()
+                        ));
+                    } else if c.paused {
                         conditions.push(format!("Paused: {}", c.describe()));
                     }
                 }

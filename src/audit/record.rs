@@ -61,8 +61,10 @@ pub mod events {
     /// A roll failed: no new pod became up for its progress deadline (with why, and each new
     /// pod's state). Terminal until an operator resumes or aborts it.
     pub const ROLL_FAILED: &str = "ROLLING_UPDATE_FAILED";
+    /// An operator promoted a roll's canary (`rcctl roll promote`): it goes on to the end.
+    pub const ROLL_PROMOTED: &str = "ROLLING_UPDATE_PROMOTED";
 
-    pub const ALL: [&str; 29] = [
+    pub const ALL: [&str; 30] = [
         RC_RETARGET,
         NODE_TRANSFER_START,
         NODE_TRANSFER_COMPLETION,
@@ -92,6 +94,7 @@ pub mod events {
         ROLL_PAUSED,
         ROLL_RESUMED,
         ROLL_FAILED,
+        ROLL_PROMOTED,
     ];
 }
 

@@ -7,7 +7,47 @@ use super::DRAIN_LIMIT;
 use crate::consul::{Consul, QueryOptions};
 use crate::labels::{LabelStore, LabelType, parse_labels, split_pod_label_id};
 use crate::rc::{RC_ID_LABEL, RcStore, parse_locks};
-use crate::roll::RollStore;
+use crate::roll::{ControlChange, RollControl, RollStore, control_key};
+
+/// Does what an operator does with the rolls left braked when the faults stop: resumes paused
+/// ones, promotes canaries, aborts failed ones (their manifest never becomes healthy). How many
+/// it released.
+pub(super) async fn release_rolls(consul: &Consul) -> u64 {
+    let store = RollStore::new(consul.clone());
+    let Ok(rolls) = store.list().await else {
+        return 0;
+    };
+    let mut released = 0;
+    for id in rolls.rolls.keys() {
+        let control = match consul
+            .kv_get(&control_key(*id), &QueryOptions::default())
+            .await
+        {
+            Ok((Some(kv), _)) => RollControl::parse(kv.value_bytes()).unwrap_or_default(),
+            _ => RollControl::default(),
+        };
+        let done = if control.failed.is_some() {
+            store.abort(*id, "chaos", false).await.is_ok()
+        } else {
+            let mut any = false;
+            if control.canary_pending().is_some() {
+                any |= store
+                    .change_control(*id, ControlChange::Promote, "chaos", false)
+                    .await
+                    .is_ok();
+            }
+            if control.paused && !control.canary_paused() {
+                any |= store
+                    .change_control(*id, ControlChange::Resume, "chaos", false)
+                    .await
+                    .is_ok();
+            }
+            any
+        };
+        released += u64::from(done);
+    }
+    released
+}
 
 /// Who holds the shipper lock, and whether that session is still alive: what to look at when
 /// the outbox does not drain.

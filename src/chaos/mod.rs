@@ -21,8 +21,8 @@ pub mod proxy;
 
 use backend::Backend;
 pub use backend::ChaosConsul;
-use check::shipper_diagnosis;
 pub use check::{not_converged, rolls_not_done};
+use check::{release_rolls, shipper_diagnosis};
 use mutate::{mutate, new_rc, node_labels};
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -99,10 +99,17 @@ pub struct ChaosReport {
     pub outbox_left: u64,
     /// Commits that carried a roll's start, step or completion.
     pub roll_steps: u64,
+    /// Roll steps checked against their roll's pause and failure (the observer's).
+    pub roll_steps_braked_checked: u64,
     /// Rolls completed (`ROLLING_UPDATE_COMPLETION` records, succeeded).
     pub rolls_completed: u64,
     /// Rolls the chaos aborted.
     pub rolls_aborted: u64,
+    /// Rolls started onto a manifest the nodes never make healthy.
+    pub rolls_bad: u64,
+    /// Rolls left paused, waiting for promotion, or failed when the faults stopped: the run
+    /// resumes, promotes or aborts them, as an operator would, before waiting for the rest.
+    pub rolls_released: u64,
     /// Rolls that did not complete after the faults stopped, with why.
     pub rolls_unfinished: Vec<String>,
     /// Rolls left that cannot complete as the nodes are labelled (too few eligible nodes).
@@ -221,10 +228,13 @@ impl ChaosReport {
             )),
         }
         s.push_str(&format!(
-            "rolling updates: {} completed, {} aborted, {} commits of steps; closest a farm's write took pods up to a minimum: {}\n",
+            "rolling updates: {} completed, {} aborted, {} bad deploys, {} left paused or failed and released at the end, {} commits of steps ({} steps checked: none while paused or failed); closest a farm's write took pods up to a minimum: {}\n",
             self.rolls_completed,
             self.rolls_aborted,
+            self.rolls_bad,
+            self.rolls_released,
             self.roll_steps,
+            self.roll_steps_braked_checked,
             self.roll_min_margin
                 .map_or("-".to_string(), |m| m.to_string())
         ));
@@ -384,6 +394,7 @@ pub async fn run(cfg: ChaosConfig) -> Result<ChaosReport, String> {
         SimConfig {
             nodes: (0..cfg.nodes).map(|i| format!("node-{i:02}")).collect(),
             startup: Duration::from_millis(300),
+            fail_manifests: Some(mutate::FAILING_BUILD.to_string()),
             ..SimConfig::default()
         },
     )
@@ -484,12 +495,16 @@ pub async fn run(cfg: ChaosConfig) -> Result<ChaosReport, String> {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 
+    // The operator's part, while waiting: paused rolls resumed, canaries promoted, failed
+    // rolls aborted (a bad deploy fails at its deadline, after the faults stopped, too).
+    let mut rolls_released = 0;
     // Every roll that can complete does.
     let mut rolls_unfinished = Vec::new();
     let mut rolls_impossible = 0;
     let mut rolls_done_after = None;
     let rolls_limit = cfg.session_ttl * 2 + cfg.settle_margin + Duration::from_secs(20);
     while quiet.elapsed() < limit + rolls_limit {
+        rolls_released += release_rolls(&cl.consul).await;
         (rolls_unfinished, rolls_impossible) = rolls_not_done(&cl.consul).await;
         if rolls_unfinished.is_empty() {
             rolls_done_after = Some(quiet.elapsed());
@@ -568,6 +583,7 @@ pub async fn run(cfg: ChaosConfig) -> Result<ChaosReport, String> {
     r.outbox_left = left as u64;
     r.rolls_completed = rolls_completed;
     r.rolls_unfinished = rolls_unfinished;
+    r.rolls_released = rolls_released;
     r.rolls_impossible = rolls_impossible;
     r.rolls_done_after = rolls_done_after;
     r.backend = match &cfg.consul {
@@ -585,6 +601,7 @@ pub async fn run(cfg: ChaosConfig) -> Result<ChaosReport, String> {
         r.audit_missing = observer.audit_ids.difference(&sql_ids).count() as u64;
         r.retargets_committed = observer.retarget_commits;
         r.roll_steps = observer.roll_steps;
+        r.roll_steps_braked_checked = observer.roll_control_checked;
         r.roll_min_margin = observer.roll_min_margin();
     }
     if let Some(seen) = seen {

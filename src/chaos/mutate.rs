@@ -13,7 +13,11 @@ use super::ChaosReport;
 use crate::consul::Consul;
 use crate::labels::{LabelSet, LabelStore, LabelType};
 use crate::rc::{AllocationStrategy, Mutation, NewRc, RcId, RcStore};
-use crate::roll::{RollStore, StartRoll};
+use crate::roll::{ControlChange, RollControl, RollStore, RollStoreError, StartRoll};
+
+/// What the manifests of the chaos's bad deploys carry: the node simulator never makes their
+/// pods healthy.
+pub(super) const FAILING_BUILD: &str = "chaos-never-healthy";
 
 /// Node labels the chaos moves nodes between.
 pub(super) fn node_labels(rng: &mut StdRng) -> LabelSet {
@@ -94,8 +98,12 @@ pub(super) async fn mutate(
             45..52 => "enable",
             52..58 => "create",
             58..63 => "delete",
-            63..72 => "roll-start",
-            72..76 => "roll-abort",
+            63..70 => "roll-start",
+            70..72 => "roll-abort",
+            72..74 => "roll-pause",
+            74..77 => "roll-resume",
+            77..80 => "roll-promote",
+            80..82 => "restart",
             _ => "node-labels",
         };
         let result: Result<(), String> = match kind {
@@ -166,7 +174,7 @@ pub(super) async fn mutate(
                 },
                 None => Ok(()),
             },
-            "roll-start" => {
+            "roll-start" | "restart" => {
                 let candidates: Vec<&Arc<crate::rc::Rc>> = ids
                     .iter()
                     .filter_map(|id| listing.rcs.get(id))
@@ -176,14 +184,39 @@ pub(super) async fn mutate(
                     Some(rc) => {
                         rolled += 1;
                         let desired = rc.replicas_desired;
-                        rolls
+                        // A deploy of a manifest the nodes never make healthy, now and then:
+                        // it fails at its (short) deadline and stays failed until the end.
+                        let bad = kind == "roll-start" && rng.random_range(0..6) == 0;
+                        let manifest = if kind == "restart" {
+                            rc.manifest
+                                .restarted(&format!("chaos-{rolled}"))
+                                .unwrap_or_else(|_| rc.manifest.raw().to_string())
+                        } else {
+                            format!(
+                                "id: {}\nlaunchables: {{}}\nconfig:\n  rollout: {rolled}{}\n",
+                                rc.pod_id(),
+                                if bad {
+                                    format!("\n  build: {FAILING_BUILD}")
+                                } else {
+                                    String::new()
+                                }
+                            )
+                        };
+                        let control = RollControl {
+                            canary: (desired >= 2 && rng.random_range(0..3) == 0)
+                                .then(|| rng.random_range(1..desired)),
+                            max_parallel: (rng.random_range(0..3) == 0)
+                                .then(|| rng.random_range(1..3)),
+                            progress_deadline: Some(if bad { "3s" } else { "2m" }.into()),
+                            ..Default::default()
+                        };
+                        let r = rolls
+                            .clone()
+                            .with_control(control)
                             .start(
                                 StartRoll {
                                     old_rc: rc.id,
-                                    manifest: format!(
-                                        "id: {}\nlaunchables: {{}}\nconfig:\n  rollout: {rolled}\n",
-                                        rc.pod_id()
-                                    ),
+                                    manifest,
                                     desired: None,
                                     minimum: Some(rng.random_range(0..desired)),
                                     leave_old: false,
@@ -196,7 +229,30 @@ pub(super) async fn mutate(
                             )
                             .await
                             .map(|_| ())
-                            .map_err(|e| e.to_string())
+                            .map_err(|e| e.to_string());
+                        if r.is_ok() && bad {
+                            report.lock().rolls_bad += 1;
+                        }
+                        r
+                    }
+                    None => Ok(()),
+                }
+            }
+            "roll-pause" | "roll-resume" | "roll-promote" => {
+                let ids: Vec<RcId> = roll_listing.rolls.keys().copied().collect();
+                match ids.get(rng.random_range(0..ids.len().max(1))) {
+                    Some(id) => {
+                        let change = match kind {
+                            "roll-pause" => ControlChange::Pause,
+                            "roll-resume" => ControlChange::Resume,
+                            _ => ControlChange::Promote,
+                        };
+                        match rolls.change_control(*id, change, "chaos", false).await {
+                            // Refusals (promoting a roll with no canary, resuming one that
+                            // waits for its promotion) are answers, not errors.
+                            Ok(_) | Err(RollStoreError::Refused(_)) => Ok(()),
+                            Err(e) => Err(e.to_string()),
+                        }
                     }
                     None => Ok(()),
                 }

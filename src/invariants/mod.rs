@@ -10,7 +10,8 @@
 //! - **rolling updates**: every roll step is fenced by the roll's lock, held by the writer; a
 //!   step never raises old + new desired replicas above the roll's bound (its target, or what
 //!   they were); and no farm write takes a started roll's pods that are up (their node runs
-//!   what the intent asks and passes its health check) below the roll's minimum.
+//!   what the intent asks and passes its health check) below the roll's minimum;
+//! - **brakes**: no step of a roll whose control (`rcfarm/rolls/<id>`) says paused or failed.
 //!
 //! It also counts scheduling transactions and audit records, to check that every committed
 //! change reached the audit log.
@@ -25,7 +26,12 @@ use crate::audit::{AUDIT_PREFIX, AuditRecord, events};
 use crate::health::{HEALTH_PREFIX, parse_health};
 use crate::labels::parse_labels;
 use crate::rc::{RC_ID_LABEL, RC_LOCK_PREFIX, RC_PREFIX};
-use crate::roll::{ROLL_LOCK_PREFIX, ROLL_PREFIX};
+use crate::roll::{ROLL_LOCK_PREFIX, ROLL_PREFIX, RollControl};
+
+/// `rcfarm/rolls/<id>`, for an id as the audit record spells it.
+fn control_key_of(id: &str) -> String {
+    format!("{}{id}", crate::roll::CONTROL_PREFIX)
+}
 use crate::server::{Change, LoggedCommit};
 
 /// A broken promise.
@@ -64,6 +70,8 @@ pub struct Observer {
     /// Per roll: the smallest (pods up − minimum) right after a farm's write that took pods
     /// down (a takeover, the old RC's leftovers removed): never negative, or it is a violation.
     pub roll_margin: BTreeMap<String, i64>,
+    /// Roll steps checked against their roll's control (not paused, not failed).
+    pub roll_control_checked: u64,
 }
 
 /// A roll as the observer reads it from the replayed KV.
@@ -303,6 +311,42 @@ impl Observer {
                 _ => None,
             })
             .collect();
+        // A paused or failed roll takes no step: its control, as it was before this commit.
+        for ch in &c.changes {
+            let Change::Put(k, e) = ch else { continue };
+            if !k.starts_with(AUDIT_PREFIX) {
+                continue;
+            }
+            let Ok(r) = AuditRecord::from_kv(k, &e.value) else {
+                continue;
+            };
+            let steps = [events::ROLL_STARTED, events::ROLL_STEP].contains(&r.event_type.as_str())
+                || (r.event_type == events::ROLL_COMPLETION
+                    && r.event_details["canceled"] != Value::Bool(true));
+            let Some(id) = r.event_details["rolling_update_id"].as_str() else {
+                continue;
+            };
+            if !steps || c.checks.is_empty() {
+                continue;
+            }
+            let control = self
+                .kv
+                .get(&control_key_of(id))
+                .and_then(|v| RollControl::parse(v).ok());
+            if let Some(ctl) = control.filter(|ctl| ctl.paused || ctl.failed.is_some()) {
+                let state = if ctl.paused { "paused" } else { "failed" };
+                self.violations.push(Violation {
+                    index: c.index,
+                    what: format!(
+                        "a step ({}) of rolling update {id} while it was {state}",
+                        r.event_type
+                    ),
+                });
+            }
+            if r.event_type == events::ROLL_STEP {
+                self.roll_control_checked += 1;
+            }
+        }
         let concerns_rolls = c.changes.iter().any(|ch| match ch {
             Change::Put(k, _) | Change::Delete(k) => {
                 k.starts_with(RC_PREFIX) || k.starts_with(ROLL_PREFIX) || pod_key(k).is_some()

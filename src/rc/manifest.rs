@@ -94,6 +94,62 @@ impl Manifest {
     }
 }
 
+/// The key of the pod's `config` that `rcctl rc restart` sets. P2's preparer relaunches a
+/// pod when the SHA-256 of its intent's manifest differs from reality's, and P2 computes that
+/// SHA over the manifest re-marshalled from its struct: unknown top-level fields are dropped
+/// and change nothing, but `config` is a free-form map kept whole. A key there changes the SHA
+/// (a relaunch) and nothing else P2 reads; the pod sees it in its config file.
+pub const RESTART_CONFIG_KEY: &str = "rcfarm_restarted_at";
+
+/// Why a manifest cannot be restarted.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RestartError {
+    #[error(
+        "the manifest is PGP-signed: changing its config would break the signature; sign a new manifest (a changed config) and roll to it (rcctl roll start)"
+    )]
+    Signed,
+    #[error("the manifest's `config` is {0}, not a mapping: rcfarm cannot add its restart key")]
+    ConfigNotAMapping(&'static str),
+    #[error(transparent)]
+    Manifest(#[from] ManifestError),
+}
+
+impl Manifest {
+    /// This manifest with `config.rcfarm_restarted_at` set to `at`: the same pod, to P2's
+    /// preparer a different one (see [`RESTART_CONFIG_KEY`]). Comments and key order of the
+    /// original text are not kept (the YAML is written again).
+    pub fn restarted(&self, at: &str) -> Result<String, RestartError> {
+        use serde_yaml_ng::Value as Y;
+        if clearsigned_body(&self.raw).is_some() {
+            return Err(RestartError::Signed);
+        }
+        let mut doc: Y =
+            serde_yaml_ng::from_str(&self.raw).map_err(|e| ManifestError::Yaml(e.to_string()))?;
+        let Y::Mapping(top) = &mut doc else {
+            return Err(ManifestError::NotAMapping("something else").into());
+        };
+        let config = top
+            .entry(Y::String("config".into()))
+            .or_insert_with(|| Y::Mapping(Default::default()));
+        if config.is_null() {
+            *config = Y::Mapping(Default::default());
+        }
+        let Y::Mapping(config) = config else {
+            let json = yaml_to_json(config)?;
+            return Err(RestartError::ConfigNotAMapping(kind(&json)));
+        };
+        config.insert(
+            Y::String(RESTART_CONFIG_KEY.into()),
+            Y::String(at.to_string()),
+        );
+        let text =
+            serde_yaml_ng::to_string(&doc).map_err(|e| ManifestError::Yaml(e.to_string()))?;
+        // What the farm will parse must be a manifest of the same pod.
+        Manifest::parse(&text)?;
+        Ok(text)
+    }
+}
+
 /// A pod id becomes part of keys (`intent/<node>/<pod-id>`): no `/`, no whitespace.
 pub fn validate_pod_id(id: &str) -> Result<(), &'static str> {
     if id.is_empty() {
@@ -289,6 +345,44 @@ mod tests {
             Err(ManifestError::BadId(_, _))
         ));
         assert_eq!(Manifest::parse("id: 42").unwrap().pod_id(), "42");
+    }
+
+    #[test]
+    fn a_restarted_manifest_differs_only_in_its_config_restart_key() {
+        let m = Manifest::parse(
+            "id: web\nlaunchables: {app: {launchable_type: hoist}}\nconfig:\n  port: 80\n",
+        )
+        .unwrap();
+        let once = Manifest::parse(&m.restarted("2026-11-25T12:00:00Z").unwrap()).unwrap();
+        assert_eq!(once.pod_id(), "web");
+        assert_ne!(once.digest(), m.digest(), "P2 relaunches for it");
+        assert!(once.raw().contains("port: 80"));
+        assert!(
+            once.raw()
+                .contains("rcfarm_restarted_at: 2026-11-25T12:00:00Z"),
+            "{}",
+            once.raw()
+        );
+        // Again: the key is replaced, not added twice; a new time is a new digest.
+        let twice = Manifest::parse(&once.restarted("2026-11-25T13:00:00Z").unwrap()).unwrap();
+        assert_eq!(twice.raw().matches(RESTART_CONFIG_KEY).count(), 1);
+        assert_ne!(twice.digest(), once.digest());
+        // No config, or an empty one: made.
+        for raw in ["id: web\n", "id: web\nconfig:\n"] {
+            let r = Manifest::parse(raw).unwrap().restarted("t").unwrap();
+            assert!(r.contains("rcfarm_restarted_at: t"), "{r}");
+        }
+        assert_eq!(
+            Manifest::parse("id: web\nconfig: [a]\n")
+                .unwrap()
+                .restarted("t"),
+            Err(RestartError::ConfigNotAMapping("a list"))
+        );
+        let signed = "-----BEGIN PGP SIGNED MESSAGE-----\nHash: SHA256\n\nid: p\n-----BEGIN PGP SIGNATURE-----\n\nabc\n-----END PGP SIGNATURE-----\n";
+        assert_eq!(
+            Manifest::parse(signed).unwrap().restarted("t"),
+            Err(RestartError::Signed)
+        );
     }
 
     #[test]

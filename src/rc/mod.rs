@@ -4,7 +4,7 @@
 pub mod manifest;
 pub mod model;
 
-pub use manifest::{Manifest, ManifestError};
+pub use manifest::{Manifest, ManifestError, RESTART_CONFIG_KEY, RestartError};
 pub use model::{
     AllocationStrategy, CHANGE_MARKER, DesiredState, InvalidRc, POD_ID_LABEL, RC_ID_LABEL,
     RC_LOCK_PREFIX, RC_PREFIX, RawRc, Rc, RcId, RcProblem,

@@ -6,7 +6,7 @@ use std::time::Duration;
 use chrono::Utc;
 use serde_json::{Value, json};
 
-use super::control::control_key;
+use super::control::{CANARY_PAUSER, control_key};
 use super::plan::RollAction;
 use super::record::{Roll, roll_key, roll_lock_key};
 use super::store::completion_details;
@@ -202,6 +202,25 @@ impl Worker {
                 ops.push(TxnOp::delete(roll_lock_key(self.id)));
                 (audits, false)
             }
+            RollAction::CanaryPause { up } => {
+                // An unreadable control pauses the roll before it can plan this.
+                let mut control = o.control.control.clone().unwrap_or_default();
+                control.paused = true;
+                control.paused_by = Some(CANARY_PAUSER.to_string());
+                control.paused_at = Some(Utc::now());
+                ops.push(TxnOp::set(control_key(self.id), control.to_bytes()));
+                let audit = AuditRecord::new(
+                    events::ROLL_PAUSED,
+                    details(json!({
+                        "actor": CANARY_PAUSER,
+                        "reason": format!("its {} canary pods are up; it waits to be promoted (rcctl roll promote {})", control.canary.unwrap_or_default(), self.id),
+                        "canary": control.canary,
+                        "canary_pods_up": up,
+                        "counts": counts,
+                    })),
+                );
+                (vec![audit], false)
+            }
             // Invariant: returned above, before the RCs are needed.
             RollAction::DeleteOrphan => unreachable!("applied by delete_orphan"),
         };
@@ -230,6 +249,12 @@ impl Worker {
                 "rolling update started: the old RC is disabled, the new one enabled"
             ),
             RollAction::Lock => tracing::debug!("took both RCs' mutation locks"),
+            RollAction::CanaryPause { up } => {
+                tracing::info!(up, "canary up: the roll pauses until promoted");
+                metrics::counter!("rcfarm_roll_canary_pauses_total").increment(1);
+                // Nothing the farm's views show changed; the next look reads the control.
+                return Ok(());
+            }
             RollAction::RetireOld => {
                 tracing::info!("the new RC is complete; the old RC removes its leftover pods")
             }

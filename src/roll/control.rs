@@ -41,6 +41,14 @@ pub struct RollControl {
     /// (`rcctl roll resume` gives it another deadline, `rcctl roll abort` ends it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub failed: Option<RollFailure>,
+    /// Replace this many pods first, then pause until promoted (`--canary K`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub canary: Option<u64>,
+    /// Who promoted the canary (`rcctl roll promote`), and when: the roll goes on to the end.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub promoted_by: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub promoted_at: Option<DateTime<Utc>>,
 }
 
 /// Why and when a roll failed.
@@ -50,7 +58,20 @@ pub struct RollFailure {
     pub at: DateTime<Utc>,
 }
 
+/// Who a pause is by when the farm paused the roll for its canary.
+pub const CANARY_PAUSER: &str = "canary";
+
 impl RollControl {
+    /// The canary still to prove itself: its size, until promoted.
+    pub fn canary_pending(&self) -> Option<u64> {
+        self.canary.filter(|_| self.promoted_by.is_none())
+    }
+
+    /// Paused by the farm because its canary is up: only a promotion goes on.
+    pub fn canary_paused(&self) -> bool {
+        self.paused && self.paused_by.as_deref() == Some(CANARY_PAUSER)
+    }
+
     pub fn parse(bytes: &[u8]) -> Result<RollControl, String> {
         serde_json::from_slice(bytes).map_err(|e| format!("not a roll control record: {e}"))
     }
@@ -62,6 +83,16 @@ impl RollControl {
 
     /// "paused by X at T", for conditions and messages.
     pub fn describe(&self) -> String {
+        if self.canary_paused() {
+            let mut s = format!(
+                "paused (canary): its {} canary pods are up; promote it to go on (rcctl roll promote)",
+                self.canary.unwrap_or_default()
+            );
+            if let Some(at) = &self.paused_at {
+                s.push_str(&format!(", since {}", at.format("%Y-%m-%dT%H:%M:%SZ")));
+            }
+            return s;
+        }
         let mut s = "paused".to_string();
         if let Some(by) = &self.paused_by {
             s.push_str(&format!(" by {by}"));
@@ -119,11 +150,30 @@ mod tests {
             paused_at: None,
             max_parallel: Some(2),
             progress_deadline: Some("10m".into()),
-            failed: None,
+            canary: Some(1),
+            ..Default::default()
         };
         assert_eq!(RollControl::parse(&c.to_bytes()).unwrap(), c);
         assert_eq!(c.describe(), "paused by rcctl:ops@host");
         assert!(!RollControl::parse(b"{}").unwrap().paused);
+        assert_eq!(c.canary_pending(), Some(1));
+        assert!(!c.canary_paused());
+        let canary = RollControl {
+            paused: true,
+            paused_by: Some(CANARY_PAUSER.into()),
+            ..c.clone()
+        };
+        assert!(canary.canary_paused());
+        assert!(
+            canary
+                .describe()
+                .starts_with("paused (canary): its 1 canary pods are up")
+        );
+        let promoted = RollControl {
+            promoted_by: Some("rcctl:ops@host".into()),
+            ..c.clone()
+        };
+        assert_eq!(promoted.canary_pending(), None);
         assert!(RollControl::parse(b"nope").is_err());
         let id = RcId::new();
         let seen = ControlSeen::from_entry(&c.to_bytes(), 42);

@@ -17,7 +17,9 @@ pub mod status;
 pub mod store;
 pub mod worker;
 
-pub use control::{CONTROL_PREFIX, ControlSeen, RollControl, RollFailure, control_key};
+pub use control::{
+    CANARY_PAUSER, CONTROL_PREFIX, ControlSeen, RollControl, RollFailure, control_key,
+};
 pub use plan::{
     LockState, RcCounts, RollAction, RollObserved, RollPlan, WaitKind, plan, roll_algorithm,
 };
@@ -27,8 +29,8 @@ pub use record::{
 };
 pub use status::{RollStatus, RollStatusRegistry};
 pub use store::{
-    NewRoll, PauseOutcome, RollListing, RollStore, RollStoreError, RollWatch, StartRoll,
-    WrittenRoll, update_creation_key,
+    ControlChange, NewRoll, PauseOutcome, RollListing, RollStore, RollStoreError, RollWatch,
+    StartRoll, WrittenRoll, update_creation_key,
 };
 pub use worker::{
     ROLL_HOLDER_PREFIX, RollConfig, RollContext, RollEvent, RollHandle, RollState, STARTED_LABEL,

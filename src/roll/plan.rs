@@ -98,6 +98,8 @@ pub struct RollObserved<'a> {
     pub max_parallel: Option<u64>,
     /// The roll failed (its progress deadline passed): why. Terminal until an operator acts.
     pub failed: Option<String>,
+    /// A canary not yet promoted: replace this many pods, wait until they are up, then pause.
+    pub canary: Option<u64>,
 }
 
 /// One step, applied as one fenced transaction.
@@ -120,6 +122,8 @@ pub enum RollAction {
     /// roll farm does with such a roll (most likely one whose completion deleted the old RC
     /// but not the roll). Nothing is scheduled or unscheduled by it.
     DeleteOrphan,
+    /// The canary's pods are all up: pause the roll until an operator promotes it.
+    CanaryPause { up: u64 },
 }
 
 /// Why a roll waits.
@@ -302,6 +306,26 @@ pub fn plan(o: &RollObserved<'_>) -> RollPlan {
     // Fewer than the minimum allows is always safe: fewer pods down, fewer new pods to wait for.
     let (remove, add) = match o.max_parallel {
         Some(n) => (remove.min(n), add.min(n)),
+        None => (remove, add),
+    };
+    // A canary larger than the roll is no canary (rcctl refuses one; a hand-written control
+    // record is read as P2 would: an ordinary roll).
+    let canary = o.canary.filter(|k| *k > 0 && *k < target);
+    let (remove, add) = match canary {
+        Some(k) if new.desired >= k => {
+            if new.healthy >= k {
+                return RollPlan::act(RollAction::CanaryPause { up: new.healthy });
+            }
+            return RollPlan::wait(
+                WaitKind::Health,
+                format!(
+                    "canary: {} of {k} canary pods up; waiting for the rest to run the new manifest and pass their health checks",
+                    new.healthy
+                ),
+            );
+        }
+        // Never more new pods than the canary, whatever the minimum and pace allow.
+        Some(k) => (remove.min(k - new.desired), add.min(k - new.desired)),
         None => (remove, add),
     };
     if add == 0 && remove == 0 {
@@ -494,7 +518,50 @@ mod tests {
             paused: None,
             max_parallel: None,
             failed: None,
+            canary: None,
         }
+    }
+
+    #[test]
+    fn a_canary_replaces_k_pods_under_the_minimum_then_pauses_until_promoted() {
+        let step = |o: &RollObserved<'_>| match plan(o).action {
+            Some(RollAction::Step { add, remove, .. }) => (add, remove),
+            other => panic!("expected a step, got {other:?} ({:?})", plan(o).waiting),
+        };
+        // 4 pods, at least 3 healthy: one at a time, the canary of 2 included.
+        let u = update(4, 3);
+        let mut o = observe(&u, counts(4, 4, 4, true), counts(0, 0, 0, false));
+        o.canary = Some(2);
+        assert_eq!(step(&o), (1, 1), "the minimum still holds for the canary");
+        o.old = Ok(counts(3, 3, 3, true));
+        o.new = Ok(counts(1, 1, 1, false));
+        assert_eq!(step(&o), (1, 1));
+        // Both canary pods scheduled, one up: no third pod, wait for it.
+        o.old = Ok(counts(2, 2, 2, true));
+        o.new = Ok(counts(2, 2, 1, false));
+        let p = plan(&o);
+        assert_eq!(p.action, None);
+        let (kind, why) = p.waiting.unwrap();
+        assert_eq!(kind, WaitKind::Health);
+        assert!(why.starts_with("canary: 1 of 2 canary pods up"), "{why}");
+        // Both up: pause.
+        o.new = Ok(counts(2, 2, 2, false));
+        assert_eq!(plan(&o).action, Some(RollAction::CanaryPause { up: 2 }));
+        // Promoted: the rest of the roll.
+        o.canary = None;
+        assert_eq!(step(&o), (1, 1));
+
+        // A minimum of 0 would move all 4 at once; the canary moves 2.
+        let u = update(4, 0);
+        let mut o = observe(&u, counts(4, 4, 4, true), counts(0, 0, 0, false));
+        o.canary = Some(2);
+        assert_eq!(step(&o), (2, 2));
+        o.max_parallel = Some(1);
+        assert_eq!(step(&o), (1, 1), "the pace applies to the canary too");
+        // A canary as large as the roll is no canary.
+        o.max_parallel = None;
+        o.canary = Some(4);
+        assert_eq!(step(&o), (4, 4));
     }
 
     #[test]
@@ -875,6 +942,10 @@ mod tests {
                 missing in prop_oneof![Just(0u64), 0u64..3],
                 seed in 1u64..u64::MAX,
                 fail_rate in prop_oneof![Just(0u8), 0u8..30],
+                max_parallel in prop_oneof![Just(None), (1u64..4).prop_map(Some)],
+                canary in prop_oneof![Just(None), (1u64..4).prop_map(Some)],
+                // Each pass is paused with this chance (percent).
+                pause_rate in prop_oneof![Just(0u64), 0u64..40],
             ) {
                 let minimum = target.saturating_sub(min_gap).min(old_n.saturating_sub(1));
                 let nodes = (old_n as usize).max(target as usize) + spare;
@@ -898,7 +969,15 @@ mod tests {
                 };
                 let mut started = false;
                 let mut done = false;
-                for _ in 0..200 {
+                let mut promoted = false;
+                let mut canary_paused = false;
+                for _ in 0..400 {
+                    let paused = (w.next() % 100) < pause_rate;
+                    // The operator promotes a paused canary a little later.
+                    if canary_paused && w.next().is_multiple_of(3) {
+                        promoted = true;
+                        canary_paused = false;
+                    }
                     let o = RollObserved {
                         update: &u,
                         old: Ok(w.counts(Owner::Old)),
@@ -910,12 +989,18 @@ mod tests {
                         ready_since: None,
                         started,
                         old_missing: false,
-                        paused: None,
-                        max_parallel: None,
+                        paused: (paused || canary_paused).then(|| "paused".to_string()),
+                        max_parallel,
                         failed: None,
+                        canary: canary.filter(|_| !promoted),
                     };
                     let up_before = w.up();
-                    match plan(&o).action {
+                    let new_before = w.new.0;
+                    let planned = plan(&o);
+                    if o.paused.is_some() {
+                        prop_assert_eq!(planned.action.clone(), None, "a paused roll takes no step");
+                    }
+                    match planned.action {
                         Some(RollAction::Start { disable_old, enable_new }) => {
                             if disable_old { w.old.1 = true; }
                             if enable_new { w.new.1 = false; }
@@ -924,8 +1009,19 @@ mod tests {
                         Some(RollAction::Step { add, remove, old_to }) => {
                             let old_current = w.pods.iter().flatten().filter(|(o, _)| *o == Owner::Old).count() as u64;
                             prop_assert_eq!(old_to, w.old.0.min(old_current).saturating_sub(remove));
+                            if let Some(n) = max_parallel {
+                                prop_assert!(add <= n && remove <= n, "+{} -{} in one step, max-parallel {}", add, remove, n);
+                            }
+                            if let Some(k) = canary.filter(|k| *k < target && !promoted) {
+                                prop_assert!(new_before + add <= k, "{} new pods before promotion, canary {}", new_before + add, k);
+                            }
                             w.new.0 += add;
                             w.old.0 = old_to;
+                        }
+                        Some(RollAction::CanaryPause { up }) => {
+                            let k = canary.unwrap_or_default();
+                            prop_assert!(!promoted && up >= k && k < target);
+                            canary_paused = true;
                         }
                         Some(RollAction::RetireOld) => w.old = (0, false),
                         Some(RollAction::Complete) => { done = true; break; }

@@ -166,7 +166,17 @@ pub struct WrittenRoll {
     pub committed: bool,
 }
 
-/// What `RollStore::set_paused` found or did.
+/// What an operator changes about a roll (`rcctl roll pause|resume|promote`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ControlChange {
+    Pause,
+    /// Ends a pause and a failure.
+    Resume,
+    /// Lets a canary roll go on to the end.
+    Promote,
+}
+
+/// What `RollStore::change_control` found or did.
 #[derive(Debug, Clone)]
 pub enum PauseOutcome {
     /// Written (or, on a dry run, the transaction that would be).
@@ -314,14 +324,32 @@ impl RollStore {
         .await
     }
 
-    /// Pauses (`paused`) or resumes a roll: its control record at `rcfarm/rolls/<id>` and an
-    /// audit record with `actor`, in one transaction guarded by both keys' versions (retried a
-    /// few times if the roll's farm writes meanwhile). A roll that does not exist (finished, or
-    /// never started) is [`RollStoreError::NotFound`]; one already as asked is left alone.
+    /// Pauses (`paused`) or resumes a roll; see [`RollStore::change_control`].
     pub async fn set_paused(
         &self,
         id: RollId,
         paused: bool,
+        actor: &str,
+        dry_run: bool,
+    ) -> Result<PauseOutcome, RollStoreError> {
+        let change = if paused {
+            ControlChange::Pause
+        } else {
+            ControlChange::Resume
+        };
+        self.change_control(id, change, actor, dry_run).await
+    }
+
+    /// Pauses, resumes or promotes a roll: its control record at `rcfarm/rolls/<id>` and an
+    /// audit record with `actor`, in one transaction guarded by both keys' versions (retried a
+    /// few times if the roll's farm writes meanwhile). A roll that does not exist (finished, or
+    /// never started) is [`RollStoreError::NotFound`]; one already as asked is left alone; a
+    /// change that makes no sense for the roll (promoting one without a canary, resuming one
+    /// that waits for its promotion) is refused.
+    pub async fn change_control(
+        &self,
+        id: RollId,
+        change: ControlChange,
         actor: &str,
         dry_run: bool,
     ) -> Result<PauseOutcome, RollStoreError> {
@@ -350,42 +378,84 @@ impl RollStore {
                 ),
                 None => (RollControl::default(), 0),
             };
-            // A resume also ends a failure: the operator gives the roll another deadline.
-            if current.paused == paused && (paused || current.failed.is_none()) {
-                return Ok(PauseOutcome::Unchanged(current));
-            }
-            let was_failed = current.failed.as_ref().map(|f| f.reason.clone());
-            // The roll's pace stays as it was.
-            let control = if paused {
-                RollControl {
-                    paused: true,
-                    paused_by: Some(actor.to_string()),
-                    paused_at: Some(chrono::Utc::now()),
-                    ..current
+            let now = chrono::Utc::now();
+            let (control, event, extra) = match change {
+                ControlChange::Pause => {
+                    if current.paused {
+                        return Ok(PauseOutcome::Unchanged(current));
+                    }
+                    // The roll's pace stays as it was.
+                    let c = RollControl {
+                        paused: true,
+                        paused_by: Some(actor.to_string()),
+                        paused_at: Some(now),
+                        ..current.clone()
+                    };
+                    (c, events::ROLL_PAUSED, json!({}))
                 }
-            } else {
-                RollControl {
-                    paused: false,
-                    paused_by: None,
-                    paused_at: None,
-                    failed: None,
-                    ..current
+                ControlChange::Resume => {
+                    if current.canary_paused() {
+                        return Err(RollStoreError::Refused(format!(
+                            "rolling update {id} waits for its canary to be promoted, not resumed: `rcctl roll promote {id}` goes on to the end, `rcctl roll abort {id}` stops it"
+                        )));
+                    }
+                    // A resume also ends a failure: the operator gives the roll another deadline.
+                    if !current.paused && current.failed.is_none() {
+                        return Ok(PauseOutcome::Unchanged(current));
+                    }
+                    let was_failed = current.failed.as_ref().map(|f| f.reason.clone());
+                    let c = RollControl {
+                        paused: false,
+                        paused_by: None,
+                        paused_at: None,
+                        failed: None,
+                        ..current.clone()
+                    };
+                    (c, events::ROLL_RESUMED, json!({"was_failed": was_failed}))
+                }
+                ControlChange::Promote => {
+                    let Some(canary) = current.canary else {
+                        return Err(RollStoreError::Refused(format!(
+                            "rolling update {id} has no canary (it was not started with --canary K): there is nothing to promote; `rcctl roll resume {id}` resumes a paused roll"
+                        )));
+                    };
+                    if current.promoted_by.is_some() {
+                        return Ok(PauseOutcome::Unchanged(current));
+                    }
+                    let was_up = current.canary_paused();
+                    // An operator's own pause stays: a promotion answers only the canary's.
+                    let c = if was_up {
+                        RollControl {
+                            paused: false,
+                            paused_by: None,
+                            paused_at: None,
+                            ..current.clone()
+                        }
+                    } else {
+                        current.clone()
+                    };
+                    let c = RollControl {
+                        promoted_by: Some(actor.to_string()),
+                        promoted_at: Some(now),
+                        ..c
+                    };
+                    (
+                        c,
+                        events::ROLL_PROMOTED,
+                        json!({"canary": canary, "canary_was_up": was_up}),
+                    )
                 }
             };
-            let audit = AuditRecord::new(
-                if paused {
-                    events::ROLL_PAUSED
-                } else {
-                    events::ROLL_RESUMED
-                },
-                json!({
-                    "rolling_update_id": id,
-                    "old_rc": update.old_rc,
-                    "new_rc": update.new_rc,
-                    "actor": actor,
-                    "was_failed": was_failed,
-                }),
-            );
+            let mut details = json!({
+                "rolling_update_id": id,
+                "old_rc": update.old_rc,
+                "new_rc": update.new_rc,
+                "actor": actor,
+            });
+            if let (Some(d), serde_json::Value::Object(e)) = (details.as_object_mut(), extra) {
+                d.extend(e);
+            }
+            let audit = AuditRecord::new(event, details);
             let ops = vec![
                 TxnOp::check_index(roll_key(id), entry.modify_index),
                 TxnOp::cas(control_key(id), control.to_bytes(), index),

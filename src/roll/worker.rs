@@ -14,7 +14,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use super::control::{ControlSeen, RollFailure, control_key};
+use super::control::{ControlSeen, RollControl, RollFailure, control_key};
 use super::plan::{LockState, RcCounts, RollAction, RollObserved, RollPlan, WaitKind, plan};
 use super::record::{InvalidRoll, Roll, RollId};
 use super::status::RollStatusRegistry;
@@ -489,6 +489,11 @@ impl Worker {
             paused,
             max_parallel: control.control.as_ref().ok().and_then(|c| c.max_parallel),
             failed,
+            canary: control
+                .control
+                .as_ref()
+                .ok()
+                .and_then(RollControl::canary_pending),
         };
         let planned = plan(&observed);
         if planned.step_ready {

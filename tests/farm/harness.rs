@@ -317,6 +317,32 @@ impl Cluster {
         self.farms.len() - 1
     }
 
+    /// The HTTP address a live farm registered (`rcfarm/farms/<id>`).
+    pub async fn farm_http(&self, farm_id: &str) -> String {
+        let (entries, _) = self
+            .consul
+            .kv_list("rcfarm/farms/", &rcfarm::consul::QueryOptions::default())
+            .await
+            .unwrap();
+        rcfarm::farm::registry::live_farms(&entries)
+            .into_iter()
+            .find(|f| f.farm_id == farm_id)
+            .and_then(|f| f.http)
+            .unwrap_or_else(|| panic!("farm {farm_id} is live with an HTTP address"))
+    }
+
+    /// The farm's `/metrics` page.
+    pub async fn metrics(&self, farm_id: &str) -> String {
+        rcfarm::consul::init_tls();
+        let base = self.farm_http(farm_id).await;
+        reqwest::get(format!("{base}/metrics"))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+    }
+
     pub fn farm_log(&self, i: usize) -> String {
         self.farms[i].log.lock().clone()
     }

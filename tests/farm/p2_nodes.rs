@@ -732,6 +732,52 @@ async fn an_rc_on_real_p2_nodes_runs_rolls_under_p2_health_and_stops() {
         "{completion:#?}"
     );
 
+    // A rolling restart: the same artifact, a manifest whose only change is
+    // `config.rcfarm_restarted_at`. P2's preparer sees a new SHA and relaunches every pod
+    // (new processes), under the same minimum.
+    let watch = HealthWatch::spawn(c.consul.clone(), &nodes, &pod);
+    let mut before = BTreeMap::new();
+    for n in &after {
+        before.insert(n.clone(), nodes.pod_pids(n).await);
+    }
+    let started = Instant::now();
+    let out = rcctl(
+        &c,
+        &[
+            "rc",
+            "restart",
+            &new.to_string(),
+            "--minimum",
+            "2",
+            "--wait",
+            "--timeout",
+            "180s",
+        ],
+    )
+    .await;
+    let restarted = RcId::parse(out.lines().next().unwrap().trim()).unwrap();
+    let after = running(
+        &c,
+        &nodes,
+        restarted,
+        3,
+        Some(&on),
+        "v2",
+        Duration::from_secs(60),
+    )
+    .await;
+    eprintln!("rolling restart of 3 real pods: {:.1?}", started.elapsed());
+    for n in &after {
+        let pids = nodes.pod_pids(n).await;
+        assert!(
+            !pids.is_empty() && pids.iter().all(|p| !before[n].contains(p)),
+            "{n} relaunched the pod: {pids:?} (before {:?})",
+            before[n]
+        );
+    }
+    watch.assert_never_below(2, "the rolling restart (minimum 2)");
+    let new = restarted;
+
     // Scale to 0, then delete: the processes stop and the preparers remove their keys.
     scale_to_zero(&c, &nodes, &pod, new).await;
     rcctl(&c, &["rc", "delete", &new.to_string()]).await;

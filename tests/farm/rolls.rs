@@ -926,3 +926,185 @@ async fn a_roll_whose_new_pods_never_pass_fails_at_its_deadline_and_stops(backen
     assert_eq!(c.count_prefix("rcfarm/rolls/").await, 0);
     c.check_invariants(|_| false);
 }
+
+on_both_backends!(a_canary_roll_replaces_k_pods_pauses_and_goes_on_when_promoted);
+async fn a_canary_roll_replaces_k_pods_pauses_and_goes_on_when_promoted(backend: Backend) {
+    let (c, _sim, old) = rolling_cluster(&backend, 5, 5).await;
+    let cr = &c;
+    let dir = tempfile::tempdir().unwrap();
+    let manifest = dir.path().join("v2.yaml");
+    std::fs::write(&manifest, Cluster::manifest("svc-0", 2)).unwrap();
+    let (m, id) = (manifest.to_str().unwrap(), old.to_string());
+
+    // Mistakes: exit 2, nothing written.
+    for (args, says) in [
+        (
+            vec!["--canary", "5"],
+            "--canary 5: a canary must be smaller",
+        ),
+        (
+            vec!["--canary", "7"],
+            "--canary 7: a canary must be smaller",
+        ),
+    ] {
+        let mut a = vec!["roll", "start", &id, "-f", m];
+        a.extend(&args);
+        let (code, out, err) = c.rcctl(&a).await;
+        assert_eq!(code, 2, "{args:?}: {out}{err}");
+        assert!(err.contains(says), "{args:?}: {err}");
+    }
+    assert_eq!(c.count_prefix("rolls/").await, 0);
+    assert_eq!(c.count_prefix("rcfarm/rolls/").await, 0);
+
+    // A minimum of 0 would replace all five at once; the canary replaces two, and --wait
+    // returns once they are up.
+    let (code, out, err) = c
+        .rcctl(&[
+            "roll",
+            "start",
+            &id,
+            "-f",
+            m,
+            "--minimum",
+            "0",
+            "--canary",
+            "2",
+            "--wait",
+            "--timeout",
+            "60s",
+        ])
+        .await;
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(err.contains("canary up after"), "{err}");
+    let roll = RcId::parse(out.lines().next().unwrap().trim()).unwrap();
+    let rid = roll.to_string();
+    assert!(
+        c.all_up(roll, 2).await,
+        "both canary pods run the new manifest and pass"
+    );
+    // Paused for its canary: no further step, shown as such, audited with the farm as actor.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(desired_of(&c, roll).await, Some(2));
+    assert_eq!(desired_of(&c, old).await, Some(3));
+    let (code, out, _) = c.rcctl(&["--json", "roll", "show", &rid]).await;
+    assert_eq!(code, 0);
+    assert!(
+        out.contains("Paused (canary): its 2 canary pods are up"),
+        "{out}"
+    );
+    let (code, out, _) = c.rcctl(&["roll", "list"]).await;
+    assert_eq!(code, 0);
+    assert!(out.contains("Paused (canary)"), "{out}");
+    let paused = c.audit_events("ROLLING_UPDATE_PAUSED").await;
+    assert_eq!(paused.len(), 1, "{paused:?}");
+    assert_eq!(paused[0]["actor"], "canary");
+    assert_eq!(paused[0]["canary_pods_up"], 2);
+    let metrics = c.metrics("f1").await;
+    assert!(
+        metrics.lines().any(|l| l == "rcfarm_rolls_paused 1"),
+        "{metrics}"
+    );
+
+    // Resume is not how a canary goes on; promote is. A roll without a canary has nothing
+    // to promote.
+    let (code, _, err) = c.rcctl(&["roll", "resume", &rid]).await;
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("rcctl roll promote"), "{err}");
+    let (code, _, err) = c.rcctl(&["roll", "promote", &old.to_string()]).await;
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("no rolling update"), "{err}");
+
+    let (code, out, err) = c
+        .rcctl(&["roll", "promote", &rid, "--wait", "--timeout", "60s"])
+        .await;
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("promoted"), "{out}");
+    assert!(err.contains("rolling update complete"), "{err}");
+    completed(&c, roll, old, 5, Duration::from_secs(30)).await;
+    c.wait_for(
+        Duration::from_secs(10),
+        "the promotion's audit record",
+        move || async move { cr.audit_events("ROLLING_UPDATE_PROMOTED").await.len() == 1 },
+    )
+    .await;
+    let promoted = c.audit_events("ROLLING_UPDATE_PROMOTED").await;
+    assert!(promoted[0]["actor"].as_str().unwrap().starts_with("rcctl:"));
+    assert_eq!(promoted[0]["canary_was_up"], true);
+    // The canary's two pods in one step, then (a minimum of 0) the other three in one.
+    let steps = c.audit_events("ROLLING_UPDATE_STEP").await;
+    let mut added: Vec<u64> = steps
+        .iter()
+        .filter_map(|s| s["replicas_added"].as_u64())
+        .filter(|a| *a > 0)
+        .collect();
+    added.sort();
+    assert_eq!(added, vec![2, 3], "{steps:#?}");
+    c.check_invariants(|_| false);
+}
+
+on_both_backends!(a_rolling_restart_replaces_every_pod_with_the_same_manifest_through_a_roll);
+async fn a_rolling_restart_replaces_every_pod_with_the_same_manifest_through_a_roll(
+    backend: Backend,
+) {
+    let (c, _sim, old) = rolling_cluster(&backend, 4, 3).await;
+    let before = RcStore::new(c.consul.clone())
+        .get(old)
+        .await
+        .unwrap()
+        .unwrap();
+
+    // Mistakes: exit 2, nothing written.
+    let missing = RcId::new().to_string();
+    let (code, _, err) = c.rcctl(&["rc", "restart", &missing]).await;
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("does not exist"), "{err}");
+    let (code, _, err) = c
+        .rcctl(&["rc", "restart", &old.to_string(), "--canary", "3"])
+        .await;
+    assert_eq!(code, 2, "{err}");
+    assert_eq!(c.count_prefix("rolls/").await, 0);
+
+    let (code, out, err) = c
+        .rcctl(&[
+            "rc",
+            "restart",
+            &old.to_string(),
+            "--max-parallel",
+            "1",
+            "--wait",
+            "--timeout",
+            "60s",
+        ])
+        .await;
+    assert_eq!(code, 0, "{out}{err}");
+    let roll = RcId::parse(out.lines().next().unwrap().trim()).unwrap();
+    completed(&c, roll, old, 3, Duration::from_secs(30)).await;
+    let after = RcStore::new(c.consul.clone())
+        .get(roll)
+        .await
+        .unwrap()
+        .unwrap();
+    // The same pod, selector and labels; to P2's preparer a new manifest (its SHA changed).
+    assert_eq!(after.pod_id(), before.pod_id());
+    assert_eq!(
+        after.node_selector.to_string(),
+        before.node_selector.to_string()
+    );
+    assert_eq!(after.pod_labels, before.pod_labels);
+    assert_ne!(after.manifest.digest(), before.manifest.digest());
+    assert!(
+        after.manifest.raw().contains("rcfarm_restarted_at:"),
+        "{}",
+        after.manifest.raw()
+    );
+    // Every pod was replaced, one at a time, never below the default minimum (desired − 1).
+    let steps = c.audit_events("ROLLING_UPDATE_STEP").await;
+    let added: u64 = steps
+        .iter()
+        .filter_map(|s| s["replicas_added"].as_u64())
+        .sum();
+    assert_eq!(added, 3, "{steps:#?}");
+    let lowest = c.roll_lowest_up().get(&roll.to_string()).copied();
+    assert!(lowest.is_none_or(|l| l >= 2), "lowest pods up {lowest:?}");
+    c.check_invariants(|_| false);
+}

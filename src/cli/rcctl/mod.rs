@@ -158,6 +158,19 @@ enum RcCommand {
         #[command(flatten)]
         dry: DryRun,
     },
+    /// Replace every pod with the same manifest, through a rolling update with all its
+    /// guarantees (minimum, pace, canary, deadline). P2's preparer relaunches a pod when its
+    /// manifest's SHA changes: the new RC's manifest carries `config.rcfarm_restarted_at`
+    /// (the time), which changes the SHA and nothing else P2 reads. Prints the roll's id.
+    Restart {
+        id: String,
+        #[command(flatten)]
+        opts: roll::RollOpts,
+        #[command(flatten)]
+        wait: roll::WaitOpts,
+        #[command(flatten)]
+        dry: DryRun,
+    },
 }
 
 #[derive(Debug, Subcommand)]

@@ -150,6 +150,34 @@ pub async fn run(ctx: &Ctx, cmd: RcCommand) -> Result<(), CliError> {
                 .map_err(store_failed)?;
             report(ctx, &w, dry.dry_run, &format!("deleted {rid}"))
         }
+        RcCommand::Restart {
+            id,
+            opts,
+            wait,
+            dry,
+        } => {
+            let rid = parse_id(&id)?;
+            let rc = store.get(rid).await.map_err(store_failed)?.ok_or_else(|| {
+                CliError::Usage(format!(
+                    "replication controller {rid} does not exist (rcctl rc list)"
+                ))
+            })?;
+            let at = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
+            let manifest = rc
+                .manifest
+                .restarted(&at)
+                .map_err(|e| CliError::Usage(format!("cannot restart {rid}: {e}")))?;
+            super::roll::start(
+                ctx,
+                crate::roll::RollStore::new(ctx.consul.clone()),
+                rid,
+                manifest,
+                opts,
+                wait,
+                dry,
+            )
+            .await
+        }
         RcCommand::SetManifest { id, manifest, dry } => {
             let text = read_manifest(&manifest)?;
             mutate(

@@ -10,10 +10,11 @@ use super::rc::{parse_id, read_manifest};
 use super::{Ctx, DryRun, consul_failed, rc_actor};
 use crate::cli::{CliError, parse_duration_flag};
 use crate::labels::LabelSet;
-use crate::overview::RollOverview;
+use crate::overview::{CANARY_CONDITION, RollOverview};
 use crate::rc::RcId;
 use crate::roll::{
-    NewRoll, PauseOutcome, RollControl, RollStore, RollStoreError, StartRoll, Update, WrittenRoll,
+    ControlChange, NewRoll, PauseOutcome, RollControl, RollStore, RollStoreError, StartRoll,
+    Update, WrittenRoll,
 };
 
 #[derive(Debug, Subcommand)]
@@ -74,6 +75,15 @@ pub(crate) enum RollCommand {
         #[command(flatten)]
         dry: DryRun,
     },
+    /// Promote a canary rolling update (`--canary K`): it goes on to the end, with the pace it
+    /// was given.
+    Promote {
+        id: String,
+        #[command(flatten)]
+        wait: WaitOpts,
+        #[command(flatten)]
+        dry: DryRun,
+    },
 }
 
 /// The roll's numbers.
@@ -94,6 +104,11 @@ pub(crate) struct RollOpts {
     /// of 0 otherwise replaces every pod at once).
     #[arg(long, value_name = "N")]
     max_parallel: Option<u64>,
+    /// Replace K pods first (under the minimum and pace), wait until they run the new
+    /// manifest and pass their health checks, then pause until `rcctl roll promote`. With
+    /// --wait, rcctl returns once the canary is up.
+    #[arg(long, value_name = "K")]
+    canary: Option<u64>,
     /// Fail the roll when no new pod becomes up for this long (a terminal state: the farm
     /// takes no further step until `rcctl roll resume` or `abort`). Default: the farm's
     /// --roll-progress-deadline (10m).
@@ -149,8 +164,17 @@ impl RollOpts {
         Ok(Some(desired.saturating_sub(unavailable)))
     }
 
-    /// The roll's control record: its pace.
-    fn control(&self) -> Result<RollControl, CliError> {
+    /// The roll's control record: its pace and canary, for a roll to `desired` replicas.
+    fn control(&self, desired: u64) -> Result<RollControl, CliError> {
+        match self.canary {
+            Some(k) if k >= desired => {
+                return Err(CliError::Usage(format!(
+                    "--canary {k}: a canary must be smaller than the roll's {desired} replicas (it is the part tried first); give 1..{}",
+                    desired.saturating_sub(1)
+                )));
+            }
+            _ => {}
+        }
         if self.max_parallel == Some(0) {
             return Err(CliError::Usage(
                 "--max-parallel 0: the roll could never replace a pod; give at least 1".into(),
@@ -165,6 +189,8 @@ impl RollOpts {
         Ok(RollControl {
             max_parallel: self.max_parallel,
             progress_deadline: self.progress_deadline.map(crate::util::format_go_duration),
+            // `--canary 0` is no canary, as when absent.
+            canary: self.canary.filter(|k| *k > 0),
             ..Default::default()
         })
     }
@@ -193,37 +219,7 @@ pub(crate) async fn run(ctx: &Ctx, cmd: RollCommand) -> Result<(), CliError> {
         } => {
             let old = parse_id(&rc)?;
             let manifest = read_manifest(&manifest)?;
-            let minimum = match (&opts.max_unavailable, opts.desired) {
-                (None, _) => opts.minimum,
-                (Some(_), Some(d)) => opts.minimum(d)?,
-                (Some(_), None) => {
-                    let rc = crate::rc::RcStore::new(ctx.consul.clone())
-                        .get(old)
-                        .await
-                        .map_err(|e| CliError::Failed(e.to_string()))?
-                        .ok_or_else(|| {
-                            CliError::Failed(format!("replication controller {old} does not exist"))
-                        })?;
-                    opts.minimum(rc.replicas_desired)?
-                }
-            };
-            let w = store
-                .with_control(opts.control()?)
-                .start(
-                    StartRoll {
-                        old_rc: old,
-                        manifest,
-                        desired: opts.desired,
-                        minimum,
-                        leave_old: opts.leave_old,
-                        roll_delay: opts.roll_delay,
-                    },
-                    &rc_actor(),
-                    dry.dry_run,
-                )
-                .await
-                .map_err(roll_failed)?;
-            created(ctx, w, wait).await
+            start(ctx, store, old, manifest, opts, wait, dry).await
         }
         RollCommand::Create {
             old,
@@ -252,7 +248,7 @@ pub(crate) async fn run(ctx: &Ctx, cmd: RollCommand) -> Result<(), CliError> {
                 roll_delay: opts.roll_delay,
             };
             let w = store
-                .with_control(opts.control()?)
+                .with_control(opts.control(desired)?)
                 .create(
                     NewRoll {
                         update,
@@ -267,6 +263,7 @@ pub(crate) async fn run(ctx: &Ctx, cmd: RollCommand) -> Result<(), CliError> {
         }
         RollCommand::Pause { id, dry } => set_paused(ctx, &store, &id, true, dry).await,
         RollCommand::Resume { id, dry } => set_paused(ctx, &store, &id, false, dry).await,
+        RollCommand::Promote { id, wait, dry } => promote(ctx, &store, &id, wait, dry).await,
         RollCommand::List => list(ctx).await,
         RollCommand::Show { id } => show(ctx, &id).await,
         RollCommand::Abort { id, dry } => {
@@ -288,6 +285,60 @@ pub(crate) async fn run(ctx: &Ctx, cmd: RollCommand) -> Result<(), CliError> {
             Ok(())
         }
     }
+}
+
+/// `roll start`, and `rc restart` (the same manifest with a restart key): an ordinary roll of
+/// `old` onto `manifest`.
+pub(crate) async fn start(
+    ctx: &Ctx,
+    store: RollStore,
+    old: RcId,
+    manifest: String,
+    opts: RollOpts,
+    wait: WaitOpts,
+    dry: DryRun,
+) -> Result<(), CliError> {
+    // The old RC's count, where the roll's options are relative to it.
+    let desired = match opts.desired {
+        Some(d) => Some(d),
+        None if opts.max_unavailable.is_some() || opts.canary.is_some() => Some(
+            crate::rc::RcStore::new(ctx.consul.clone())
+                .get(old)
+                .await
+                .map_err(|e| CliError::Failed(e.to_string()))?
+                .ok_or_else(|| {
+                    CliError::Failed(format!("replication controller {old} does not exist"))
+                })?
+                .replicas_desired,
+        ),
+        None => None,
+    };
+    let minimum = match desired {
+        Some(d) => opts.minimum(d)?,
+        None => opts.minimum,
+    };
+    let control = match desired {
+        Some(d) => opts.control(d)?,
+        // The old RC's count, whatever it is: no canary to compare with it.
+        None => opts.control(u64::MAX)?,
+    };
+    let w = store
+        .with_control(control)
+        .start(
+            StartRoll {
+                old_rc: old,
+                manifest,
+                desired: opts.desired,
+                minimum,
+                leave_old: opts.leave_old,
+                roll_delay: opts.roll_delay,
+            },
+            &rc_actor(),
+            dry.dry_run,
+        )
+        .await
+        .map_err(roll_failed)?;
+    created(ctx, w, wait).await
 }
 
 /// `roll pause` / `roll resume`.
@@ -340,6 +391,68 @@ async fn set_paused(
             Ok(())
         }
     }
+}
+
+/// `roll promote`.
+async fn promote(
+    ctx: &Ctx,
+    store: &RollStore,
+    id: &str,
+    wait: WaitOpts,
+    dry: DryRun,
+) -> Result<(), CliError> {
+    let id = parse_id(id)?;
+    let outcome = match store
+        .change_control(id, ControlChange::Promote, &rc_actor(), dry.dry_run)
+        .await
+    {
+        Err(RollStoreError::NotFound(_)) => {
+            return Err(CliError::Usage(format!(
+                "no rolling update {id}: it finished, was aborted or never existed (rcctl roll list)"
+            )));
+        }
+        Err(RollStoreError::Refused(why)) => return Err(CliError::Usage(why)),
+        other => other.map_err(roll_failed)?,
+    };
+    let update = match outcome {
+        PauseOutcome::Written(w) if !w.committed => return print_txn(&w.ops),
+        PauseOutcome::Written(w) => {
+            if ctx.json && !wait.wait {
+                return json(
+                    &serde_json::json!({"id": id.to_string(), "promoted": true, "changed": true}),
+                );
+            }
+            println!("rolling update {id} promoted: it goes on to the end");
+            w.update
+        }
+        PauseOutcome::Unchanged(c) => {
+            if ctx.json && !wait.wait {
+                return json(
+                    &serde_json::json!({"id": id.to_string(), "promoted": true, "changed": false, "promoted_by": c.promoted_by}),
+                );
+            }
+            println!(
+                "rolling update {id} was already promoted by {}; nothing written",
+                c.promoted_by.as_deref().unwrap_or("?")
+            );
+            if !wait.wait {
+                return Ok(());
+            }
+            let roll = store
+                .list()
+                .await
+                .map_err(roll_failed)?
+                .rolls
+                .get(&id)
+                .cloned()
+                .ok_or_else(|| CliError::Failed(format!("rolling update {id} is gone")))?;
+            roll.update.clone()
+        }
+    };
+    if wait.wait {
+        follow(ctx, id, &update, wait.timeout).await?;
+    }
+    Ok(())
 }
 
 async fn created(ctx: &Ctx, w: WrittenRoll, wait: WaitOpts) -> Result<(), CliError> {
@@ -571,6 +684,19 @@ async fn follow(ctx: &Ctx, id: RcId, u: &Update, timeout: Duration) -> Result<()
         if line != last {
             eprintln!("  {line}");
             last = line;
+        }
+        // A canary that is up waits for a person: following it further would only time out.
+        if r.conditions.iter().any(|c| c.starts_with(CANARY_CONDITION)) {
+            if ctx.json {
+                return json(
+                    &serde_json::json!({"id": id.to_string(), "complete": false, "canary_up": true, "seconds": started.elapsed().as_secs_f64()}),
+                );
+            }
+            eprintln!(
+                "canary up after {:.1}s: rolling update {id} is paused until `rcctl roll promote {id}` (or `rcctl roll abort {id}`)",
+                started.elapsed().as_secs_f64()
+            );
+            return Ok(());
         }
         if let Some(f) = r.conditions.iter().find(|c| c.starts_with("Failed")) {
             return Err(CliError::RollFailed(format!(
