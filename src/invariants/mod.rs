@@ -491,3 +491,79 @@ impl Observer {
         self.count(rc)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::roll::RollFailure;
+    use crate::server::Entry;
+
+    fn put(key: &str, value: &[u8], session: Option<&str>) -> Change {
+        Change::Put(
+            key.to_string(),
+            Entry {
+                value: value.to_vec().into(),
+                flags: 0,
+                session: session.map(str::to_string),
+                lock_index: 0,
+                create_index: 1,
+                modify_index: 1,
+            },
+        )
+    }
+
+    fn commit(index: u64, changes: Vec<Change>, checks: &[(&str, &str)]) -> LoggedCommit {
+        LoggedCommit {
+            index,
+            changes,
+            checks: checks
+                .iter()
+                .map(|(k, s)| (k.to_string(), s.to_string()))
+                .collect(),
+            at: std::time::Instant::now(),
+        }
+    }
+
+    fn step(id: &str) -> Change {
+        let r = AuditRecord::new(
+            events::ROLL_STEP,
+            serde_json::json!({"rolling_update_id": id, "replicas_added": 1}),
+        );
+        put(&r.key(), &serde_json::to_vec(&r).unwrap(), None)
+    }
+
+    #[test]
+    fn a_step_of_a_paused_or_failed_roll_is_a_violation() {
+        let id = crate::rc::RcId::new().to_string();
+        let lock = format!("{ROLL_LOCK_PREFIX}{id}");
+        let control = |c: &RollControl| put(&control_key_of(&id), &c.to_bytes(), None);
+        let mut o = Observer::default();
+        o.observe(&commit(1, vec![put(&lock, b"f1", Some("s1"))], &[]));
+        // Unpaused: fine.
+        o.observe(&commit(2, vec![control(&RollControl::default())], &[]));
+        o.observe(&commit(3, vec![step(&id)], &[(&lock, "s1")]));
+        assert!(o.violations.is_empty(), "{:?}", o.violations);
+        // Paused: the next step breaks the promise; the pause's own write does not.
+        let paused = RollControl {
+            paused: true,
+            ..Default::default()
+        };
+        o.observe(&commit(4, vec![control(&paused)], &[]));
+        o.observe(&commit(5, vec![step(&id)], &[(&lock, "s1")]));
+        assert_eq!(o.violations.len(), 1);
+        assert!(o.violations[0].what.contains("while it was paused"));
+        // Failed likewise.
+        let failed = RollControl {
+            failed: Some(RollFailure {
+                reason: "deadline".into(),
+                at: chrono::Utc::now(),
+            }),
+            ..Default::default()
+        };
+        o.observe(&commit(6, vec![control(&failed)], &[]));
+        o.observe(&commit(7, vec![step(&id)], &[(&lock, "s1")]));
+        assert_eq!(o.violations.len(), 2);
+        assert!(o.violations[1].what.contains("while it was failed"));
+        assert_eq!(o.roll_control_checked, 3);
+    }
+}
