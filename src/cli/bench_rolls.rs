@@ -14,7 +14,7 @@ use crate::consul::{Consul, ConsulConfig, TxnOp};
 use crate::invariants::Observer;
 use crate::labels::{LabelSet, LabelStore, LabelType};
 use crate::rc::RcId;
-use crate::roll::{RollStore, StartRoll};
+use crate::roll::{ControlChange, RollControl, RollStore, StartRoll};
 use crate::server::{EmbeddedServer, ServerConfig};
 use crate::simulator::{NodeSimulator, SimConfig};
 
@@ -38,6 +38,10 @@ pub struct BenchRollsArgs {
     pub session_ttl: Duration,
     #[arg(long, default_value = "600s", value_parser = parse_duration_flag)]
     pub timeout: Duration,
+    /// Start every roll with a canary of K pods, wait until every canary is up and paused,
+    /// then promote them all at once; reports the canary phase and the promotion apart.
+    #[arg(long, value_name = "K")]
+    pub canary: Option<u64>,
 }
 
 fn manifest(i: usize, v: u32) -> String {
@@ -117,7 +121,10 @@ pub async fn run(args: BenchRollsArgs) -> Result<(), CliError> {
 
     // The rolls, all at once, through a client of their own (to count what creation costs).
     let creator = Consul::new(ConsulConfig::new(server.url())).map_err(failed)?;
-    let store = RollStore::new(creator.clone());
+    let store = RollStore::new(creator.clone()).with_control(RollControl {
+        canary: args.canary,
+        ..Default::default()
+    });
     let mut rolls = Vec::new();
     for (i, id) in ids.iter().enumerate() {
         let w = store
@@ -141,6 +148,31 @@ pub async fn run(args: BenchRollsArgs) -> Result<(), CliError> {
     let creation_requests = creator.stats().requests;
     let before = server.stats().requests;
     let sim_before = sim_stats.lock().clone();
+    // Canaries: every roll paused with its canary up, then all promoted at once.
+    let canary = match args.canary {
+        Some(k) => {
+            let c = &creator;
+            let n = args.rolls;
+            let up = wait_until(args.timeout, "every canary up and paused", || async move {
+                canaries_paused(c).await == n
+            })
+            .await?;
+            let promoting = Instant::now();
+            let promotions = rolls.iter().map(|id| {
+                let store = store.clone();
+                async move {
+                    store
+                        .change_control(*id, ControlChange::Promote, "bench", false)
+                        .await
+                }
+            });
+            for r in futures::future::join_all(promotions).await {
+                r.map_err(failed)?;
+            }
+            Some((k, up, promoting.elapsed(), promoting))
+        }
+        None => None,
+    };
     let done = wait_until(args.timeout, "every roll complete", || async move {
         srv.count_prefix("rolls/") == 0 && srv.count_prefix(crate::rc::RC_PREFIX) == args.rolls
     })
@@ -197,8 +229,31 @@ pub async fn run(args: BenchRollsArgs) -> Result<(), CliError> {
         below,
         rss.iter().sum::<u64>() as f64 / rss.len().max(1) as f64 / 1024.0,
     );
+    if let Some((k, up, promote, promoted_at)) = canary {
+        println!(
+            "canary {k} of {}: every canary up and paused {:.1} s after the rolls were written; {} promotions took {:.2} s; every roll done {:.1} s and every new pod up {:.1} s after the promotions",
+            args.replicas,
+            up.as_secs_f64(),
+            args.rolls,
+            promote.as_secs_f64(),
+            (done.saturating_sub(promoted_at - t0)).as_secs_f64(),
+            (all_up.saturating_sub(promoted_at - t0)).as_secs_f64(),
+        );
+    }
     server.shutdown().await;
     Ok(())
+}
+
+/// How many rolls are paused with their canary up.
+async fn canaries_paused(consul: &Consul) -> usize {
+    let q = crate::consul::QueryOptions::default();
+    match consul.kv_list(crate::roll::CONTROL_PREFIX, &q).await {
+        Ok((entries, _)) => entries
+            .iter()
+            .filter(|e| RollControl::parse(e.value_bytes()).is_ok_and(|c| c.canary_paused()))
+            .count(),
+        Err(_) => 0,
+    }
 }
 
 /// The header of the table rows `run` prints.
