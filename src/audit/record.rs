@@ -61,8 +61,11 @@ pub mod events {
     /// A roll failed: no new pod became up for its progress deadline (with why, and each new
     /// pod's state). Terminal until an operator resumes or aborts it.
     pub const ROLL_FAILED: &str = "ROLLING_UPDATE_FAILED";
+    /// A roll was reverted: replaced by a roll back to its old RC, under its minimum and pace
+    /// (`auto`: by the farm, on failure, with `--auto-revert`), naming both rolls.
+    pub const ROLL_REVERTED: &str = "ROLLING_UPDATE_REVERTED";
 
-    pub const ALL: [&str; 29] = [
+    pub const ALL: [&str; 30] = [
         RC_RETARGET,
         NODE_TRANSFER_START,
         NODE_TRANSFER_COMPLETION,
@@ -92,6 +95,7 @@ pub mod events {
         ROLL_PAUSED,
         ROLL_RESUMED,
         ROLL_FAILED,
+        ROLL_REVERTED,
     ];
 }
 
