@@ -210,10 +210,15 @@ async fn a_failed_roll_is_reverted_by_its_farm_and_a_failed_revert_stays_failed(
             &bad0,
             "--progress-deadline",
             "3s",
+            "--wait",
+            "--timeout",
+            "60s",
         ])
         .await;
-    assert_eq!(code, 0, "{out}{err}");
-    let bad = RcId::parse(out.trim()).unwrap();
+    // --wait ends with the failure's exit code, saying it was reverted.
+    assert_eq!(code, 3, "{out}{err}");
+    assert!(err.contains("failed and its farm reverted it"), "{err}");
+    let bad = RcId::parse(out.lines().next().unwrap().trim()).unwrap();
     // The revert is the roll bad → old, named by the old RC; it completes: every pod back on
     // the old manifest, the bad RC gone.
     completed(&c, old, bad, 3, Duration::from_secs(40)).await;
@@ -295,6 +300,12 @@ async fn a_failed_roll_is_reverted_by_its_farm_and_a_failed_revert_stays_failed(
         .await;
     assert_eq!(code, 0, "{out}");
     assert!(out.contains("Failed: no new pod became up for 2s"), "{out}");
+    assert!(
+        out.contains(&format!(
+            "Reverting: rolls back the failed rolling update {second}"
+        )),
+        "{out}"
+    );
     // Well past another deadline: still one revert each, the revert kept, nothing reverted
     // back and forth.
     tokio::time::sleep(Duration::from_secs(5)).await;

@@ -628,10 +628,17 @@ async fn finished(ctx: &Ctx, id: RcId, u: &Update, started: Instant) -> Result<(
         .as_ref()
         .is_some_and(|n| n.replicas_desired >= u.desired_replicas)
         && (u.leave_old || old.is_none());
+    let reverted = !complete && reverted(ctx, id, u).await;
     if ctx.json {
         return json(
-            &serde_json::json!({"id": id.to_string(), "complete": complete, "seconds": started.elapsed().as_secs_f64()}),
+            &serde_json::json!({"id": id.to_string(), "complete": complete, "reverted": reverted, "seconds": started.elapsed().as_secs_f64()}),
         );
+    }
+    if reverted {
+        return Err(CliError::RollFailed(format!(
+            "rolling update {id} failed and its farm reverted it: rolling update {old} rolls back to the old RC {old} under the same minimum and pace (rcctl roll show {old}; rcctl audit --type ROLLING_UPDATE_REVERTED)",
+            old = u.old_rc
+        )));
     }
     if complete {
         eprintln!(
@@ -649,6 +656,31 @@ async fn finished(ctx: &Ctx, id: RcId, u: &Update, started: Instant) -> Result<(
             "rolling update {id} ended without completing (aborted?): see `rcctl audit --type ROLLING_UPDATE_COMPLETION`"
         )))
     }
+}
+
+/// Whether a roll that ended without completing was reverted by its farm: its revert (the
+/// roll named by the old RC) is under way, or has completed (the failed RC is then a revision
+/// of the old RC's lineage).
+async fn reverted(ctx: &Ctx, id: RcId, u: &Update) -> bool {
+    let Ok(found) = ctx
+        .consul
+        .read_keys(&[
+            crate::roll::control_key(u.old_rc),
+            crate::roll::history_key(u.old_rc),
+        ])
+        .await
+    else {
+        return false;
+    };
+    let revert_under_way = found
+        .get(&crate::roll::control_key(u.old_rc))
+        .and_then(|kv| RollControl::parse(kv.value_bytes()).ok())
+        .is_some_and(|c| c.revert_of == Some(id));
+    let revert_done = found
+        .get(&crate::roll::history_key(u.old_rc))
+        .and_then(|kv| crate::roll::History::parse(kv.value_bytes()).ok())
+        .is_some_and(|h| h.revisions.iter().any(|r| r.rc_id == u.new_rc));
+    revert_under_way || revert_done
 }
 
 /// `rcctl roll undo`: checks everything before writing anything (no history, no such
