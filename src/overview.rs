@@ -468,6 +468,11 @@ pub async fn load_rolls(consul: &Consul) -> Result<Vec<RollOverview>, ConsulErro
                     } else if c.paused {
                         conditions.push(format!("Paused: {}", c.describe()));
                     }
+                    if let Some(failed) = c.revert_of {
+                        conditions.push(format!(
+                            "Reverting: rolls back the failed rolling update {failed}"
+                        ));
+                    }
                 }
                 Err(e) => {
                     conditions.push(format!("Paused: its control record is unreadable ({e})"))

@@ -10,6 +10,7 @@ key_prefix "lock/rolls/" { policy = "write" }
 key_prefix "rolls/" { policy = "write" }
 key_prefix "rcfarm/farms/" { policy = "write" }
 key_prefix "rcfarm/rolls/" { policy = "write" }
+key_prefix "rcfarm/history/" { policy = "write" }
 # Not needed with --audit-shipping off.
 key_prefix "rcfarm/audit-shipper" { policy = "write" }
 key_prefix "labels/node/" { policy = "read" }

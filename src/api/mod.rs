@@ -340,6 +340,10 @@ pub fn describe_metrics() {
         ),
         ("rcfarm_roll_completions_total", "rolling updates completed"),
         (
+            "rcfarm_roll_reverts_total",
+            "failed rolling updates the farm reverted (--auto-revert)",
+        ),
+        (
             "rcfarm_roll_stalls_total",
             "times a rolling update was reported stalled",
         ),

@@ -63,8 +63,11 @@ pub mod events {
     pub const ROLL_FAILED: &str = "ROLLING_UPDATE_FAILED";
     /// An operator promoted a roll's canary (`rcctl roll promote`): it goes on to the end.
     pub const ROLL_PROMOTED: &str = "ROLLING_UPDATE_PROMOTED";
+    /// A roll was reverted: replaced by a roll back to its old RC, under its minimum and pace
+    /// (`auto`: by the farm, on failure, with `--auto-revert`), naming both rolls.
+    pub const ROLL_REVERTED: &str = "ROLLING_UPDATE_REVERTED";
 
-    pub const ALL: [&str; 30] = [
+    pub const ALL: [&str; 31] = [
         RC_RETARGET,
         NODE_TRANSFER_START,
         NODE_TRANSFER_COMPLETION,
@@ -95,6 +98,7 @@ pub mod events {
         ROLL_RESUMED,
         ROLL_FAILED,
         ROLL_PROMOTED,
+        ROLL_REVERTED,
     ];
 }
 

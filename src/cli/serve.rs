@@ -92,6 +92,20 @@ pub struct FarmArgs {
     /// kept until an operator resumes or aborts it); a roll's own --progress-deadline wins.
     #[arg(long, env = "RCFARM_ROLL_PROGRESS_DEADLINE", default_value = "10m", value_parser = parse_duration_flag)]
     pub roll_progress_deadline: Duration,
+    /// Revisions kept per lineage (the chain of RCs that rolls connected): each RC a roll
+    /// replaces leaves one at `rcfarm/history/<rc-id>`, for `rcctl rc history` and
+    /// `rcctl roll undo`. 0 keeps none.
+    #[arg(long, env = "RCFARM_REVISION_HISTORY", default_value_t = crate::roll::DEFAULT_REVISIONS)]
+    pub revision_history: usize,
+    /// Revert a rolling update that Fails (roll back to its old RC, under its minimum and
+    /// pace) unless the roll says otherwise (`rcctl roll start --auto-revert[=false]`). A
+    /// revert that fails stays Failed.
+    #[arg(
+        long,
+        env = "RCFARM_ROLL_AUTO_REVERT",
+        value_parser = clap::builder::BoolishValueParser::new()
+    )]
+    pub roll_auto_revert: bool,
     /// Look at a waiting rolling update this often even without changes (what nodes run,
     /// `reality/`, is not watched).
     #[arg(long, env = "RCFARM_ROLL_RESYNC", default_value = "5s", value_parser = parse_duration_flag)]
@@ -204,6 +218,8 @@ impl FarmArgs {
             stall_after: self.roll_stall_after,
             progress_deadline: self.roll_progress_deadline,
             resync: self.roll_resync.max(Duration::from_millis(100)),
+            revision_history: self.revision_history,
+            auto_revert: self.roll_auto_revert,
             ..RollConfig::default()
         };
         c.claim_grace = self.claim_grace;

@@ -34,6 +34,7 @@ const RIGHTS: &[(&str, Access)] = &[
     ("rolls/", Access::Write),
     ("rcfarm/farms/", Access::Write),
     ("rcfarm/rolls/", Access::Write),
+    ("rcfarm/history/", Access::Write),
     ("labels/node/", Access::Read),
     ("labels/pod/", Access::Write),
     ("labels/replication_controller/", Access::Write),

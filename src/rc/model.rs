@@ -106,6 +106,13 @@ impl Serialize for RcId {
     }
 }
 
+impl<'de> serde::Deserialize<'de> for RcId {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        RcId::parse(&s).map_err(serde::de::Error::custom)
+    }
+}
+
 /// Where the RC may place pods beyond the nodes its selector already matches.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
 #[serde(rename_all = "snake_case")]

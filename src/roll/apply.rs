@@ -6,10 +6,11 @@ use std::time::Duration;
 use chrono::Utc;
 use serde_json::{Value, json};
 
-use super::control::{CANARY_PAUSER, control_key};
+use super::control::{CANARY_PAUSER, RollControl, control_key};
+use super::history::{self, History, HistorySeen, Revision, history_key};
 use super::plan::RollAction;
-use super::record::{Roll, roll_key, roll_lock_key};
-use super::store::completion_details;
+use super::record::{Roll, Update, roll_key, roll_lock_key};
+use super::store::{completion_details, creation_ops};
 use super::worker::{Observation, RollError, RollEvent, STARTED_LABEL, Worker, roll_holder};
 use crate::audit::{AuditRecord, events};
 use crate::consul::{ConsulError, TxnFailure, TxnOp};
@@ -197,6 +198,7 @@ impl Worker {
                         }),
                     ));
                 }
+                ops.extend(self.history_ops(roll, o, &old).await?);
                 ops.push(TxnOp::delete(control_key(self.id)));
                 // Our own lock last: the farm sees the roll and its lock go together.
                 ops.push(TxnOp::delete(roll_lock_key(self.id)));
@@ -271,6 +273,132 @@ impl Worker {
         self.await_views(index, wait_locks).await
     }
 
+    /// The completion's history writes: the old RC becomes the newest revision of the new
+    /// RC's lineage (see [`super::history`]), guarded by the versions read here.
+    async fn history_ops(
+        &self,
+        roll: &Roll,
+        o: &Observation,
+        old: &Rc,
+    ) -> Result<Vec<TxnOp>, RollError> {
+        let u = &roll.update;
+        let keys = [history_key(u.old_rc), history_key(u.new_rc)];
+        let found = self.ctx.consul.read_keys(&keys).await?;
+        let seen = |k: &str| {
+            found.get(k).map(|kv| HistorySeen {
+                history: History::parse(kv.value_bytes()),
+                index: kv.modify_index,
+            })
+        };
+        let (old_seen, new_seen) = (seen(&keys[0]), seen(&keys[1]));
+        for (k, s) in keys.iter().zip([&old_seen, &new_seen]) {
+            if let Some(HistorySeen {
+                history: Err(e), ..
+            }) = s
+            {
+                tracing::warn!(key = %k, error = %e, "a revision history cannot be read; it is replaced");
+            }
+        }
+        let rev = Revision::of(old, u, o.control.control.as_ref().ok(), Utc::now());
+        Ok(history::completion_ops(
+            u.old_rc,
+            u.new_rc,
+            old_seen.as_ref(),
+            new_seen.as_ref(),
+            rev,
+            self.ctx.config.revision_history,
+        ))
+    }
+
+    /// What replaces a failed roll O → N by its revert N → O (nomad#14200: under the failed
+    /// roll's minimum and pace): the failed roll's record, labels, control, its mutation locks
+    /// and own lock go; `rolls/<O>` (P2's format: P2's tools read it), its labels and its
+    /// control (same max-parallel and progress deadline, `revert_of`, never reverted itself)
+    /// come, with P2's completion and creation records and `ROLLING_UPDATE_REVERTED`. The old
+    /// RC still exists (disabled, with the pods it kept), so rolling onto it brings its
+    /// manifest back; whichever farm serves the new roll claims it as any other.
+    pub(super) fn revert_ops(
+        &self,
+        roll: &Roll,
+        o: &Observation,
+        failed: &RollControl,
+        reason: &str,
+    ) -> Result<(Vec<TxnOp>, Vec<AuditRecord>), RollError> {
+        let u = &roll.update;
+        let Some(old) = o.old.clone() else {
+            return Err(RollError::Other("the old RC of the roll is missing".into()));
+        };
+        let revert = Update {
+            old_rc: u.new_rc,
+            new_rc: u.old_rc,
+            desired_replicas: u.desired_replicas,
+            minimum_replicas: u.minimum_replicas,
+            // The failed RC goes at the end, as any replaced RC.
+            leave_old: false,
+            roll_delay: u.roll_delay,
+        };
+        revert.check_new().map_err(RollError::Other)?;
+        let actor = format!(
+            "rcfarm auto-revert of rolling update {} (farm {})",
+            self.id, self.ctx.farm_id
+        );
+        let control = RollControl {
+            max_parallel: failed.max_parallel,
+            progress_deadline: failed.progress_deadline.clone(),
+            created_by: Some(actor.clone()),
+            auto_revert: Some(false),
+            revert_of: Some(self.id),
+            ..Default::default()
+        };
+        // The revert takes the RCs' mutation locks again under its own name.
+        let mut ops = self.removal_ops(roll);
+        // The record (create-only), its labels and P2's creation record.
+        ops.extend(creation_ops(&revert, &old, &LabelSet::new(), &actor));
+        ops.push(TxnOp::set(control_key(revert.id()), control.to_bytes()));
+        ops.push(TxnOp::delete(roll_lock_key(self.id)));
+        let (labels, _) = &o.labels;
+        let mut completion = completion_details(
+            self.id,
+            labels,
+            o.new.as_ref().map(|rc| rc.pod_id()),
+            false,
+            false,
+        );
+        completion.insert("farm_id".into(), json!(self.ctx.farm_id));
+        completion.insert("old_rc".into(), json!(u.old_rc));
+        completion.insert("new_rc".into(), json!(u.new_rc));
+        completion.insert(
+            "reason".into(),
+            json!(format!(
+                "failed ({reason}); reverted by rolling update {}",
+                revert.id()
+            )),
+        );
+        let mut audits = vec![AuditRecord::new(
+            events::ROLL_COMPLETION,
+            Value::Object(completion),
+        )];
+        audits.push(AuditRecord::new(
+            events::ROLL_REVERTED,
+            json!({
+                "failed_rolling_update_id": self.id,
+                "rolling_update_id": revert.id(),
+                "old_rc": revert.old_rc,
+                "new_rc": revert.new_rc,
+                "auto": true,
+                "reason": reason,
+                "desired_replicas": revert.desired_replicas,
+                "minimum_replicas": revert.minimum_replicas,
+                "max_parallel": control.max_parallel,
+                "progress_deadline": control.progress_deadline,
+                "pod_id": old.pod_id(),
+                "actor": actor,
+                "farm_id": self.ctx.farm_id,
+            }),
+        ));
+        Ok((ops, audits))
+    }
+
     /// Deletes a roll whose old RC does not exist, as P2's roll farm does (`validateRoll`, then
     /// `mustDeleteRU`): the record, its labels, the RCs' mutation locks this roll holds and its
     /// own lock, in one transaction fenced by the roll's lock, with a `ROLLING_UPDATE_COMPLETION`
@@ -295,11 +423,29 @@ impl Worker {
         details.insert("new_rc".into(), json!(u.new_rc));
         details.insert("reason".into(), json!(reason));
         let mut ops = self.fence(roll, o);
-        ops.push(TxnOp::delete_cas(roll_key(self.id), roll.modify_index));
-        ops.push(LabelStore::delete_op(
-            LabelType::Rolls,
-            &self.id.to_string(),
-        ));
+        ops.extend(self.removal_ops(roll));
+        ops.push(TxnOp::delete(roll_lock_key(self.id)));
+        let audits = vec![AuditRecord::new(
+            events::ROLL_COMPLETION,
+            Value::Object(details),
+        )];
+        let index = self.commit(ops, audits).await?;
+        tracing::warn!(%reason, "rolling update deleted");
+        self.ctx.status.remove(self.id);
+        let _ = self.events.send(RollEvent::Completed(self.id, index));
+        Ok(())
+    }
+
+    /// Removes the roll without completing it: its record (as planned against), labels and
+    /// control, and the RCs' mutation locks this roll holds (each checked as ours). Its own
+    /// lock is the caller's to delete, last.
+    fn removal_ops(&self, roll: &Roll) -> Vec<TxnOp> {
+        let u = &roll.update;
+        let mut ops = vec![
+            TxnOp::delete_cas(roll_key(self.id), roll.modify_index),
+            LabelStore::delete_op(LabelType::Rolls, &self.id.to_string()),
+            TxnOp::delete(control_key(self.id)),
+        ];
         let holder = roll_holder(self.id);
         for id in [u.old_rc, u.new_rc] {
             let ours = self
@@ -313,17 +459,7 @@ impl Worker {
                 ops.push(TxnOp::delete(id.mutation_lock_key()));
             }
         }
-        ops.push(TxnOp::delete(control_key(self.id)));
-        ops.push(TxnOp::delete(roll_lock_key(self.id)));
-        let audits = vec![AuditRecord::new(
-            events::ROLL_COMPLETION,
-            Value::Object(details),
-        )];
-        let index = self.commit(ops, audits).await?;
-        tracing::warn!(%reason, "rolling update deleted");
-        self.ctx.status.remove(self.id);
-        let _ = self.events.send(RollEvent::Completed(self.id, index));
-        Ok(())
+        ops
     }
 
     /// Waits until the farm's views show our own write, so the next plan counts it.

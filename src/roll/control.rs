@@ -3,7 +3,8 @@
 //! `rcfarm/rolls/<id>` (P2's tools never read it) so that P2's `rolls/<id>` stays byte for byte
 //! P2's. Every write a roll task makes is guarded by this key's version (or, while it does not
 //! exist, creates it), so a pause written while a step is planned makes that step's transaction
-//! fail: a paused roll takes no step, not even one already planned.
+//! fail: a paused roll takes no step, not even one already planned. It also says who created
+//! the roll (for the revision history) and whether a failure is reverted by the farm.
 
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
@@ -49,6 +50,18 @@ pub struct RollControl {
     pub promoted_by: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub promoted_at: Option<DateTime<Utc>>,
+    /// Who created the roll (`rcctl:<user>@<host>`, or the farm for an auto-revert): the
+    /// `by` of the revision the replaced RC leaves.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub created_by: Option<String>,
+    /// When the roll fails, the farm rolls back to the old RC itself (`--auto-revert`); the
+    /// farm's `--roll-auto-revert` when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub auto_revert: Option<bool>,
+    /// Set on a roll the farm started to revert a failed one (that roll's id). Such a roll is
+    /// never reverted itself: a revert that fails stays Failed (no revert loop).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub revert_of: Option<RollId>,
 }
 
 /// Why and when a roll failed.
@@ -101,6 +114,12 @@ impl RollControl {
             s.push_str(&format!(" at {}", at.format("%Y-%m-%dT%H:%M:%SZ")));
         }
         s
+    }
+
+    /// Whether the farm reverts this roll when it fails: never a revert itself, else as the
+    /// roll says, else the farm's default.
+    pub fn reverts(&self, farm_default: bool) -> bool {
+        self.revert_of.is_none() && self.auto_revert.unwrap_or(farm_default)
     }
 }
 
@@ -175,6 +194,21 @@ mod tests {
         };
         assert_eq!(promoted.canary_pending(), None);
         assert!(RollControl::parse(b"nope").is_err());
+        // A revert is never reverted, whatever it or the farm says.
+        assert!(c.reverts(true) && !c.reverts(false));
+        let revert = RollControl {
+            auto_revert: Some(true),
+            revert_of: Some(RcId::new()),
+            ..Default::default()
+        };
+        assert!(!revert.reverts(true));
+        assert!(
+            !RollControl {
+                auto_revert: Some(false),
+                ..Default::default()
+            }
+            .reverts(true)
+        );
         let id = RcId::new();
         let seen = ControlSeen::from_entry(&c.to_bytes(), 42);
         assert_eq!(seen.guard(id), TxnOp::check_index(control_key(id), 42));

@@ -8,9 +8,11 @@
 //! - [`worker`]: the task that carries a claimed roll out (its writes, fenced transactions,
 //!   in `apply`).
 //! - [`status`]: what a farm reports about the rolls it carries out.
+//! - [`history`]: the revisions replaced RCs leave (`rcfarm/history/<rc-id>`), for undo.
 
 mod apply;
 pub mod control;
+pub mod history;
 pub mod plan;
 pub mod record;
 pub mod status;
@@ -20,6 +22,7 @@ pub mod worker;
 pub use control::{
     CANARY_PAUSER, CONTROL_PREFIX, ControlSeen, RollControl, RollFailure, control_key,
 };
+pub use history::{DEFAULT_REVISIONS, HISTORY_PREFIX, History, HistorySeen, Revision, history_key};
 pub use plan::{
     LockState, RcCounts, RollAction, RollObserved, RollPlan, WaitKind, plan, roll_algorithm,
 };

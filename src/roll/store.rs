@@ -9,6 +9,7 @@ use std::time::Duration;
 use serde_json::{Value, json};
 
 use super::control::{RollControl, control_key};
+use super::history::{History, history_key};
 use super::record::{InvalidRoll, ROLL_PREFIX, Roll, RollId, Update, roll_id_from_key, roll_key};
 use crate::audit::{AuditRecord, events};
 use crate::consul::{
@@ -212,8 +213,28 @@ impl RollStore {
         self
     }
 
-    fn control_op(&self, u: &Update) -> TxnOp {
-        TxnOp::set(control_key(u.id()), self.control.to_bytes())
+    /// The new roll's control: its pace, and who created it (the `by` of the revision the
+    /// replaced RC leaves).
+    fn control_op(&self, u: &Update, actor: &str) -> TxnOp {
+        let control = RollControl {
+            created_by: Some(actor.to_string()),
+            ..self.control.clone()
+        };
+        TxnOp::set(control_key(u.id()), control.to_bytes())
+    }
+
+    /// The revision history of the lineage `rc` heads (`None`: it has none).
+    pub async fn history(&self, rc: RcId) -> Result<Option<History>, RollStoreError> {
+        let (entry, _) = self
+            .consul
+            .kv_get(&history_key(rc), &QueryOptions::default())
+            .await?;
+        entry
+            .map(|e| {
+                History::parse(e.value_bytes())
+                    .map_err(|why| RollStoreError::Refused(format!("{}: {why}", history_key(rc))))
+            })
+            .transpose()
     }
 
     pub fn consul(&self) -> &Consul {
@@ -258,7 +279,7 @@ impl RollStore {
                     ops.push(TxnOp::check_index(rc.id.key(), rc.modify_index));
                 }
                 ops.extend(creation_ops(&u, &new_rc, &new.labels, actor));
-                ops.push(self.control_op(&u));
+                ops.push(self.control_op(&u, actor));
                 Ok((u.clone(), ops))
             },
         )
@@ -274,6 +295,18 @@ impl RollStore {
         actor: &str,
         dry_run: bool,
     ) -> Result<WrittenRoll, RollStoreError> {
+        self.start_shaped(req, None, actor, dry_run).await
+    }
+
+    /// [`RollStore::start`] whose new RC takes `shape`'s node selector and pod labels instead
+    /// of the old RC's (an undo: those of the revision rolled back to).
+    pub async fn start_shaped(
+        &self,
+        req: StartRoll,
+        shape: Option<(String, LabelSet)>,
+        actor: &str,
+        dry_run: bool,
+    ) -> Result<WrittenRoll, RollStoreError> {
         let rcs = RcStore::new(self.consul.clone());
         let old = self.existing(&rcs, req.old_rc).await?;
         let (mut rc_labels, _) = LabelStore::new(self.consul.clone())
@@ -285,8 +318,10 @@ impl RollStore {
             .create(
                 NewRc {
                     manifest: req.manifest.clone(),
-                    node_selector: old.node_selector.to_string(),
-                    pod_labels: old.pod_labels.clone(),
+                    node_selector: shape
+                        .as_ref()
+                        .map_or_else(|| old.node_selector.to_string(), |s| s.0.clone()),
+                    pod_labels: shape.map_or_else(|| old.pod_labels.clone(), |s| s.1),
                     replicas_desired: 0,
                     strategy: old.strategy,
                     rc_labels,
@@ -318,7 +353,7 @@ impl RollStore {
             let mut ops = vec![TxnOp::check_index(old.id.key(), old.modify_index)];
             ops.extend(created.ops.iter().cloned());
             ops.extend(creation_ops(&u, &new_rc, &LabelSet::new(), actor));
-            ops.push(self.control_op(&u));
+            ops.push(self.control_op(&u, actor));
             Ok((u.clone(), ops))
         })
         .await
@@ -681,7 +716,7 @@ pub fn roll_labels(new_rc: &Rc, extra: &LabelSet) -> LabelSet {
 }
 
 /// The record (create-only), its labels and P2's `ROLLING_UPDATE_CREATION` record.
-fn creation_ops(u: &Update, new_rc: &Rc, extra: &LabelSet, actor: &str) -> Vec<TxnOp> {
+pub(super) fn creation_ops(u: &Update, new_rc: &Rc, extra: &LabelSet, actor: &str) -> Vec<TxnOp> {
     let labels = roll_labels(new_rc, extra);
     let audit = AuditRecord::new(
         events::ROLL_CREATION,

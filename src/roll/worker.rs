@@ -61,6 +61,10 @@ pub struct RollConfig {
     /// watched).
     pub resync: Duration,
     pub error_backoff_max: Duration,
+    /// Revisions kept per lineage (`--revision-history`); 0 keeps none.
+    pub revision_history: usize,
+    /// Revert a failed roll unless the roll says otherwise (`--roll-auto-revert`).
+    pub auto_revert: bool,
 }
 
 impl Default for RollConfig {
@@ -70,6 +74,8 @@ impl Default for RollConfig {
             progress_deadline: Duration::from_secs(600),
             resync: Duration::from_secs(5),
             error_backoff_max: Duration::from_secs(30),
+            revision_history: super::history::DEFAULT_REVISIONS,
+            auto_revert: false,
         }
     }
 }
@@ -198,6 +204,15 @@ pub(super) struct Observation {
     pub(super) deadline: Duration,
 }
 
+/// What the progress deadline decided.
+enum Deadline {
+    Running,
+    /// The roll failed now, and stays Failed.
+    Failed,
+    /// The roll failed now and was replaced by its revert: this task is done.
+    Reverted,
+}
+
 /// How a pass ended.
 enum Outcome {
     /// Waiting; look again after this long at the latest.
@@ -309,9 +324,12 @@ impl Worker {
             self.publish(roll, &o);
             let Some(action) = o.planned.action.clone() else {
                 let waiting = o.planned.waiting.clone();
-                if self.watch_deadline(roll, &o).await? {
+                match self.watch_deadline(roll, &o).await? {
+                    Deadline::Running => {}
                     // Failed now: the next look shows it.
-                    continue;
+                    Deadline::Failed => continue,
+                    // Replaced by its revert, which the farm claims as any new roll.
+                    Deadline::Reverted => return Ok(Outcome::Done),
                 }
                 self.settle_wait(roll, waiting.as_ref()).await?;
                 let delay = match &waiting {
@@ -553,23 +571,29 @@ impl Worker {
 
     /// Fails the roll when no new pod has become up for its progress deadline: its control
     /// record says so (a terminal state, kept until an operator acts) and a
-    /// `ROLLING_UPDATE_FAILED` record says why, in one fenced transaction. `true`: failed now.
-    async fn watch_deadline(&mut self, roll: &Roll, o: &Observation) -> Result<bool, RollError> {
+    /// `ROLLING_UPDATE_FAILED` record says why, in one fenced transaction. A roll that
+    /// auto-reverts is instead replaced by its revert in that transaction (see
+    /// [`Worker::revert_ops`]).
+    async fn watch_deadline(
+        &mut self,
+        roll: &Roll,
+        o: &Observation,
+    ) -> Result<Deadline, RollError> {
         let up = o.new_counts.map_or(0, |c| c.healthy);
         if self.best_new_up.is_none_or(|b| up > b) {
             self.best_new_up = Some(up);
             self.last_progress = Instant::now();
         }
         let Some((kind, why)) = &o.planned.waiting else {
-            return Ok(false);
+            return Ok(Deadline::Running);
         };
         // A paused roll's deadline starts again on its resume; a delay means a step is ready.
         if matches!(kind, WaitKind::Paused | WaitKind::Delay | WaitKind::Failed) {
             self.last_progress = Instant::now();
-            return Ok(false);
+            return Ok(Deadline::Running);
         }
         if self.last_progress.elapsed() < o.deadline {
-            return Ok(false);
+            return Ok(Deadline::Running);
         }
         let deadline = format_go_duration(o.deadline);
         let reason = format!(
@@ -583,9 +607,9 @@ impl Worker {
             reason: reason.clone(),
             at: Utc::now(),
         });
+        let reverts = control.reverts(self.ctx.config.auto_revert) && o.old.is_some();
         let mut ops = self.fence(roll, o);
-        ops.push(TxnOp::set(control_key(self.id), control.to_bytes()));
-        let audit = AuditRecord::new(
+        let mut audits = vec![AuditRecord::new(
             events::ROLL_FAILED,
             json!({
                 "rolling_update_id": self.id,
@@ -595,10 +619,23 @@ impl Worker {
                 "progress_deadline": deadline,
                 "new_pods": self.describe_new_pods(o),
                 "farm_id": self.ctx.farm_id,
+                "auto_revert": reverts,
             }),
-        );
-        self.commit(ops, vec![audit]).await?;
-        Ok(true)
+        )];
+        if !reverts {
+            ops.push(TxnOp::set(control_key(self.id), control.to_bytes()));
+            self.commit(ops, audits).await?;
+            return Ok(Deadline::Failed);
+        }
+        let (revert_ops, revert_audits) = self.revert_ops(roll, o, &control, &reason)?;
+        ops.extend(revert_ops);
+        audits.extend(revert_audits);
+        let index = self.commit(ops, audits).await?;
+        tracing::warn!(revert = %roll.update.old_rc, "rolling update reverted: rolling back to the old RC");
+        metrics::counter!("rcfarm_roll_reverts_total").increment(1);
+        self.ctx.status.remove(self.id);
+        let _ = self.events.send(RollEvent::Completed(self.id, index));
+        Ok(Deadline::Reverted)
     }
 
     /// Each new pod in words, with what its health check says now: for a failure's record.

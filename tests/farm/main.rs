@@ -11,6 +11,7 @@ mod compat;
 mod converge;
 mod failover;
 mod harness;
+mod history;
 mod p2_behaviour;
 mod p2_nodes;
 mod p2_side_by_side;

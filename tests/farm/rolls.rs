@@ -15,7 +15,7 @@ use crate::harness::{Backend, Cluster, nodes, rcs, signal};
 use crate::on_both_backends;
 
 /// Farm flags for roll tests: a short resync and stall timeout.
-const ROLL_FLAGS: [&str; 4] = ["--roll-resync", "300ms", "--roll-stall-after", "3s"];
+pub(crate) const ROLL_FLAGS: [&str; 4] = ["--roll-resync", "300ms", "--roll-stall-after", "3s"];
 
 async fn start_roll(c: &Cluster, old: RcId, minimum: u64, delay: Duration) -> RcId {
     c.start_roll(old, minimum, delay).await
@@ -31,7 +31,7 @@ async fn roll_holder(c: &Cluster, id: RcId) -> Option<String> {
         .and_then(|e| e.session)
 }
 
-async fn roll_exists(c: &Cluster, id: RcId) -> bool {
+pub(crate) async fn roll_exists(c: &Cluster, id: RcId) -> bool {
     c.consul
         .kv_get(&roll_key(id), &QueryOptions::default())
         .await
@@ -41,7 +41,7 @@ async fn roll_exists(c: &Cluster, id: RcId) -> bool {
 }
 
 /// What an RC wants now (`None`: it is gone).
-async fn desired_of(c: &Cluster, id: RcId) -> Option<u64> {
+pub(crate) async fn desired_of(c: &Cluster, id: RcId) -> Option<u64> {
     RcStore::new(c.consul.clone())
         .get(id)
         .await
@@ -50,7 +50,7 @@ async fn desired_of(c: &Cluster, id: RcId) -> Option<u64> {
 }
 
 /// Waits until the audit log holds `n` records of `event`.
-async fn audited(c: &Cluster, event: &str, n: usize) {
+pub(crate) async fn audited(c: &Cluster, event: &str, n: usize) {
     c.wait_for(Duration::from_secs(10), event, move || async move {
         c.audit_events(event).await.len() == n
     })
@@ -58,7 +58,7 @@ async fn audited(c: &Cluster, event: &str, n: usize) {
 }
 
 /// Waits until the roll is gone, the old RC deleted and the new one runs `n` pods, all up.
-async fn completed(c: &Cluster, roll: RcId, old: RcId, n: usize, timeout: Duration) {
+pub(crate) async fn completed(c: &Cluster, roll: RcId, old: RcId, n: usize, timeout: Duration) {
     c.wait_for(timeout, "the roll completes", move || async move {
         !roll_exists(c, roll).await
             && RcStore::new(c.consul.clone())
@@ -82,7 +82,7 @@ async fn rolling_cluster(
 }
 
 /// [`rolling_cluster`] whose nodes never make pods of manifests containing `fail` healthy.
-async fn rolling_cluster_failing(
+pub(crate) async fn rolling_cluster_failing(
     backend: &Backend,
     n: usize,
     replicas: usize,

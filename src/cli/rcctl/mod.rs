@@ -100,6 +100,9 @@ enum RcCommand {
         #[arg(long, env = "RCFARM_AUDIT_DB")]
         audit_db: Option<String>,
     },
+    /// The revisions of an RC's lineage: each RC a completed roll replaced on the way to
+    /// this one (newest last), for `rcctl roll undo`.
+    History { id: String },
     /// Set the desired replica count.
     Scale {
         id: String,

@@ -117,6 +117,7 @@ pub async fn run(ctx: &Ctx, cmd: RcCommand) -> Result<(), CliError> {
             report(ctx, &w, dry.dry_run, &format!("created {id}"))
         }
         RcCommand::List { selector } => list(ctx, &selector).await,
+        RcCommand::History { id } => super::roll::history(ctx, &id).await,
         RcCommand::Show { id, audit_db } => show(ctx, &id, audit_db.as_deref()).await,
         RcCommand::Scale {
             id,

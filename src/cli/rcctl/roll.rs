@@ -51,6 +51,23 @@ pub(crate) enum RollCommand {
         #[command(flatten)]
         dry: DryRun,
     },
+    /// Roll an RC back to a revision of its lineage (`rcctl rc history RC`; the latest by
+    /// default): an ordinary roll to a new RC with that revision's manifest, node selector and
+    /// pod labels, the RC's current replica count, and the minimum and pace of the roll that
+    /// replaced the revision (the flags below override them). Prints the roll's id.
+    Undo {
+        /// The RC to roll back (the head of its lineage).
+        rc: String,
+        /// The revision to go back to (default: the latest).
+        #[arg(long, value_name = "R")]
+        to_revision: Option<u64>,
+        #[command(flatten)]
+        opts: RollOpts,
+        #[command(flatten)]
+        wait: WaitOpts,
+        #[command(flatten)]
+        dry: DryRun,
+    },
     /// Rolling updates: old → new, their pods, progress, owner farm.
     List,
     /// One rolling update: both RCs' desired, current and healthy pods, and what it waits for.
@@ -120,6 +137,11 @@ pub(crate) struct RollOpts {
     /// Keep the old RC at the end (it stays disabled, with what replicas it has left).
     #[arg(long)]
     leave_old: bool,
+    /// When the roll Fails, the farm rolls back to the old RC itself, under this roll's
+    /// minimum and pace (a revert that fails stays Failed). Default: the farm's
+    /// --roll-auto-revert; `--auto-revert=false` opts out.
+    #[arg(long, value_name = "BOOL", num_args = 0..=1, default_missing_value = "true")]
+    auto_revert: Option<bool>,
 }
 
 /// `--wait`.
@@ -191,6 +213,7 @@ impl RollOpts {
             progress_deadline: self.progress_deadline.map(crate::util::format_go_duration),
             // `--canary 0` is no canary, as when absent.
             canary: self.canary.filter(|k| *k > 0),
+            auto_revert: self.auto_revert,
             ..Default::default()
         })
     }
@@ -261,6 +284,13 @@ pub(crate) async fn run(ctx: &Ctx, cmd: RollCommand) -> Result<(), CliError> {
                 .map_err(roll_failed)?;
             created(ctx, w, wait).await
         }
+        RollCommand::Undo {
+            rc,
+            to_revision,
+            opts,
+            wait,
+            dry,
+        } => undo(ctx, store, &rc, to_revision, opts, wait, dry).await,
         RollCommand::Pause { id, dry } => set_paused(ctx, &store, &id, true, dry).await,
         RollCommand::Resume { id, dry } => set_paused(ctx, &store, &id, false, dry).await,
         RollCommand::Promote { id, wait, dry } => promote(ctx, &store, &id, wait, dry).await,
@@ -724,10 +754,17 @@ async fn finished(ctx: &Ctx, id: RcId, u: &Update, started: Instant) -> Result<(
         .as_ref()
         .is_some_and(|n| n.replicas_desired >= u.desired_replicas)
         && (u.leave_old || old.is_none());
+    let reverted = !complete && reverted(ctx, id, u).await;
     if ctx.json {
         return json(
-            &serde_json::json!({"id": id.to_string(), "complete": complete, "seconds": started.elapsed().as_secs_f64()}),
+            &serde_json::json!({"id": id.to_string(), "complete": complete, "reverted": reverted, "seconds": started.elapsed().as_secs_f64()}),
         );
+    }
+    if reverted {
+        return Err(CliError::RollFailed(format!(
+            "rolling update {id} failed and its farm reverted it: rolling update {old} rolls back to the old RC {old} under the same minimum and pace (rcctl roll show {old}; rcctl audit --type ROLLING_UPDATE_REVERTED)",
+            old = u.old_rc
+        )));
     }
     if complete {
         eprintln!(
@@ -744,5 +781,203 @@ async fn finished(ctx: &Ctx, id: RcId, u: &Update, started: Instant) -> Result<(
         Err(CliError::Failed(format!(
             "rolling update {id} ended without completing (aborted?): see `rcctl audit --type ROLLING_UPDATE_COMPLETION`"
         )))
+    }
+}
+
+/// Whether a roll that ended without completing was reverted by its farm: its revert (the
+/// roll named by the old RC) is under way, or has completed (the failed RC is then a revision
+/// of the old RC's lineage).
+async fn reverted(ctx: &Ctx, id: RcId, u: &Update) -> bool {
+    let Ok(found) = ctx
+        .consul
+        .read_keys(&[
+            crate::roll::control_key(u.old_rc),
+            crate::roll::history_key(u.old_rc),
+        ])
+        .await
+    else {
+        return false;
+    };
+    let revert_under_way = found
+        .get(&crate::roll::control_key(u.old_rc))
+        .and_then(|kv| RollControl::parse(kv.value_bytes()).ok())
+        .is_some_and(|c| c.revert_of == Some(id));
+    let revert_done = found
+        .get(&crate::roll::history_key(u.old_rc))
+        .and_then(|kv| crate::roll::History::parse(kv.value_bytes()).ok())
+        .is_some_and(|h| h.revisions.iter().any(|r| r.rc_id == u.new_rc));
+    revert_under_way || revert_done
+}
+
+/// `rcctl roll undo`: checks everything before writing anything (no history, no such
+/// revision, an RC already in a roll are usage mistakes).
+async fn undo(
+    ctx: &Ctx,
+    store: RollStore,
+    rc: &str,
+    to_revision: Option<u64>,
+    opts: RollOpts,
+    wait: WaitOpts,
+    dry: DryRun,
+) -> Result<(), CliError> {
+    let id = parse_id(rc)?;
+    let current = crate::rc::RcStore::new(ctx.consul.clone())
+        .get(id)
+        .await
+        .map_err(|e| CliError::Failed(e.to_string()))?
+        .ok_or_else(|| {
+            CliError::Usage(format!(
+                "replication controller {id} does not exist (see `rcctl rc list`): nothing to undo"
+            ))
+        })?;
+    let history = store.history(id).await.map_err(roll_failed)?;
+    let Some(history) = history.filter(|h| !h.revisions.is_empty()) else {
+        return Err(CliError::Usage(format!(
+            "RC {id} has no revision history, nothing to undo: no roll onto it has completed under rcfarm (rolls completed by P2's own farm leave none); roll it explicitly with `rcctl roll start {id} -f MANIFEST`"
+        )));
+    };
+    let rev = match to_revision {
+        None => history.latest(),
+        Some(r) => history.get(r),
+    };
+    let Some(rev) = rev.cloned() else {
+        return Err(CliError::Usage(format!(
+            "RC {id} has no revision {}; its revisions are {} (rcctl rc history {id})",
+            to_revision.unwrap_or_default(),
+            history.numbers()
+        )));
+    };
+    let desired = opts.desired.unwrap_or(current.replicas_desired);
+    if desired == 0 {
+        return Err(CliError::Usage(format!(
+            "RC {id} wants 0 replicas: a roll moves replicas; give --desired N (or scale it first)"
+        )));
+    }
+    let minimum = if opts.minimum.is_some() || opts.max_unavailable.is_some() {
+        opts.minimum(desired)?
+    } else {
+        // As many pods unavailable at once as under the roll that replaced the revision.
+        let unavailable = rev
+            .desired_replicas
+            .saturating_sub(rev.minimum_replicas)
+            .max(1);
+        Some(desired.saturating_sub(unavailable))
+    };
+    let mut control = opts.control(desired)?;
+    control.max_parallel = control.max_parallel.or(rev.max_parallel);
+    control.progress_deadline = control
+        .progress_deadline
+        .or_else(|| rev.progress_deadline.clone());
+    let req = StartRoll {
+        old_rc: id,
+        manifest: rev.manifest.clone(),
+        desired: Some(desired),
+        minimum,
+        leave_old: opts.leave_old,
+        roll_delay: opts.roll_delay,
+    };
+    let w = store
+        .with_control(control)
+        .start_shaped(
+            req,
+            Some((rev.node_selector.clone(), rev.pod_labels.clone())),
+            &rc_actor(),
+            dry.dry_run,
+        )
+        .await
+        .map_err(|e| match e {
+            e @ RollStoreError::Conflict { .. } => CliError::Usage(e.to_string()),
+            e => roll_failed(e),
+        })?;
+    if w.committed && !ctx.json {
+        eprintln!(
+            "rolling RC {id} back to revision {} (the manifest of RC {}, replaced {} by rolling update {}), {} replicas, at least {} healthy throughout",
+            rev.revision,
+            rev.rc_id,
+            rev.replaced_at.format("%Y-%m-%dT%H:%M:%SZ"),
+            rev.roll,
+            w.update.desired_replicas,
+            w.update.minimum_replicas
+        );
+    }
+    created(ctx, w, wait).await
+}
+
+/// `rcctl rc history RC`.
+pub(crate) async fn history(ctx: &Ctx, rc: &str) -> Result<(), CliError> {
+    let id = parse_id(rc)?;
+    let store = RollStore::new(ctx.consul.clone());
+    let history = store
+        .history(id)
+        .await
+        .map_err(roll_failed)?
+        .unwrap_or_default();
+    if history.revisions.is_empty() {
+        let exists = crate::rc::RcStore::new(ctx.consul.clone())
+            .get(id)
+            .await
+            .map_err(|e| CliError::Failed(e.to_string()))?
+            .is_some();
+        if !exists {
+            return Err(CliError::Failed(format!(
+                "replication controller {id} does not exist and has no revision history (see `rcctl rc list`)"
+            )));
+        }
+    }
+    if ctx.json {
+        return json(&serde_json::json!({"rc": id.to_string(), "revisions": history.revisions}));
+    }
+    if history.revisions.is_empty() {
+        println!(
+            "RC {id} has no revisions: no roll onto it has completed under rcfarm (rolls completed by P2's own farm leave none)"
+        );
+        return Ok(());
+    }
+    let mut t = Table::new(&[
+        "REVISION",
+        "REPLACED AT",
+        "RC",
+        "BY",
+        "ROLL",
+        "REPLICAS/MIN",
+        "MANIFEST",
+    ]);
+    for r in &history.revisions {
+        t.row(vec![
+            r.revision.to_string(),
+            r.replaced_at.format("%Y-%m-%dT%H:%M:%SZ").to_string(),
+            r.rc_id.to_string(),
+            r.by.clone().unwrap_or_else(|| "-".into()),
+            r.roll.to_string(),
+            format!("{}/{}", r.replicas, r.minimum_replicas),
+            manifest_summary(&r.manifest),
+        ]);
+    }
+    t.print();
+    println!("(roll back: rcctl roll undo {id} [--to-revision R])");
+    Ok(())
+}
+
+/// A manifest in a few characters: its digest's start and its first launchable's artifact.
+fn manifest_summary(raw: &str) -> String {
+    let Ok(m) = crate::rc::Manifest::parse(raw) else {
+        return "(unreadable manifest)".into();
+    };
+    let digest = &m.digest()[..12.min(m.digest().len())];
+    let first = serde_yaml_ng::from_str::<serde_json::Value>(raw)
+        .ok()
+        .and_then(|v| {
+            let (name, l) = v.get("launchables")?.as_object()?.iter().next()?;
+            let what = l
+                .get("location")
+                .and_then(|x| x.as_str())
+                .map(|loc| loc.rsplit('/').next().unwrap_or(loc).to_string())
+                .or_else(|| l.get("version").map(|v| v.to_string()))
+                .unwrap_or_default();
+            Some(format!("{name}: {what}"))
+        });
+    match first {
+        Some(f) => format!("{digest} {f}"),
+        None => digest.to_string(),
     }
 }
