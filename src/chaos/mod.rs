@@ -107,6 +107,8 @@ pub struct ChaosReport {
     pub rolls_aborted: u64,
     /// Rolls started onto a manifest the nodes never make healthy.
     pub rolls_bad: u64,
+    /// Failed rolls the farms reverted (`ROLLING_UPDATE_REVERTED`; never a revert's revert).
+    pub rolls_reverted: u64,
     /// Rolls left paused, waiting for promotion, or failed when the faults stopped: the run
     /// resumes, promotes or aborts them, as an operator would, before waiting for the rest.
     pub rolls_released: u64,
@@ -228,10 +230,11 @@ impl ChaosReport {
             )),
         }
         s.push_str(&format!(
-            "rolling updates: {} completed, {} aborted, {} bad deploys, {} left paused or failed and released at the end, {} commits of steps ({} steps checked: none while paused or failed); closest a farm's write took pods up to a minimum: {}\n",
+            "rolling updates: {} completed, {} aborted, {} bad deploys ({} reverted by their farm), {} left paused or failed and released at the end, {} commits of steps ({} steps checked: none while paused or failed); closest a farm's write took pods up to a minimum: {}\n",
             self.rolls_completed,
             self.rolls_aborted,
             self.rolls_bad,
+            self.rolls_reverted,
             self.rolls_released,
             self.roll_steps,
             self.roll_steps_braked_checked,
@@ -602,6 +605,7 @@ pub async fn run(cfg: ChaosConfig) -> Result<ChaosReport, String> {
         r.retargets_committed = observer.retarget_commits;
         r.roll_steps = observer.roll_steps;
         r.roll_steps_braked_checked = observer.roll_control_checked;
+        r.rolls_reverted = observer.reverts;
         r.roll_min_margin = observer.roll_min_margin();
     }
     if let Some(seen) = seen {

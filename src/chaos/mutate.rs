@@ -104,6 +104,7 @@ pub(super) async fn mutate(
             74..77 => "roll-resume",
             77..80 => "roll-promote",
             80..82 => "restart",
+            82..84 => "roll-undo",
             _ => "node-labels",
         };
         let result: Result<(), String> = match kind {
@@ -186,7 +187,7 @@ pub(super) async fn mutate(
                         let desired = rc.replicas_desired;
                         // A deploy of a manifest the nodes never make healthy, now and then:
                         // it fails at its (short) deadline and stays failed until the end.
-                        let bad = kind == "roll-start" && rng.random_range(0..6) == 0;
+                        let bad = kind == "roll-start" && rng.random_range(0..3) == 0;
                         let manifest = if kind == "restart" {
                             rc.manifest
                                 .restarted(&format!("chaos-{rolled}"))
@@ -203,6 +204,9 @@ pub(super) async fn mutate(
                             )
                         };
                         let control = RollControl {
+                            // Half the bad deploys revert themselves (a revert is never
+                            // reverted: the observer checks).
+                            auto_revert: bad.then(|| rng.random_bool(0.5)),
                             canary: (desired >= 2 && rng.random_range(0..3) == 0)
                                 .then(|| rng.random_range(1..desired)),
                             max_parallel: (rng.random_range(0..3) == 0)
@@ -234,6 +238,47 @@ pub(super) async fn mutate(
                             report.lock().rolls_bad += 1;
                         }
                         r
+                    }
+                    None => Ok(()),
+                }
+            }
+            "roll-undo" => {
+                // An RC with a revision, back to its latest one, as `rcctl roll undo` does.
+                let mut with_history = Vec::new();
+                for id in &ids {
+                    if let Ok(Some(h)) = rolls.history(*id).await
+                        && let (Some(rev), Some(rc)) = (h.latest(), listing.rcs.get(id))
+                        && rc.replicas_desired >= 1
+                    {
+                        with_history.push((rc.clone(), rev.clone()));
+                    }
+                }
+                match with_history.get(rng.random_range(0..with_history.len().max(1))) {
+                    Some((rc, rev)) => {
+                        let desired = rc.replicas_desired;
+                        rolls
+                            .clone()
+                            .with_control(RollControl {
+                                max_parallel: rev.max_parallel,
+                                progress_deadline: Some("2m".into()),
+                                ..Default::default()
+                            })
+                            .start_shaped(
+                                StartRoll {
+                                    old_rc: rc.id,
+                                    manifest: rev.manifest.clone(),
+                                    desired: Some(desired),
+                                    minimum: Some(rng.random_range(0..desired)),
+                                    leave_old: false,
+                                    roll_delay: Duration::ZERO,
+                                },
+                                Some((rev.node_selector.clone(), rev.pod_labels.clone())),
+                                "chaos",
+                                false,
+                            )
+                            .await
+                            .map(|_| ())
+                            .map_err(|e| e.to_string())
                     }
                     None => Ok(()),
                 }

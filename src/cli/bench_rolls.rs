@@ -42,12 +42,32 @@ pub struct BenchRollsArgs {
     /// then promote them all at once; reports the canary phase and the promotion apart.
     #[arg(long, value_name = "K")]
     pub canary: Option<u64>,
+    /// Bad deploys: every roll goes onto a manifest the nodes never make healthy, with
+    /// --auto-revert and this progress deadline; reports the time from the rolls' creation
+    /// until every old pod is back up (against the deadline plus one roll).
+    #[arg(long, value_name = "DEADLINE", value_parser = parse_duration_flag)]
+    pub failing: Option<Duration>,
 }
 
 fn manifest(i: usize, v: u32) -> String {
     format!(
         "id: roll-{i}\nlaunchables:\n  app:\n    launchable_type: hoist\n    location: https://example.com/roll-{i}-v{v}.tar.gz\n"
     )
+}
+
+/// What the manifests of `--failing` deploys carry: the simulator never makes them healthy.
+const NEVER_HEALTHY: &str = "never-healthy";
+
+/// How many pods pass their health check (`health/`).
+async fn passing(consul: &Consul) -> usize {
+    let q = crate::consul::QueryOptions::default();
+    match consul.kv_list(crate::health::HEALTH_PREFIX, &q).await {
+        Ok((entries, _)) => entries
+            .iter()
+            .filter(|e| crate::health::parse_health(e.value_bytes()).is_ok_and(|h| h.is_passing()))
+            .count(),
+        Err(_) => 0,
+    }
 }
 
 pub async fn run(args: BenchRollsArgs) -> Result<(), CliError> {
@@ -78,6 +98,7 @@ pub async fn run(args: BenchRollsArgs) -> Result<(), CliError> {
         SimConfig {
             nodes: nodes.clone(),
             startup: args.startup,
+            fail_manifests: args.failing.map(|_| NEVER_HEALTHY.to_string()),
             ..SimConfig::default()
         },
     )
@@ -123,6 +144,8 @@ pub async fn run(args: BenchRollsArgs) -> Result<(), CliError> {
     let creator = Consul::new(ConsulConfig::new(server.url())).map_err(failed)?;
     let store = RollStore::new(creator.clone()).with_control(RollControl {
         canary: args.canary,
+        auto_revert: args.failing.map(|_| true),
+        progress_deadline: args.failing.map(crate::util::format_go_duration),
         ..Default::default()
     });
     let mut rolls = Vec::new();
@@ -131,7 +154,12 @@ pub async fn run(args: BenchRollsArgs) -> Result<(), CliError> {
             .start(
                 StartRoll {
                     old_rc: *id,
-                    manifest: manifest(i, 2),
+                    manifest: match args.failing {
+                        Some(_) => {
+                            manifest(i, 2).replace("tar.gz", &format!("{NEVER_HEALTHY}.tar.gz"))
+                        }
+                        None => manifest(i, 2),
+                    },
                     desired: None,
                     minimum: Some(minimum),
                     leave_old: false,
@@ -177,11 +205,23 @@ pub async fn run(args: BenchRollsArgs) -> Result<(), CliError> {
         srv.count_prefix("rolls/") == 0 && srv.count_prefix(crate::rc::RC_PREFIX) == args.rolls
     })
     .await?;
-    // And every new pod up (the last step's pods may still be starting).
-    wait_until(args.timeout, "every new pod up", || async move {
-        st.lock().started as usize >= 2 * pods
-    })
-    .await?;
+    // And every new pod up (the last step's pods may still be starting); after bad deploys,
+    // every pod back on the old manifest and passing.
+    match args.failing {
+        None => {
+            wait_until(args.timeout, "every new pod up", || async move {
+                st.lock().started as usize >= 2 * pods
+            })
+            .await?;
+        }
+        Some(_) => {
+            let c = &creator;
+            wait_until(args.timeout, "every old pod back up", || async move {
+                passing(c).await == pods
+            })
+            .await?;
+        }
+    }
     let all_up = t0.elapsed();
     let sim_after = sim_stats.lock().clone();
     let farm_requests = (server.stats().requests - before)
@@ -229,6 +269,22 @@ pub async fn run(args: BenchRollsArgs) -> Result<(), CliError> {
         below,
         rss.iter().sum::<u64>() as f64 / rss.len().max(1) as f64 / 1024.0,
     );
+    if let Some(deadline) = args.failing {
+        let reverted = observer.reverts;
+        println!(
+            "bad deploys: {} rolls onto a never-healthy manifest with --auto-revert and a {} deadline; {reverted} reverted by their farms; every roll gone {:.1} s and every old pod back up {:.1} s after the rolls were written (deadline + one roll: compare with a plain run's \"all new pods up\")",
+            args.rolls,
+            crate::util::format_go_duration(deadline),
+            done.as_secs_f64(),
+            all_up.as_secs_f64(),
+        );
+        if reverted != args.rolls as u64 {
+            return Err(CliError::Failed(format!(
+                "{reverted} of {} bad deploys were reverted",
+                args.rolls
+            )));
+        }
+    }
     if let Some((k, up, promote, promoted_at)) = canary {
         println!(
             "canary {k} of {}: every canary up and paused {:.1} s after the rolls were written; {} promotions took {:.2} s; every roll done {:.1} s and every new pod up {:.1} s after the promotions",

@@ -11,7 +11,8 @@
 //!   step never raises old + new desired replicas above the roll's bound (its target, or what
 //!   they were); and no farm write takes a started roll's pods that are up (their node runs
 //!   what the intent asks and passes its health check) below the roll's minimum;
-//! - **brakes**: no step of a roll whose control (`rcfarm/rolls/<id>`) says paused or failed.
+//! - **brakes**: no step of a roll whose control (`rcfarm/rolls/<id>`) says paused or failed,
+//!   and no revert of a revert (a revert that fails stays failed).
 //!
 //! It also counts scheduling transactions and audit records, to check that every committed
 //! change reached the audit log.
@@ -72,6 +73,10 @@ pub struct Observer {
     pub roll_margin: BTreeMap<String, i64>,
     /// Roll steps checked against their roll's control (not paused, not failed).
     pub roll_control_checked: u64,
+    /// `ROLLING_UPDATE_REVERTED` records seen.
+    pub reverts: u64,
+    /// Rolls started as reverts and not finished: one of them reverted is a revert loop.
+    reverting: BTreeSet<String>,
 }
 
 /// A roll as the observer reads it from the replayed KV.
@@ -320,6 +325,26 @@ impl Observer {
             let Ok(r) = AuditRecord::from_kv(k, &e.value) else {
                 continue;
             };
+            if r.event_type == events::ROLL_REVERTED {
+                self.reverts += 1;
+                let failed = r.event_details["failed_rolling_update_id"].as_str();
+                if let Some(f) = failed.filter(|f| self.reverting.contains(*f)) {
+                    self.violations.push(Violation {
+                        index: c.index,
+                        what: format!(
+                            "a revert loop: rolling update {f}, itself a revert, was reverted"
+                        ),
+                    });
+                }
+                if let Some(id) = r.event_details["rolling_update_id"].as_str() {
+                    self.reverting.insert(id.to_string());
+                }
+            }
+            if r.event_type == events::ROLL_COMPLETION
+                && let Some(id) = r.event_details["rolling_update_id"].as_str()
+            {
+                self.reverting.remove(id);
+            }
             let steps = [events::ROLL_STARTED, events::ROLL_STEP].contains(&r.event_type.as_str())
                 || (r.event_type == events::ROLL_COMPLETION
                     && r.event_details["canceled"] != Value::Bool(true));
@@ -565,5 +590,26 @@ mod tests {
         assert_eq!(o.violations.len(), 2);
         assert!(o.violations[1].what.contains("while it was failed"));
         assert_eq!(o.roll_control_checked, 3);
+    }
+
+    #[test]
+    fn a_revert_of_a_revert_is_a_loop() {
+        let reverted = |failed: &str, revert: &str| {
+            let r = AuditRecord::new(
+                events::ROLL_REVERTED,
+                serde_json::json!({"failed_rolling_update_id": failed, "rolling_update_id": revert}),
+            );
+            put(&r.key(), &serde_json::to_vec(&r).unwrap(), None)
+        };
+        let mut o = Observer::default();
+        o.observe(&commit(1, vec![reverted("b", "a")], &[("x", "s")]));
+        assert!(o.violations.is_empty());
+        o.observe(&commit(2, vec![reverted("a", "b")], &[("x", "s")]));
+        assert_eq!(o.reverts, 2);
+        assert!(
+            o.violations[0].what.contains("a revert loop"),
+            "{:?}",
+            o.violations
+        );
     }
 }
