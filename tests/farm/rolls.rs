@@ -753,6 +753,26 @@ async fn a_paused_roll_takes_no_step_keeps_its_lock_and_resumes_from_the_counts(
     let (code, out, _) = c.rcctl(&["roll", "pause", &id]).await;
     assert_eq!(code, 0);
     assert!(out.contains("already paused by rcctl:"), "{out}");
+    // A roll without a canary has nothing to promote: a usage mistake, nothing written.
+    let control = c
+        .consul
+        .kv_get(&format!("rcfarm/rolls/{id}"), &QueryOptions::default())
+        .await
+        .unwrap()
+        .0
+        .unwrap();
+    let (code, _, err) = c.rcctl(&["roll", "promote", &id]).await;
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("has no canary"), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    let after = c
+        .consul
+        .kv_get(&format!("rcfarm/rolls/{id}"), &QueryOptions::default())
+        .await
+        .unwrap()
+        .0
+        .unwrap();
+    assert_eq!(after.modify_index, control.modify_index);
 
     let (code, out, err) = c.rcctl(&["roll", "resume", &id]).await;
     assert_eq!(code, 0, "{out}{err}");
