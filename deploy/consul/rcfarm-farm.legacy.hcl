@@ -16,6 +16,8 @@ key "rolls/" { policy = "write" }
 key "rcfarm/farms/" { policy = "write" }
 # Operators' pause of a roll (rcctl roll pause), guarded by every roll write; deleted with the roll.
 key "rcfarm/rolls/" { policy = "write" }
+# Operators' releases of held removals (rcctl farm release-removals writes them).
+key "rcfarm/failsafe/" { policy = "read" }
 # The audit shipper's lock (one farm ships at a time); not needed with --audit-shipping off.
 key "rcfarm/audit-shipper" { policy = "write" }
 # Node labels are only read; pod, RC and roll labels are written with the pods and rolls.

@@ -61,8 +61,18 @@ pub mod events {
     /// A roll failed: no new pod became up for its progress deadline (with why, and each new
     /// pod's state). Terminal until an operator resumes or aborts it.
     pub const ROLL_FAILED: &str = "ROLLING_UPDATE_FAILED";
+    /// The farm's removal budget (`--max-removals`) held an RC's or a roll's removals: once
+    /// per episode, with why and until when.
+    pub const REMOVALS_HELD: &str = "REMOVALS_HELD";
+    /// An operator released a farm's removals (`rcctl farm release-removals`), with the actor.
+    pub const REMOVALS_RELEASED: &str = "REMOVALS_RELEASED";
+    /// The RC tree went empty, or every RC to 0 replicas: the farm removes nothing until
+    /// that has held for `--failsafe-confirm`.
+    pub const FAILSAFE_TRIPPED: &str = "FAILSAFE_TRIPPED";
+    /// The tripwire let go: confirmed (the state held), the tree changed back, or released.
+    pub const FAILSAFE_CLEARED: &str = "FAILSAFE_CLEARED";
 
-    pub const ALL: [&str; 29] = [
+    pub const ALL: [&str; 33] = [
         RC_RETARGET,
         NODE_TRANSFER_START,
         NODE_TRANSFER_COMPLETION,
@@ -92,6 +102,10 @@ pub mod events {
         ROLL_PAUSED,
         ROLL_RESUMED,
         ROLL_FAILED,
+        REMOVALS_HELD,
+        REMOVALS_RELEASED,
+        FAILSAFE_TRIPPED,
+        FAILSAFE_CLEARED,
     ];
 }
 

@@ -34,6 +34,7 @@ const RIGHTS: &[(&str, Access)] = &[
     ("rolls/", Access::Write),
     ("rcfarm/farms/", Access::Write),
     ("rcfarm/rolls/", Access::Write),
+    (crate::failsafe::FAILSAFE_PREFIX, Access::Read),
     ("labels/node/", Access::Read),
     ("labels/pod/", Access::Write),
     ("labels/replication_controller/", Access::Write),

@@ -98,6 +98,9 @@ pub struct RollObserved<'a> {
     pub max_parallel: Option<u64>,
     /// The roll failed (its progress deadline passed): why. Terminal until an operator acts.
     pub failed: Option<String>,
+    /// How many pods the farm's removal budget lets a step take down now, and why no more
+    /// (`--max-removals`, the failsafe); `None`: no limit.
+    pub removal_room: Option<(u64, String)>,
 }
 
 /// One step, applied as one fenced transaction.
@@ -143,6 +146,10 @@ pub enum WaitKind {
     Paused,
     /// The roll failed; it takes no step until an operator resumes or aborts it.
     Failed,
+    /// The farm's removal budget is spent (or its failsafe tripped): the next step waits for
+    /// the window to allow it, or an operator's `rcctl farm release-removals`. Not a stall,
+    /// and not counted toward the progress deadline.
+    RemovalsHeld,
 }
 
 impl WaitKind {
@@ -303,6 +310,19 @@ pub fn plan(o: &RollObserved<'_>) -> RollPlan {
     let (remove, add) = match o.max_parallel {
         Some(n) => (remove.min(n), add.min(n)),
         None => (remove, add),
+    };
+    // Each pod added beyond those removed replaces nothing (growing capacity): only removals
+    // spend the farm's budget.
+    let (remove, add) = match &o.removal_room {
+        Some((room, why)) if remove > *room => {
+            let free = add.saturating_sub(remove);
+            let (remove, add) = (*room, add.min(*room + free));
+            if add == 0 && remove == 0 {
+                return RollPlan::wait(WaitKind::RemovalsHeld, why.clone());
+            }
+            (remove, add)
+        }
+        _ => (remove, add),
     };
     if add == 0 && remove == 0 {
         let min = u.minimum_replicas;
@@ -494,6 +514,7 @@ mod tests {
             paused: None,
             max_parallel: None,
             failed: None,
+            removal_room: None,
         }
     }
 
@@ -555,6 +576,40 @@ mod tests {
         let mut o = observe(&u, counts(4, 4, 4, true), counts(0, 0, 0, false));
         o.max_parallel = Some(2);
         assert_eq!(plan(&o).action, step(1, 1, 3));
+    }
+
+    #[test]
+    fn the_removal_budget_caps_steps_and_holds_them_when_spent() {
+        let step = |add, remove, old_to| {
+            Some(RollAction::Step {
+                add,
+                remove,
+                old_to,
+            })
+        };
+        let u = update(4, 0);
+        let mut o = observe(&u, counts(4, 4, 4, true), counts(0, 0, 0, false));
+        o.removal_room = Some((3, String::new()));
+        assert_eq!(plan(&o).action, step(3, 3, 1));
+        o.removal_room = Some((0, "removals held: farm a removed 5".into()));
+        let p = plan(&o);
+        assert_eq!(p.action, None);
+        assert_eq!(
+            p.waiting,
+            Some((
+                WaitKind::RemovalsHeld,
+                "removals held: farm a removed 5".into()
+            ))
+        );
+        // Room enough: as without a budget.
+        o.removal_room = Some((10, String::new()));
+        assert_eq!(plan(&o).action, step(4, 4, 0));
+        // Growing capacity removes nothing: a spent budget still lets those pods be added.
+        let u = update(4, 0);
+        let mut o = observe(&u, counts(2, 2, 2, true), counts(0, 0, 0, false));
+        assert_eq!(plan(&o).action, step(4, 2, 0));
+        o.removal_room = Some((0, "held".into()));
+        assert_eq!(plan(&o).action, step(2, 0, 2));
     }
 
     #[test]
@@ -913,6 +968,7 @@ mod tests {
                         paused: None,
                         max_parallel: None,
                         failed: None,
+                        removal_room: None,
                     };
                     let up_before = w.up();
                     match plan(&o).action {

@@ -300,6 +300,9 @@ impl Cluster {
             ])
             .args(["--audit-db", &self.audit_db])
             .args(["--http", "127.0.0.1:0"])
+            // Failsafes are tested on their own (tests/farm/failsafe.rs, with their flags
+            // last): elsewhere the budget counts, far from its limit, and the tripwire is off.
+            .args(["--max-removals", "100000", "--failsafe-confirm", "0s"])
             .args(extra)
             .env("RUST_LOG", "info,rcfarm=debug")
             .stdout(Stdio::null())
