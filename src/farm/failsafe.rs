@@ -83,7 +83,9 @@ impl Farm {
                 wake = true;
             }
         }
-        if let Some(listing) = views.rcs.latest() {
+        // `--failsafe-confirm 0s`: no tripwire, nothing to look at.
+        let tripwire = !fs.config().confirm.is_zero();
+        if tripwire && let Some(listing) = views.rcs.latest() {
             let pending = fs.status().tripped.is_some();
             let changed = {
                 let mut seen = self.failsafe_seen.lock();

@@ -556,15 +556,16 @@ mod tests {
         assert_eq!(plan(&o).action, Some(RollAction::DeleteOrphan));
     }
 
+    fn step(add: u64, remove: u64, old_to: u64) -> Option<RollAction> {
+        Some(RollAction::Step {
+            add,
+            remove,
+            old_to,
+        })
+    }
+
     #[test]
     fn max_parallel_caps_each_step_below_what_the_minimum_allows() {
-        let step = |add, remove, old_to| {
-            Some(RollAction::Step {
-                add,
-                remove,
-                old_to,
-            })
-        };
         // A minimum of 0 would replace all four pods at once.
         let u = update(4, 0);
         let mut o = observe(&u, counts(4, 4, 4, true), counts(0, 0, 0, false));
@@ -580,13 +581,6 @@ mod tests {
 
     #[test]
     fn the_removal_budget_caps_steps_and_holds_them_when_spent() {
-        let step = |add, remove, old_to| {
-            Some(RollAction::Step {
-                add,
-                remove,
-                old_to,
-            })
-        };
         let u = update(4, 0);
         let mut o = observe(&u, counts(4, 4, 4, true), counts(0, 0, 0, false));
         o.removal_room = Some((3, String::new()));

@@ -22,14 +22,8 @@ async fn placed(c: &Cluster, id: RcId) -> usize {
 async fn scale_all_at_once(c: &Cluster, ids: &[RcId], replicas: u64) {
     let mut ops = Vec::new();
     for id in ids {
-        let (e, _) = c
-            .consul
-            .kv_get(&id.key(), &QueryOptions::default())
-            .await
-            .unwrap();
-        let mut v: Value = serde_json::from_slice(e.unwrap().value_bytes()).unwrap();
-        v["replicas_desired"] = replicas.into();
-        ops.push(TxnOp::set(id.key(), v.to_string().into_bytes()));
+        let body = c.patched_rc(*id, "replicas_desired", replicas.into()).await;
+        ops.push(TxnOp::set(id.key(), body));
     }
     c.consul.txn(&ops).await.unwrap();
 }
