@@ -853,6 +853,22 @@ mod tests {
     }
 
     #[test]
+    fn a_percentage_counts_the_most_pods_served_within_the_window() {
+        let f = Failsafe::new("farm-a", FailsafeConfig::default());
+        f.set_served(200);
+        assert_eq!(f.status().removal_limit, Some(40));
+        // Scaling down must not shrink its own limit as it goes.
+        f.set_served(120);
+        assert_eq!(f.status().removal_limit, Some(40));
+        assert_eq!(f.take(50).granted, 40);
+        f.set_served(300);
+        assert_eq!(f.status().removal_limit, Some(60));
+        assert_eq!(f.take(50).granted, 20);
+        let s = f.status();
+        assert_eq!((s.removals_in_window, s.window.as_str()), (60, "5m0s"));
+    }
+
+    #[test]
     fn the_shared_failsafe_holds_while_tripped_and_reports() {
         let f = Failsafe::new(
             "farm-a",
