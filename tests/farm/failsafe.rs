@@ -1,5 +1,5 @@
 //! Failsafes (issue 20, item 8): a bulk edit scaling every RC to 0 removes nothing for the
-//! confirmation window; a farm removes at most `--max-removals` pods per window, reports
+//! confirmation window (or until an operator releases it); a farm removes at most `--max-removals` pods per window, reports
 //! `RemovalsHeld`, and goes on when an operator runs `rcctl farm release-removals`; a roll
 //! under a small budget still completes, its holds not counted toward its progress deadline.
 
@@ -279,4 +279,42 @@ async fn c_roll_done(c: &Cluster, roll: RcId, old: RcId) -> bool {
         .0
         .is_none()
         && c.consul.kv_get(&old.key(), &q).await.unwrap().0.is_none()
+}
+
+on_every_backend!(a_release_ends_a_pending_confirmation);
+async fn a_release_ends_a_pending_confirmation(backend: Backend) {
+    let mut c = Cluster::start_on(&backend).await;
+    nodes(&c, 2, 1).await;
+    c.spawn_farm("f1", &["--failsafe-confirm", "10m"]).await;
+    let ids = rcs(&c, 2, 1).await;
+    let cr = &c;
+    let idr = &ids;
+    c.wait_for(
+        Duration::from_secs(20),
+        "both RCs placed",
+        move || async move { placed(cr, idr[0]).await == 1 && placed(cr, idr[1]).await == 1 },
+    )
+    .await;
+    let api = farm_api(&c, "f1").await;
+    let apir = &api;
+    scale_all_at_once(&c, &ids, 0).await;
+    c.wait_for(
+        Duration::from_secs(10),
+        "FailsafeTripped",
+        move || async move { this_farm(apir).await["failsafe"]["tripped"].is_string() },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(placed(&c, ids[0]).await + placed(&c, ids[1]).await, 2);
+    // The operator meant it: no need to wait ten minutes.
+    let (code, _, err) = c.rcctl(&["farm", "release-removals", "f1"]).await;
+    assert_eq!(code, 0, "{err}");
+    c.wait_for(
+        Duration::from_secs(15),
+        "every pod removed",
+        move || async move { placed(cr, idr[0]).await + placed(cr, idr[1]).await == 0 },
+    )
+    .await;
+    assert!(this_farm(&api).await["failsafe"]["tripped"].is_null());
+    assert!(c.farm_log(0).contains("removals released by an operator"));
 }
