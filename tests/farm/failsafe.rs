@@ -33,23 +33,35 @@ async fn this_farm(api: &str) -> Value {
     get_json(&format!("{api}/v1/farms")).await["this_farm"].clone()
 }
 
-on_every_backend!(a_bulk_edit_to_zero_removes_nothing_until_confirmed);
-async fn a_bulk_edit_to_zero_removes_nothing_until_confirmed(backend: Backend) {
-    const CONFIRM: Duration = Duration::from_secs(5);
-    let mut c = Cluster::start_on(&backend).await;
-    nodes(&c, 4, 1).await;
-    c.spawn_farm("f1", &["--failsafe-confirm", "5s"]).await;
-    let ids = rcs(&c, 2, 2).await;
-    let cr = &c;
-    let idr = &ids;
+/// A farm f1 with `--failsafe-confirm confirm` and two RCs of `replicas` pods each, placed;
+/// the RCs and the farm's HTTP API.
+async fn two_rcs_placed(
+    backend: &Backend,
+    replicas: usize,
+    confirm: &str,
+) -> (Cluster, Vec<RcId>, String) {
+    let mut c = Cluster::start_on(backend).await;
+    nodes(&c, replicas * 2, 1).await;
+    c.spawn_farm("f1", &["--failsafe-confirm", confirm]).await;
+    let ids = rcs(&c, 2, replicas as i64).await;
+    let (cr, idr) = (&c, &ids);
     c.wait_for(
         Duration::from_secs(20),
         "both RCs placed",
-        move || async move { placed(cr, idr[0]).await == 2 && placed(cr, idr[1]).await == 2 },
+        move || async move {
+            placed(cr, idr[0]).await == replicas && placed(cr, idr[1]).await == replicas
+        },
     )
     .await;
     let api = farm_api(&c, "f1").await;
-    let apir = &api;
+    (c, ids, api)
+}
+
+on_every_backend!(a_bulk_edit_to_zero_removes_nothing_until_confirmed);
+async fn a_bulk_edit_to_zero_removes_nothing_until_confirmed(backend: Backend) {
+    const CONFIRM: Duration = Duration::from_secs(5);
+    let (c, ids, api) = two_rcs_placed(&backend, 2, "5s").await;
+    let (cr, idr, apir) = (&c, &ids, &api);
 
     scale_all_at_once(&c, &ids, 0).await;
     let edited = Instant::now();
@@ -283,20 +295,8 @@ async fn c_roll_done(c: &Cluster, roll: RcId, old: RcId) -> bool {
 
 on_every_backend!(a_release_ends_a_pending_confirmation);
 async fn a_release_ends_a_pending_confirmation(backend: Backend) {
-    let mut c = Cluster::start_on(&backend).await;
-    nodes(&c, 2, 1).await;
-    c.spawn_farm("f1", &["--failsafe-confirm", "10m"]).await;
-    let ids = rcs(&c, 2, 1).await;
-    let cr = &c;
-    let idr = &ids;
-    c.wait_for(
-        Duration::from_secs(20),
-        "both RCs placed",
-        move || async move { placed(cr, idr[0]).await == 1 && placed(cr, idr[1]).await == 1 },
-    )
-    .await;
-    let api = farm_api(&c, "f1").await;
-    let apir = &api;
+    let (c, ids, api) = two_rcs_placed(&backend, 1, "10m").await;
+    let (cr, idr, apir) = (&c, &ids, &api);
     scale_all_at_once(&c, &ids, 0).await;
     c.wait_for(
         Duration::from_secs(10),
