@@ -10,6 +10,7 @@ pub mod audit;
 pub mod chaos;
 pub mod cli;
 pub mod consul;
+pub mod failsafe;
 pub mod farm;
 pub mod health;
 pub mod invariants;

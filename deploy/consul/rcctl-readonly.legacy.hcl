@@ -9,6 +9,7 @@ key "rolls/" { policy = "read" }
 key "rcfarm/farms/" { policy = "read" }
 key "rcfarm/rolls/" { policy = "read" }
 key "rcfarm/history/" { policy = "read" }
+key "rcfarm/failsafe/" { policy = "read" }
 key "labels/" { policy = "read" }
 key "health/" { policy = "read" }
 key "status/replication_controllers/" { policy = "read" }

@@ -9,6 +9,7 @@ key_prefix "rolls/" { policy = "read" }
 key_prefix "rcfarm/farms/" { policy = "read" }
 key_prefix "rcfarm/rolls/" { policy = "read" }
 key_prefix "rcfarm/history/" { policy = "read" }
+key_prefix "rcfarm/failsafe/" { policy = "read" }
 key_prefix "labels/" { policy = "read" }
 key_prefix "health/" { policy = "read" }
 key_prefix "status/replication_controllers/" { policy = "read" }

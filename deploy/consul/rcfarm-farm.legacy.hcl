@@ -18,6 +18,8 @@ key "rcfarm/farms/" { policy = "write" }
 key "rcfarm/rolls/" { policy = "write" }
 # Revision histories of RC lineages, moved to the new RC by each roll's completion.
 key "rcfarm/history/" { policy = "write" }
+# Operators' releases of held removals (rcctl farm release-removals writes them).
+key "rcfarm/failsafe/" { policy = "read" }
 # The audit shipper's lock (one farm ships at a time); not needed with --audit-shipping off.
 key "rcfarm/audit-shipper" { policy = "write" }
 # Node labels are only read; pod, RC and roll labels are written with the pods and rolls.

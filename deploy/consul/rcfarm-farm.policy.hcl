@@ -11,6 +11,8 @@ key_prefix "rolls/" { policy = "write" }
 key_prefix "rcfarm/farms/" { policy = "write" }
 key_prefix "rcfarm/rolls/" { policy = "write" }
 key_prefix "rcfarm/history/" { policy = "write" }
+# Operators' releases of held removals (rcctl farm release-removals writes them).
+key_prefix "rcfarm/failsafe/" { policy = "read" }
 # Not needed with --audit-shipping off.
 key_prefix "rcfarm/audit-shipper" { policy = "write" }
 key_prefix "labels/node/" { policy = "read" }

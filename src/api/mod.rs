@@ -351,6 +351,18 @@ pub fn describe_metrics() {
             "rcfarm_roll_pass_errors_total",
             "rolling update passes that failed (retried with backoff)",
         ),
+        (
+            "rcfarm_removals_granted_total",
+            "pod removals (unschedules, replacements) the farm's --max-removals budget granted",
+        ),
+        (
+            "rcfarm_removals_held_total",
+            "times an RC's or a roll's removals began to be held (RemovalsHeld)",
+        ),
+        (
+            "rcfarm_failsafe_trips_total",
+            "times the RC tree went empty or all to 0 replicas (FailsafeTripped)",
+        ),
     ];
     for (name, help) in counters {
         describe_counter!(name, help);
@@ -430,6 +442,14 @@ pub fn describe_metrics() {
         (
             "rcfarm_rolls_paused",
             "rolling updates this farm carries out that an operator paused",
+        ),
+        (
+            "rcfarm_removals_held",
+            "RCs and rolls of this farm whose removals are held (RemovalsHeld)",
+        ),
+        (
+            "rcfarm_failsafe_tripped",
+            "1 while the farm removes nothing: the RC tree went empty or all to 0 (FailsafeTripped)",
         ),
     ];
     for (name, help) in gauges {

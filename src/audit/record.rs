@@ -67,7 +67,18 @@ pub mod events {
     /// (`auto`: by the farm, on failure, with `--auto-revert`), naming both rolls.
     pub const ROLL_REVERTED: &str = "ROLLING_UPDATE_REVERTED";
 
-    pub const ALL: [&str; 31] = [
+    /// The farm's removal budget (`--max-removals`) held an RC's or a roll's removals: once
+    /// per episode, with why and until when.
+    pub const REMOVALS_HELD: &str = "REMOVALS_HELD";
+    /// An operator released a farm's removals (`rcctl farm release-removals`), with the actor.
+    pub const REMOVALS_RELEASED: &str = "REMOVALS_RELEASED";
+    /// The RC tree went empty, or every RC to 0 replicas: the farm removes nothing until
+    /// that has held for `--failsafe-confirm`.
+    pub const FAILSAFE_TRIPPED: &str = "FAILSAFE_TRIPPED";
+    /// The tripwire let go: confirmed (the state held), the tree changed back, or released.
+    pub const FAILSAFE_CLEARED: &str = "FAILSAFE_CLEARED";
+
+    pub const ALL: [&str; 35] = [
         RC_RETARGET,
         NODE_TRANSFER_START,
         NODE_TRANSFER_COMPLETION,
@@ -99,6 +110,10 @@ pub mod events {
         ROLL_FAILED,
         ROLL_PROMOTED,
         ROLL_REVERTED,
+        REMOVALS_HELD,
+        REMOVALS_RELEASED,
+        FAILSAFE_TRIPPED,
+        FAILSAFE_CLEARED,
     ];
 }
 

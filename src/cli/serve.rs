@@ -110,6 +110,19 @@ pub struct FarmArgs {
     /// `reality/`, is not watched).
     #[arg(long, env = "RCFARM_ROLL_RESYNC", default_value = "5s", value_parser = parse_duration_flag)]
     pub roll_resync: Duration,
+    /// Blast-radius limit: the most pods this farm removes (unschedules or replaces) per
+    /// --max-removals-window, across RCs, rolling updates and node transfers: a number, a
+    /// percentage of the pods it serves (at least 5), or off. Past it, removals wait
+    /// (RemovalsHeld) for the window, or for `rcctl farm release-removals`.
+    #[arg(long, env = "RCFARM_MAX_REMOVALS", default_value = "20%", value_parser = parse_max_removals)]
+    pub max_removals: crate::failsafe::MaxRemovals,
+    /// The sliding window --max-removals counts over.
+    #[arg(long, env = "RCFARM_MAX_REMOVALS_WINDOW", default_value = "5m", value_parser = parse_duration_flag)]
+    pub max_removals_window: Duration,
+    /// When the RC tree goes empty, or every RC to 0 replicas, remove nothing until that has
+    /// been seen for this long (FailsafeTripped); 0s turns this guard off.
+    #[arg(long, env = "RCFARM_FAILSAFE_CONFIRM", default_value = "2m", value_parser = parse_duration_flag)]
+    pub failsafe_confirm: Duration,
     /// Most TCP connections this farm opens to Consul (one is kept for session renewals; the
     /// rest are shared, blocking queries included). Consul 1.x refuses a client's connection
     /// beyond `limits.http_max_conns_per_client` (200 by default).
@@ -222,6 +235,17 @@ impl FarmArgs {
             auto_revert: self.roll_auto_revert,
             ..RollConfig::default()
         };
+        if self.max_removals_window.is_zero() {
+            return Err(CliError::Usage(
+                "--max-removals-window must be longer than 0s (for no limit: --max-removals off)"
+                    .into(),
+            ));
+        }
+        c.failsafe = crate::failsafe::FailsafeConfig {
+            max_removals: self.max_removals,
+            window: self.max_removals_window,
+            confirm: self.failsafe_confirm,
+        };
         c.claim_grace = self.claim_grace;
         c.watch = WatchConfig {
             wait: self.watch_wait,
@@ -254,6 +278,10 @@ pub struct ServeArgs {
     pub connection: ConsulArgs,
     #[command(flatten)]
     pub farm: FarmArgs,
+}
+
+fn parse_max_removals(s: &str) -> Result<crate::failsafe::MaxRemovals, String> {
+    s.parse()
 }
 
 fn default_farm_id() -> String {

@@ -35,6 +35,7 @@ const RIGHTS: &[(&str, Access)] = &[
     ("rcfarm/farms/", Access::Write),
     ("rcfarm/rolls/", Access::Write),
     ("rcfarm/history/", Access::Write),
+    (crate::failsafe::FAILSAFE_PREFIX, Access::Read),
     ("labels/node/", Access::Read),
     ("labels/pod/", Access::Write),
     ("labels/replication_controller/", Access::Write),

@@ -7,6 +7,7 @@
 
 mod access;
 pub mod claims;
+mod failsafe;
 mod ownership;
 mod rcs;
 pub mod registry;
@@ -79,6 +80,8 @@ pub struct FarmConfig {
     pub audit_shipping: bool,
     pub shipper: ShipperConfig,
     pub roll: RollConfig,
+    /// The removal budget and the RC tree tripwire (`--max-removals`, `--failsafe-confirm`).
+    pub failsafe: crate::failsafe::FailsafeConfig,
 }
 
 impl FarmConfig {
@@ -100,6 +103,7 @@ impl FarmConfig {
             audit_shipping: true,
             shipper: ShipperConfig::default(),
             roll: RollConfig::default(),
+            failsafe: crate::failsafe::FailsafeConfig::default(),
         }
     }
 
@@ -191,6 +195,8 @@ struct Views {
     nodes: Arc<LabelCache>,
     pods: Arc<LabelCache>,
     health: Arc<HealthCache>,
+    /// This farm's release key (`rcctl farm release-removals`).
+    release: Watch<Option<KvPair>>,
 }
 
 /// A running farm.
@@ -206,6 +212,9 @@ pub struct Farm {
     unclaimable_reported: parking_lot::Mutex<HashMap<String, u64>>,
     /// Keys under the lock prefix that are not RC locks, already logged.
     garbage_locks_reported: parking_lot::Mutex<BTreeSet<String>>,
+    /// Kept across sessions: removals made before a session loss still count.
+    failsafe: Arc<crate::failsafe::Failsafe>,
+    failsafe_seen: parking_lot::Mutex<failsafe::FailsafeSeen>,
 }
 
 impl Farm {
@@ -220,7 +229,13 @@ impl Farm {
         });
         let (ready, _) = watch::channel(false);
         let (audit, _) = watch::channel(None);
+        let failsafe = Arc::new(crate::failsafe::Failsafe::new(
+            config.farm_id.clone(),
+            config.failsafe,
+        ));
         Ok(Farm {
+            failsafe,
+            failsafe_seen: parking_lot::Mutex::default(),
             config,
             consul,
             status,
@@ -284,6 +299,9 @@ impl Farm {
             nodes: Arc::new(LabelCache::spawn(&self.consul, LabelType::Node, w.clone())),
             pods: Arc::new(LabelCache::spawn(&self.consul, LabelType::Pod, w.clone())),
             health: Arc::new(HealthCache::spawn(&self.consul, w.clone())),
+            release: self
+                .consul
+                .watch_key(crate::failsafe::release_key(&cfg.farm_id), w.clone()),
         };
         let scheduler: Arc<dyn Scheduler> = match &cfg.scheduler {
             SchedulerKind::Label => Arc::new(LabelScheduler::new(views.nodes.clone())),
@@ -332,6 +350,7 @@ impl Farm {
                 pods: views.pods.clone(),
                 health: views.health.clone(),
                 status: self.roll_status.clone(),
+                failsafe: self.failsafe.clone(),
                 config: cfg.roll.clone(),
             });
             let ctx = Arc::new(TaskContext {
@@ -345,6 +364,7 @@ impl Farm {
                 status: self.status.clone(),
                 locks: locks_rx,
                 rcs: views.rcs.subscribe(),
+                failsafe: self.failsafe.clone(),
                 config: cfg.task.clone(),
             });
             let shipper_stop = session.lost().child_token();
@@ -383,6 +403,7 @@ impl Farm {
                     });
                     self.status.clear_rcs();
                     self.roll_status.clear();
+                    self.failsafe.clear_held();
                     let wait = jitter_half(Duration::from_secs(2));
                     tracing::warn!(%reason, retry_in = ?wait, "session lost: every RC task stopped; starting over with a new session");
                     // We gave up on it after one TTL without renewal, but Consul may still
@@ -520,6 +541,7 @@ impl Farm {
         let mut pod_changes = views.pods.subscribe_changes();
         let mut node_changes = views.nodes.subscribe_changes();
         let mut health_changes = views.health.subscribe_changes();
+        let mut release_rx = views.release.subscribe();
         let mut tick = tokio::time::interval(Duration::from_millis(500));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut next_sweep = Instant::now() + Duration::from_secs(1);
@@ -540,11 +562,17 @@ impl Farm {
                 && views.nodes.is_synced()
                 && views.pods.is_synced()
                 && views.rc_labels.is_synced()
-                && views.health.tree().is_synced();
+                && views.health.tree().is_synced()
+                && release_rx.borrow().is_some();
             // In doubt, what the farm holds is kept but nothing is claimed or given up: a
             // claim could not commit anyway, and a release would hand RCs over for nothing if
             // the session holds (see consul::session).
             let in_doubt = *doubt_rx.borrow_and_update();
+            if ready {
+                // Before claims and tasks act on a new listing: a tree just emptied or zeroed
+                // must trip the failsafe before any task sees it.
+                self.watch_failsafe(views, sv, &owned, &rolls).await;
+            }
             if ready && dirty && !in_doubt {
                 dirty = false;
                 let locks_before = sv.locks_tx.borrow().clone();
@@ -655,6 +683,9 @@ impl Farm {
                 r = rolls_rx.changed() => {
                     if r.is_err() { return Ended::SessionLost("roll watch ended".into()); }
                     dirty_rolls = true;
+                }
+                r = release_rx.changed() => {
+                    if r.is_err() { return Ended::SessionLost("release watch ended".into()); }
                 }
                 r = roll_lock_rx.changed() => {
                     if r.is_err() { return Ended::SessionLost("roll lock watch ended".into()); }

@@ -81,6 +81,15 @@ impl IntentView {
             .collect()
     }
 
+    /// Whether `node`'s intent for `pod_id` was read as another manifest than `digest` (a
+    /// rewrite replaces the pod that runs there).
+    pub fn runs_other(&self, node: &str, pod_id: &str, digest: &str) -> bool {
+        matches!(
+            self.entries.read().get(&(node.to_string(), pod_id.to_string())),
+            Some(IntentState::Digest(d)) if d != digest
+        )
+    }
+
     /// Keeps only the given `(node, pod)` pairs (the pods the farm still owns).
     pub fn retain(&self, keep: &BTreeSet<(String, String)>) {
         self.entries.write().retain(|k, _| keep.contains(k));

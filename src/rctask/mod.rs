@@ -4,6 +4,7 @@
 
 pub mod intents;
 pub mod plan;
+mod removals;
 mod reports;
 pub mod status;
 mod transfer;

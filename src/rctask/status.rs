@@ -103,6 +103,10 @@ pub struct FarmStatus {
     pub audit_shipping: bool,
     /// Where this farm's audit records go, for operators.
     pub audit_destination: String,
+    /// Farm-wide conditions (`FailsafeTripped`).
+    pub conditions: Vec<Condition>,
+    /// The removal budget and tripwire (`--max-removals`, `--failsafe-confirm`).
+    pub failsafe: Option<crate::failsafe::FailsafeStatus>,
 }
 
 /// Shared status of a farm and its RCs.
@@ -128,6 +132,11 @@ impl StatusRegistry {
 
     pub fn rc(&self, id: RcId) -> Option<RcStatus> {
         self.rcs.read().get(&id).cloned()
+    }
+
+    /// Pods the farm's RCs run now (the base of a percentage `--max-removals`).
+    pub fn pods_current(&self) -> usize {
+        self.rcs.read().values().map(|r| r.current).sum()
     }
 
     pub fn rcs(&self) -> Vec<RcStatus> {

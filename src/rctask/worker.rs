@@ -14,6 +14,7 @@ use tracing::Instrument;
 
 use super::intents::IntentView;
 use super::plan::{Observed, Transfer, plan};
+use super::removals::Gated;
 use super::status::StatusRegistry;
 use super::writes::Applied;
 use crate::consul::{Consul, ConsulError};
@@ -62,6 +63,8 @@ pub struct TaskContext {
     pub locks: watch::Receiver<Arc<LockView>>,
     /// Every RC, from the farm's watch (a new RC reads its old RC's desired count).
     pub rcs: watch::Receiver<Option<Arc<crate::rc::RcListing>>>,
+    /// The farm's removal budget and tripwire: every removal asks it first.
+    pub failsafe: Arc<crate::failsafe::Failsafe>,
     pub config: TaskConfig,
 }
 
@@ -135,6 +138,7 @@ pub fn spawn(
             warned: None,
             last_seen: None,
             pending_dealloc: BTreeSet::new(),
+            held: (false, false),
             backoff: Backoff::new(Duration::from_millis(200), Duration::from_secs(30)),
             unmet_backoff: Backoff::new(Duration::from_millis(200), Duration::from_secs(5)),
         };
@@ -179,6 +183,8 @@ pub(super) struct Worker {
     pub(super) last_seen: Option<(u64, DesiredState, Option<String>)>,
     /// Nodes to give back to the scheduler (a deallocation that failed is retried).
     pub(super) pending_dealloc: BTreeSet<NodeName>,
+    /// Whether the RC's removals are held now, and whether that episode was audited.
+    pub(super) held: (bool, bool),
     /// Paces retries after failed passes (Consul trouble); reset by any pass that succeeds.
     pub(super) backoff: Backoff,
     /// Paces passes while desires cannot be met (too few nodes): short, and skipped when the
@@ -302,6 +308,11 @@ impl Worker {
                 _ = tokio::time::sleep(delay) => {}
             }
         }
+        if self.held.0 {
+            self.ctx
+                .failsafe
+                .set_held(&format!("rc:{}", self.id), false);
+        }
         tracing::info!("RC task stopped");
     }
 
@@ -334,6 +345,7 @@ impl Worker {
         let mut mutation_locked_elsewhere = false;
         let mut frozen_by = None;
         let mut result = Ok(false);
+        let mut held = None;
         for _ in 0..16 {
             let mut o = self
                 .observe(rc, allocation_exhausted, mutation_locked_elsewhere)
@@ -347,19 +359,43 @@ impl Worker {
             o.eligible = NodeSet::default();
             self.publish_status(rc, &o, &p);
             let Some(action) = p.actions.first().cloned() else {
+                self.settle_held(rc, &o, None).await?;
                 result = self
                     .settle_unmet(rc, p.unmet)
                     .await
                     .map(|_| self.unmet.is_some());
                 break;
             };
+            let (action, granted) = match self.gate_removals(rc, action) {
+                Gated::Go { action, granted } => (action, granted),
+                Gated::Held(why) => {
+                    self.settle_held(rc, &o, Some(why.clone())).await?;
+                    held = Some(why);
+                    break;
+                }
+            };
             tracing::debug!(?action, "applying");
-            match self.apply(rc, &o, action).await? {
+            let applied = match self.apply(rc, &o, action).await {
+                Ok(a) => a,
+                Err(e) => {
+                    // Refused before anything was written: the removals were not made.
+                    if matches!(e, TaskError::Stale | TaskError::Fenced) {
+                        self.ctx.failsafe.refund(granted);
+                    }
+                    return Err(e);
+                }
+            };
+            match applied {
                 Applied::Done => {}
                 Applied::AllocationExhausted => allocation_exhausted = true,
                 Applied::MutationLocked => mutation_locked_elsewhere = true,
                 Applied::Frozen(holder) => frozen_by = Some(holder),
             }
+        }
+        if held.is_some() {
+            // Paced like unmet desires: looked at again within seconds (the window slides,
+            // or an operator releases), and at once when the RC changes.
+            result = Ok(true);
         }
         metrics::counter!("rcfarm_converge_passes_total").increment(1);
         metrics::histogram!("rcfarm_converge_pass_seconds").record(started.elapsed().as_secs_f64());

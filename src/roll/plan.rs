@@ -100,6 +100,9 @@ pub struct RollObserved<'a> {
     pub failed: Option<String>,
     /// A canary not yet promoted: replace this many pods, wait until they are up, then pause.
     pub canary: Option<u64>,
+    /// How many pods the farm's removal budget lets a step take down now, and why no more
+    /// (`--max-removals`, the failsafe); `None`: no limit.
+    pub removal_room: Option<(u64, String)>,
 }
 
 /// One step, applied as one fenced transaction.
@@ -147,6 +150,10 @@ pub enum WaitKind {
     Paused,
     /// The roll failed; it takes no step until an operator resumes or aborts it.
     Failed,
+    /// The farm's removal budget is spent (or its failsafe tripped): the next step waits for
+    /// the window to allow it, or an operator's `rcctl farm release-removals`. Not a stall,
+    /// and not counted toward the progress deadline.
+    RemovalsHeld,
 }
 
 impl WaitKind {
@@ -327,6 +334,19 @@ pub fn plan(o: &RollObserved<'_>) -> RollPlan {
         // Never more new pods than the canary, whatever the minimum and pace allow.
         Some(k) => (remove.min(k - new.desired), add.min(k - new.desired)),
         None => (remove, add),
+    };
+    // Each pod added beyond those removed replaces nothing (growing capacity): only removals
+    // spend the farm's budget.
+    let (remove, add) = match &o.removal_room {
+        Some((room, why)) if remove > *room => {
+            let free = add.saturating_sub(remove);
+            let (remove, add) = (*room, add.min(*room + free));
+            if add == 0 && remove == 0 {
+                return RollPlan::wait(WaitKind::RemovalsHeld, why.clone());
+            }
+            (remove, add)
+        }
+        _ => (remove, add),
     };
     if add == 0 && remove == 0 {
         let min = u.minimum_replicas;
@@ -519,6 +539,7 @@ mod tests {
             max_parallel: None,
             failed: None,
             canary: None,
+            removal_room: None,
         }
     }
 
@@ -602,15 +623,16 @@ mod tests {
         assert_eq!(plan(&o).action, Some(RollAction::DeleteOrphan));
     }
 
+    fn step(add: u64, remove: u64, old_to: u64) -> Option<RollAction> {
+        Some(RollAction::Step {
+            add,
+            remove,
+            old_to,
+        })
+    }
+
     #[test]
     fn max_parallel_caps_each_step_below_what_the_minimum_allows() {
-        let step = |add, remove, old_to| {
-            Some(RollAction::Step {
-                add,
-                remove,
-                old_to,
-            })
-        };
         // A minimum of 0 would replace all four pods at once.
         let u = update(4, 0);
         let mut o = observe(&u, counts(4, 4, 4, true), counts(0, 0, 0, false));
@@ -622,6 +644,33 @@ mod tests {
         let mut o = observe(&u, counts(4, 4, 4, true), counts(0, 0, 0, false));
         o.max_parallel = Some(2);
         assert_eq!(plan(&o).action, step(1, 1, 3));
+    }
+
+    #[test]
+    fn the_removal_budget_caps_steps_and_holds_them_when_spent() {
+        let u = update(4, 0);
+        let mut o = observe(&u, counts(4, 4, 4, true), counts(0, 0, 0, false));
+        o.removal_room = Some((3, String::new()));
+        assert_eq!(plan(&o).action, step(3, 3, 1));
+        o.removal_room = Some((0, "removals held: farm a removed 5".into()));
+        let p = plan(&o);
+        assert_eq!(p.action, None);
+        assert_eq!(
+            p.waiting,
+            Some((
+                WaitKind::RemovalsHeld,
+                "removals held: farm a removed 5".into()
+            ))
+        );
+        // Room enough: as without a budget.
+        o.removal_room = Some((10, String::new()));
+        assert_eq!(plan(&o).action, step(4, 4, 0));
+        // Growing capacity removes nothing: a spent budget still lets those pods be added.
+        let u = update(4, 0);
+        let mut o = observe(&u, counts(2, 2, 2, true), counts(0, 0, 0, false));
+        assert_eq!(plan(&o).action, step(4, 2, 0));
+        o.removal_room = Some((0, "held".into()));
+        assert_eq!(plan(&o).action, step(2, 0, 2));
     }
 
     #[test]
@@ -993,6 +1042,7 @@ mod tests {
                         max_parallel,
                         failed: None,
                         canary: canary.filter(|_| !promoted),
+                        removal_room: None,
                     };
                     let up_before = w.up();
                     let new_before = w.new.0;

@@ -89,6 +89,8 @@ pub struct RollContext {
     pub pods: Arc<LabelCache>,
     pub health: Arc<HealthCache>,
     pub status: Arc<RollStatusRegistry>,
+    /// The farm's removal budget and tripwire: a step that takes pods down asks it first.
+    pub failsafe: Arc<crate::failsafe::Failsafe>,
     pub config: RollConfig,
 }
 
@@ -154,6 +156,7 @@ pub fn spawn(
             lowest_healthy: None,
             last_progress: Instant::now(),
             best_new_up: None,
+            held: false,
             backoff: Backoff::new(Duration::from_millis(200), Duration::from_secs(30)),
         }
         .run()
@@ -182,6 +185,9 @@ pub(super) struct Worker {
     pub(super) last_progress: Instant,
     /// The most new pods seen up.
     pub(super) best_new_up: Option<u64>,
+    /// Whether the roll's steps are held by the farm's removal budget (audited once per
+    /// episode).
+    pub(super) held: bool,
     pub(super) backoff: Backoff,
 }
 
@@ -279,6 +285,11 @@ impl Worker {
                 _ = tokio::time::sleep(delay) => {}
             }
         }
+        if self.held {
+            self.ctx
+                .failsafe
+                .set_held(&format!("roll:{}", self.id), false);
+        }
         tracing::info!("roll task stopped");
     }
 
@@ -322,6 +333,7 @@ impl Worker {
         for _ in 0..8 {
             let o = self.observe(roll, conflict.clone()).await?;
             self.publish(roll, &o);
+            self.settle_held(roll, o.planned.waiting.as_ref()).await?;
             let Some(action) = o.planned.action.clone() else {
                 let waiting = o.planned.waiting.clone();
                 match self.watch_deadline(roll, &o).await? {
@@ -349,7 +361,24 @@ impl Worker {
             };
             tracing::debug!(?action, "applying");
             let done = matches!(action, RollAction::Complete | RollAction::DeleteOrphan);
-            self.apply(roll, &o, action).await?;
+            // The planner saw room for this step's removals; another task may have spent it
+            // since: then plan again.
+            let removals = match &action {
+                RollAction::Step { remove, .. } => *remove,
+                _ => 0,
+            };
+            let grant = self.ctx.failsafe.take(removals);
+            if grant.granted < removals {
+                self.ctx.failsafe.refund(grant.granted);
+                continue;
+            }
+            if let Err(e) = self.apply(roll, &o, action).await {
+                // Refused before anything was written: the removals were not made.
+                if matches!(e, RollError::Stale(_) | RollError::Fenced) {
+                    self.ctx.failsafe.refund(removals);
+                }
+                return Err(e);
+            }
             self.progressed();
             if done {
                 return Ok(Outcome::Done);
@@ -512,6 +541,10 @@ impl Worker {
                 .as_ref()
                 .ok()
                 .and_then(RollControl::canary_pending),
+            removal_room: match self.ctx.failsafe.room() {
+                (u64::MAX, _) => None,
+                (room, why) => Some((room, why.unwrap_or_default())),
+            },
         };
         let planned = plan(&observed);
         if planned.step_ready {
@@ -562,6 +595,7 @@ impl Worker {
                 (WaitKind::Failed, "Failed"),
                 (WaitKind::Paused, "Paused"),
                 (WaitKind::Blocked, "Blocked"),
+                (WaitKind::RemovalsHeld, "RemovalsHeld"),
             ] {
                 let why = o.planned.waiting.as_ref().filter(|(k, _)| *k == kind);
                 s.set_condition(condition, why.map(|(_, why)| why.clone()));
@@ -587,8 +621,12 @@ impl Worker {
         let Some((kind, why)) = &o.planned.waiting else {
             return Ok(Deadline::Running);
         };
-        // A paused roll's deadline starts again on its resume; a delay means a step is ready.
-        if matches!(kind, WaitKind::Paused | WaitKind::Delay | WaitKind::Failed) {
+        // A paused roll's deadline starts again on its resume; a delay means a step is ready,
+        // and so does a hold by the farm's removal budget (the window, not the pods, waits).
+        if matches!(
+            kind,
+            WaitKind::Paused | WaitKind::Delay | WaitKind::Failed | WaitKind::RemovalsHeld
+        ) {
             self.last_progress = Instant::now();
             return Ok(Deadline::Running);
         }
@@ -672,7 +710,10 @@ impl Worker {
         let Some((kind, why)) = waiting else {
             return Ok(());
         };
-        if matches!(kind, WaitKind::Delay | WaitKind::Paused | WaitKind::Failed) {
+        if matches!(
+            kind,
+            WaitKind::Delay | WaitKind::Paused | WaitKind::Failed | WaitKind::RemovalsHeld
+        ) {
             // Waiting on purpose.
             self.stuck_since = None;
             return Ok(());
@@ -707,6 +748,46 @@ impl Worker {
         self.ctx.status.update(self.id, &self.ctx.farm_id, |s| {
             s.set_condition("Stalled", Some(why.clone()))
         });
+        Ok(())
+    }
+
+    /// Reports the roll held by the farm's removal budget: metric and log, and one
+    /// `REMOVALS_HELD` record per episode (none for the tripwire, which the farm reports).
+    async fn settle_held(
+        &mut self,
+        roll: &Roll,
+        waiting: Option<&(WaitKind, String)>,
+    ) -> Result<(), RollError> {
+        let who = format!("roll:{}", self.id);
+        let why = waiting
+            .filter(|(k, _)| *k == WaitKind::RemovalsHeld)
+            .map(|(_, why)| why);
+        match why {
+            Some(why) if !self.held => {
+                tracing::warn!(reason = %why, "rolling update held by the farm's removal budget");
+                if !why.starts_with(crate::failsafe::TRIPPED) {
+                    let audit = AuditRecord::new(
+                        events::REMOVALS_HELD,
+                        json!({
+                            "rolling_update_id": self.id,
+                            "old_rc": roll.update.old_rc,
+                            "new_rc": roll.update.new_rc,
+                            "farm_id": self.ctx.farm_id,
+                            "reason": why,
+                        }),
+                    );
+                    self.commit(vec![], vec![audit]).await?;
+                }
+                self.ctx.failsafe.set_held(&who, true);
+                self.held = true;
+            }
+            None if self.held => {
+                tracing::info!("rolling update no longer held by the removal budget");
+                self.ctx.failsafe.set_held(&who, false);
+                self.held = false;
+            }
+            _ => {}
+        }
         Ok(())
     }
 

@@ -365,6 +365,7 @@ fn spawn_farm(
     cmd.args(["serve", "--consul", consul, "--farm-id", id])
         .args(["--session-ttl", "2s", "--lock-delay", "0s"])
         .args(["--audit-db", db, "--http", "off"])
+        .args(["--max-removals", "100000", "--failsafe-confirm", "0s"])
         .env("RUST_LOG", "info,rcfarm::audit::shipper=debug")
         .stdout(Stdio::null())
         .stderr(Stdio::piped())

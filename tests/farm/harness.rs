@@ -300,6 +300,9 @@ impl Cluster {
             ])
             .args(["--audit-db", &self.audit_db])
             .args(["--http", "127.0.0.1:0"])
+            // Failsafes are tested on their own (tests/farm/failsafe.rs, with their flags
+            // last): elsewhere the budget counts, far from its limit, and the tripwire is off.
+            .args(["--max-removals", "100000", "--failsafe-confirm", "0s"])
             .args(extra)
             .env("RUST_LOG", "info,rcfarm=debug")
             .stdout(Stdio::null())
@@ -425,8 +428,8 @@ impl Cluster {
         crate::common::outcome(out)
     }
 
-    /// Rewrites one field of a stored RC record directly in KV.
-    pub async fn patch_rc(&self, id: RcId, field: &str, value: Value) {
+    /// A stored RC record with one field rewritten (not written back).
+    pub async fn patched_rc(&self, id: RcId, field: &str, value: Value) -> Vec<u8> {
         let (e, _) = self
             .consul
             .kv_get(&id.key(), &QueryOptions::default())
@@ -434,10 +437,13 @@ impl Cluster {
             .unwrap();
         let mut v: Value = serde_json::from_slice(e.unwrap().value_bytes()).unwrap();
         v[field] = value;
-        self.consul
-            .kv_put(&id.key(), v.to_string().as_bytes(), None)
-            .await
-            .unwrap();
+        v.to_string().into_bytes()
+    }
+
+    /// Rewrites one field of a stored RC record directly in KV.
+    pub async fn patch_rc(&self, id: RcId, field: &str, value: Value) {
+        let body = self.patched_rc(id, field, value).await;
+        self.consul.kv_put(&id.key(), &body, None).await.unwrap();
     }
 
     /// Audit records of one type, wherever they are now: shipped to SQL or still in the Consul

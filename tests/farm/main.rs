@@ -10,6 +10,7 @@ mod chaos;
 mod compat;
 mod converge;
 mod failover;
+mod failsafe;
 mod harness;
 mod history;
 mod p2_behaviour;

@@ -235,6 +235,8 @@ async fn farm_configuration_flags_env_and_file() {
         "[default: 127.0.0.1:9090]",
         "[default: label]",
         "[env: RCFARM_SESSION_TTL=",
+        "[env: RCFARM_MAX_REMOVALS=",
+        "[default: 20%]",
     ] {
         assert!(help.contains(default), "{default} shown:\n{help}");
     }
@@ -265,6 +267,21 @@ async fn farm_configuration_flags_env_and_file() {
             vec!["serve"],
             Some(("RCFARM_SCHEDULER", "magic")),
             "--scheduler",
+        ),
+        (
+            vec!["serve", "--max-removals", "150%"],
+            None,
+            "a percentage is at most 100%",
+        ),
+        (
+            vec!["serve"],
+            Some(("RCFARM_MAX_REMOVALS", "0")),
+            "--max-removals",
+        ),
+        (
+            vec!["serve", "--max-removals-window", "0s"],
+            None,
+            "--max-removals-window must be longer than 0s",
         ),
     ] {
         let mut cmd = tokio::process::Command::new(RCFARM);

@@ -60,6 +60,7 @@ pub async fn setup(extra: &[&str]) -> Setup {
             "--audit-db",
             &audit_db,
         ])
+        .args(["--max-removals", "100000", "--failsafe-confirm", "0s"])
         .args(extra)
         .env("RUST_LOG", "info")
         .stdout(Stdio::null())

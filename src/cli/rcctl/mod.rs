@@ -3,6 +3,7 @@
 //! Exit codes: 0 ok, 1 the operation failed, 2 a usage mistake.
 
 mod audit;
+mod farm;
 mod node;
 mod output;
 mod rc;
@@ -49,6 +50,10 @@ enum Command {
     Audit(audit::AuditArgs),
     /// Live farms, their fair share and the RCs they hold.
     Farms,
+    /// Tell farms something: `release-removals` after a blast-radius hold or a tripped
+    /// failsafe.
+    #[command(subcommand)]
+    Farm(farm::FarmCommand),
     /// Check that Consul answers and has a leader.
     Ping,
 }
@@ -299,6 +304,7 @@ pub async fn run(cli: RcctlCli) -> Result<(), CliError> {
         Command::Node(c) => node::run(&ctx, c).await,
         Command::Audit(a) => audit::run(&ctx, a).await,
         Command::Farms => rc::farms(&ctx).await,
+        Command::Farm(c) => farm::run(&ctx, c).await,
         Command::Ping => {
             let leader = ctx.consul.leader().await.map_err(consul_failed)?;
             if leader.is_empty() {

@@ -1,0 +1,320 @@
+//! Failsafes (issue 20, item 8): a bulk edit scaling every RC to 0 removes nothing for the
+//! confirmation window (or until an operator releases it); a farm removes at most `--max-removals` pods per window, reports
+//! `RemovalsHeld`, and goes on when an operator runs `rcctl farm release-removals`; a roll
+//! under a small budget still completes, its holds not counted toward its progress deadline.
+
+use std::time::{Duration, Instant};
+
+use rcfarm::consul::{QueryOptions, TxnOp};
+use rcfarm::rc::RcId;
+use serde_json::Value;
+
+use crate::harness::{Backend, Cluster, nodes, rcs};
+use crate::on_every_backend;
+use crate::p2_behaviour::{farm_api, get_json};
+
+/// Pods placed (intent and labels) per RC.
+async fn placed(c: &Cluster, id: RcId) -> usize {
+    c.placements().await.get(&id).map_or(0, |s| s.len())
+}
+
+/// Rewrites `replicas_desired` of every RC in one transaction: a bulk edit.
+async fn scale_all_at_once(c: &Cluster, ids: &[RcId], replicas: u64) {
+    let mut ops = Vec::new();
+    for id in ids {
+        let body = c.patched_rc(*id, "replicas_desired", replicas.into()).await;
+        ops.push(TxnOp::set(id.key(), body));
+    }
+    c.consul.txn(&ops).await.unwrap();
+}
+
+/// The farm's view of itself (`/v1/farms`, `this_farm`).
+async fn this_farm(api: &str) -> Value {
+    get_json(&format!("{api}/v1/farms")).await["this_farm"].clone()
+}
+
+/// A farm f1 with `--failsafe-confirm confirm` and two RCs of `replicas` pods each, placed;
+/// the RCs and the farm's HTTP API.
+async fn two_rcs_placed(
+    backend: &Backend,
+    replicas: usize,
+    confirm: &str,
+) -> (Cluster, Vec<RcId>, String) {
+    let mut c = Cluster::start_on(backend).await;
+    nodes(&c, replicas * 2, 1).await;
+    c.spawn_farm("f1", &["--failsafe-confirm", confirm]).await;
+    let ids = rcs(&c, 2, replicas as i64).await;
+    let (cr, idr) = (&c, &ids);
+    c.wait_for(
+        Duration::from_secs(20),
+        "both RCs placed",
+        move || async move {
+            placed(cr, idr[0]).await == replicas && placed(cr, idr[1]).await == replicas
+        },
+    )
+    .await;
+    let api = farm_api(&c, "f1").await;
+    (c, ids, api)
+}
+
+on_every_backend!(a_bulk_edit_to_zero_removes_nothing_until_confirmed);
+async fn a_bulk_edit_to_zero_removes_nothing_until_confirmed(backend: Backend) {
+    const CONFIRM: Duration = Duration::from_secs(5);
+    let (c, ids, api) = two_rcs_placed(&backend, 2, "5s").await;
+    let (cr, idr, apir) = (&c, &ids, &api);
+
+    scale_all_at_once(&c, &ids, 0).await;
+    let edited = Instant::now();
+    c.wait_for(
+        Duration::from_secs(10),
+        "FailsafeTripped",
+        move || async move {
+            let f = this_farm(apir).await;
+            f["conditions"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .any(|c| c["kind"] == "FailsafeTripped")
+                && f["failsafe"]["tripped"]
+                    .as_str()
+                    .is_some_and(|w| w.contains("every RC went to 0 replicas"))
+        },
+    )
+    .await;
+    let tripped = c.audit_events("FAILSAFE_TRIPPED").await;
+    assert_eq!(tripped.len(), 1, "{tripped:?}");
+    assert_eq!(tripped[0]["farm_id"], "f1");
+    assert_eq!(placed(&c, ids[0]).await + placed(&c, ids[1]).await, 4);
+
+    // Seen for the confirmation window: the operator meant it.
+    c.wait_for(
+        Duration::from_secs(20),
+        "every pod removed",
+        move || async move { placed(cr, idr[0]).await + placed(cr, idr[1]).await == 0 },
+    )
+    .await;
+    assert!(
+        edited.elapsed() >= CONFIRM - Duration::from_millis(500),
+        "pods went {:?} after the edit, within the {CONFIRM:?} confirmation window",
+        edited.elapsed()
+    );
+    let cleared = c.audit_events("FAILSAFE_CLEARED").await;
+    assert!(
+        cleared.iter().any(|d| d["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("confirmed"))),
+        "{cleared:?}"
+    );
+    assert!(this_farm(&api).await["failsafe"]["tripped"].is_null());
+    assert!(c.farm_log(0).contains("FAILSAFE TRIPPED"));
+}
+
+on_every_backend!(max_removals_holds_until_released);
+async fn max_removals_holds_until_released(backend: Backend) {
+    let mut c = Cluster::start_on(&backend).await;
+    nodes(&c, 6, 1).await;
+    c.spawn_farm(
+        "f1",
+        &["--max-removals", "2", "--max-removals-window", "10m"],
+    )
+    .await;
+    let id = rcs(&c, 1, 6).await[0];
+    let cr = &c;
+    c.wait_for(
+        Duration::from_secs(20),
+        "6 pods placed",
+        move || async move { placed(cr, id).await == 6 },
+    )
+    .await;
+    let api = farm_api(&c, "f1").await;
+    let apir = &api;
+
+    c.patch_rc(id, "replicas_desired", 0.into()).await;
+    c.wait_for(
+        Duration::from_secs(15),
+        "RemovalsHeld",
+        move || async move {
+            let v = get_json(&format!("{apir}/v1/rcs")).await;
+            v["rcs"].as_array().into_iter().flatten().any(|r| {
+                r["id"] == id.to_string()
+                    && r["conditions"]
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .any(|c| c.as_str().is_some_and(|c| c.starts_with("RemovalsHeld")))
+            })
+        },
+    )
+    .await;
+    // Two removed, no more (the window is 10 minutes).
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(placed(&c, id).await, 4);
+    let held = c.audit_events("REMOVALS_HELD").await;
+    assert_eq!(held.len(), 1, "once per episode: {held:?}");
+    assert_eq!(held[0]["replication_controller_id"], id.to_string());
+    assert!(
+        held[0]["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("rcctl farm release-removals f1")),
+        "{held:?}"
+    );
+    let metrics = reqwest::get(format!("{api}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(metrics.contains("rcfarm_removals_held 1"), "{metrics}");
+    let (code, out, err) = c.rcctl(&["rc", "list"]).await;
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("RemovalsHeld"), "{out}");
+
+    // A farm that is not live: a usage error, nothing written.
+    let (code, _, err) = c.rcctl(&["farm", "release-removals", "nosuch"]).await;
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("no live farm \"nosuch\""), "{err}");
+    assert_eq!(c.count_prefix("rcfarm/failsafe/").await, 0);
+
+    let (code, out, err) = c.rcctl(&["farm", "release-removals", "f1"]).await;
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("farm f1: removals released"), "{out}");
+    c.wait_for(
+        Duration::from_secs(15),
+        "2 more removed",
+        move || async move { placed(cr, id).await == 2 },
+    )
+    .await;
+    let released = c.audit_events("REMOVALS_RELEASED").await;
+    assert_eq!(released.len(), 1, "{released:?}");
+    assert_eq!(released[0]["farm_id"], "f1");
+    assert!(
+        released[0]["actor"]
+            .as_str()
+            .is_some_and(|a| a.starts_with("rcctl:"))
+    );
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(placed(&c, id).await, 2, "the new window's budget is 2");
+
+    // Without a farm id: every live farm.
+    let (code, _, err) = c.rcctl(&["farm", "release-removals"]).await;
+    assert_eq!(code, 0, "{err}");
+    c.wait_for(
+        Duration::from_secs(15),
+        "every pod removed",
+        move || async move { placed(cr, id).await == 0 },
+    )
+    .await;
+    c.wait_for(
+        Duration::from_secs(10),
+        "RemovalsHeld cleared",
+        move || async move {
+            let v = get_json(&format!("{apir}/v1/rcs")).await;
+            !v.to_string().contains("RemovalsHeld")
+        },
+    )
+    .await;
+}
+
+on_every_backend!(a_roll_under_a_small_budget_completes_at_the_windows_pace);
+async fn a_roll_under_a_small_budget_completes_at_the_windows_pace(backend: Backend) {
+    let mut c = Cluster::start_on(&backend).await;
+    nodes(&c, 4, 1).await;
+    let _sim = c.simulate(4, 0.0);
+    // A deadline shorter than the window: were the hold counted, the roll would fail.
+    c.spawn_farm(
+        "f1",
+        &[
+            "--roll-resync",
+            "300ms",
+            "--max-removals",
+            "2",
+            "--max-removals-window",
+            "7s",
+            "--roll-progress-deadline",
+            "3s",
+        ],
+    )
+    .await;
+    let old = rcs(&c, 1, 4).await[0];
+    let cr = &c;
+    c.wait_for(
+        Duration::from_secs(20),
+        "the old RC up",
+        move || async move { cr.all_up(old, 4).await },
+    )
+    .await;
+    // A minimum of 0 would replace all four at once.
+    let roll = c.start_roll(old, 0, Duration::ZERO).await;
+    let api = farm_api(&c, "f1").await;
+    let apir = &api;
+    c.wait_for(
+        Duration::from_secs(15),
+        "the roll held",
+        move || async move {
+            let v = get_json(&format!("{apir}/v1/rolls/{roll}")).await;
+            v.to_string().contains("RemovalsHeld")
+        },
+    )
+    .await;
+    c.wait_for(
+        Duration::from_secs(30),
+        "the roll completes",
+        move || async move { c_roll_done(cr, roll, old).await && cr.all_up(roll, 4).await },
+    )
+    .await;
+    let steps = c.audit_events("ROLLING_UPDATE_STEP").await;
+    let removed: Vec<u64> = steps
+        .iter()
+        .filter_map(|s| s["replicas_removed"].as_u64())
+        .collect();
+    assert!(
+        removed.iter().all(|r| *r <= 2) && removed.iter().sum::<u64>() == 4,
+        "steps of at most 2 removals: {steps:?}"
+    );
+    assert!(c.audit_events("ROLLING_UPDATE_FAILED").await.is_empty());
+    assert!(c.audit_events("ROLLING_UPDATE_STALLED").await.is_empty());
+    let held = c.audit_events("REMOVALS_HELD").await;
+    assert!(
+        held.iter()
+            .any(|h| h["rolling_update_id"] == roll.to_string()),
+        "{held:?}"
+    );
+}
+
+/// The roll's record and its old RC are gone.
+async fn c_roll_done(c: &Cluster, roll: RcId, old: RcId) -> bool {
+    let q = QueryOptions::default();
+    c.consul
+        .kv_get(&rcfarm::roll::roll_key(roll), &q)
+        .await
+        .unwrap()
+        .0
+        .is_none()
+        && c.consul.kv_get(&old.key(), &q).await.unwrap().0.is_none()
+}
+
+on_every_backend!(a_release_ends_a_pending_confirmation);
+async fn a_release_ends_a_pending_confirmation(backend: Backend) {
+    let (c, ids, api) = two_rcs_placed(&backend, 1, "10m").await;
+    let (cr, idr, apir) = (&c, &ids, &api);
+    scale_all_at_once(&c, &ids, 0).await;
+    c.wait_for(
+        Duration::from_secs(10),
+        "FailsafeTripped",
+        move || async move { this_farm(apir).await["failsafe"]["tripped"].is_string() },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(placed(&c, ids[0]).await + placed(&c, ids[1]).await, 2);
+    // The operator meant it: no need to wait ten minutes.
+    let (code, _, err) = c.rcctl(&["farm", "release-removals", "f1"]).await;
+    assert_eq!(code, 0, "{err}");
+    c.wait_for(
+        Duration::from_secs(15),
+        "every pod removed",
+        move || async move { placed(cr, idr[0]).await + placed(cr, idr[1]).await == 0 },
+    )
+    .await;
+    assert!(this_farm(&api).await["failsafe"]["tripped"].is_null());
+    assert!(c.farm_log(0).contains("removals released by an operator"));
+}
