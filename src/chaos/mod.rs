@@ -45,6 +45,10 @@ use crate::rc::RcStore;
 use crate::simulator::{NodeSimulator, SimConfig};
 use proxy::{FaultyProxy, ProxyFaults};
 
+/// The farms' blast-radius limit in a chaos run: removals per window, checked by the observer.
+const CHAOS_MAX_REMOVALS: u64 = 8;
+const CHAOS_REMOVALS_WINDOW: Duration = Duration::from_secs(10);
+
 #[derive(Debug, Clone)]
 pub struct ChaosConfig {
     /// The `rcfarm` binary to run farms with.
@@ -109,6 +113,9 @@ pub struct ChaosReport {
     pub rolls_bad: u64,
     /// Failed rolls the farms reverted (`ROLLING_UPDATE_REVERTED`; never a revert's revert).
     pub rolls_reverted: u64,
+    /// Removals the farms committed, and the most by one session within a window (the
+    /// observer's, against the farms' `--max-removals`).
+    pub removals: Option<(u64, u64)>,
     /// Rolls left paused, waiting for promotion, or failed when the faults stopped: the run
     /// resumes, promotes or aborts them, as an operator would, before waiting for the rest.
     pub rolls_released: u64,
@@ -262,6 +269,13 @@ impl ChaosReport {
                 self.rolls_unfinished
             ));
         }
+        if let Some((seen, most)) = self.removals {
+            s.push_str(&format!(
+                "removals: {seen}, at most {most} by one farm session within {}s (limit {CHAOS_MAX_REMOVALS} per {}s)\n",
+                CHAOS_REMOVALS_WINDOW.as_secs() - 2,
+                CHAOS_REMOVALS_WINDOW.as_secs()
+            ));
+        }
         s.push_str(&format!("violations: {}\n", self.violations.len()));
         for v in self.violations.iter().take(10) {
             s.push_str(&format!("  {v}\n"));
@@ -338,9 +352,17 @@ impl Cluster {
             ])
             // The check expects every pod on an eligible node, static RCs' too.
             .arg("--transfer-static")
-            // Its checks expect convergence within seconds: the removal budget counts, far
-            // from a limit, and the tripwire (which holds for minutes) is off.
-            .args(["--max-removals", "100000", "--failsafe-confirm", "0s"])
+            // A blast-radius limit the observer checks (it holds now and then, and the run
+            // still converges: its window is short); the tripwire (which holds for minutes)
+            // is off.
+            .args([
+                "--max-removals",
+                &CHAOS_MAX_REMOVALS.to_string(),
+                "--max-removals-window",
+                &crate::util::format_go_duration(CHAOS_REMOVALS_WINDOW),
+                "--failsafe-confirm",
+                "0s",
+            ])
             .env("RUST_LOG", "info")
             .current_dir(&self.cfg.log_dir)
             .stdout(Stdio::null())
@@ -541,10 +563,13 @@ pub async fn run(cfg: ChaosConfig) -> Result<ChaosReport, String> {
     };
     // What was written, before SQL is read: a record the farms write after this is not
     // expected in SQL yet.
-    let replayed = cl
-        .backend
-        .embedded()
-        .map(|server| Observer::replay(&server.commit_log()));
+    let replayed = cl.backend.embedded().map(|server| {
+        let mut o = Observer::with_removal_limit(CHAOS_MAX_REMOVALS, CHAOS_REMOVALS_WINDOW);
+        for c in &server.commit_log() {
+            o.observe(c);
+        }
+        o
+    });
     let seen = cl.backend.observer().map(|o| o.report());
     let sql = AuditStore::connect(&cl.audit_db)
         .await
@@ -609,6 +634,7 @@ pub async fn run(cfg: ChaosConfig) -> Result<ChaosReport, String> {
         r.roll_steps = observer.roll_steps;
         r.roll_steps_braked_checked = observer.roll_control_checked;
         r.rolls_reverted = observer.reverts;
+        r.removals = Some((observer.removals_seen, observer.removals_max_per_window));
         r.roll_min_margin = observer.roll_min_margin();
     }
     if let Some(seen) = seen {

@@ -12,7 +12,13 @@
 //!   they were); and no farm write takes a started roll's pods that are up (their node runs
 //!   what the intent asks and passes its health check) below the roll's minimum;
 //! - **brakes**: no step of a roll whose control (`rcfarm/rolls/<id>`) says paused or failed,
-//!   and no revert of a revert (a revert that fails stays failed).
+//!   and no revert of a revert (a revert that fails stays failed);
+//! - **blast radius** (when given the farms' `--max-removals N` per window W): no farm session
+//!   commits more than N removals within any W (less a slack for the time between a farm's
+//!   decision and its commit). A removal is what the farm's budget charges: an intent deleted
+//!   or rewritten onto another manifest by the RC owning the pod (not a takeover by another
+//!   RC), a roll step's `replicas_removed`, a node transfer's start. Counted per session, the
+//!   unit a farm's in-memory budget outlives (a restarted process starts a new budget).
 //!
 //! It also counts scheduling transactions and audit records, to check that every committed
 //! change reached the audit log.
@@ -75,6 +81,15 @@ pub struct Observer {
     pub roll_control_checked: u64,
     /// `ROLLING_UPDATE_REVERTED` records seen.
     pub reverts: u64,
+    /// The farms' blast-radius limit to check (`--max-removals N` per `--max-removals-window`),
+    /// if any: see [`Observer::with_removal_limit`].
+    removal_limit: Option<(u64, std::time::Duration)>,
+    /// Per writing session: when each removal it decided was committed.
+    removals: HashMap<String, std::collections::VecDeque<std::time::Instant>>,
+    /// The most removals one session committed within any window (less the slack).
+    pub removals_max_per_window: u64,
+    /// Removals counted (scale-downs, replacements, roll steps' removals, transfer starts).
+    pub removals_seen: u64,
     /// Rolls started as reverts and not finished: one of them reverted is a revert loop.
     reverting: BTreeSet<String>,
 }
@@ -274,6 +289,7 @@ impl Observer {
     /// Checks and applies one commit.
     pub fn observe(&mut self, c: &LoggedCommit) {
         self.commits += 1;
+        self.check_removals(c);
         let pod_keys: Vec<(String, String)> = c
             .changes
             .iter()
@@ -502,6 +518,126 @@ impl Observer {
         self.roll_margin.values().min().copied()
     }
 
+    /// An observer that also checks the farms' blast-radius limit: at most `limit` removals per
+    /// `window` by any session.
+    pub fn with_removal_limit(limit: u64, window: std::time::Duration) -> Observer {
+        Observer {
+            removal_limit: Some((limit, window)),
+            ..Observer::default()
+        }
+    }
+
+    /// Counts the removals one commit makes (before it is applied: it compares with what the
+    /// pods were) and checks the writer's window.
+    fn check_removals(&mut self, c: &LoggedCommit) {
+        let Some((limit, window)) = self.removal_limit else {
+            return;
+        };
+        let Some((_, session)) = c.checks.first() else {
+            return;
+        };
+        // A transfer's removal was charged when it started: its completion (or rollback)
+        // deletes an intent it already paid for.
+        let transfer_end = c.changes.iter().any(|ch| match ch {
+            Change::Put(k, e) if k.starts_with(AUDIT_PREFIX) => AuditRecord::from_kv(k, &e.value)
+                .is_ok_and(|r| {
+                    [
+                        events::NODE_TRANSFER_COMPLETION,
+                        events::NODE_TRANSFER_ROLLBACK,
+                    ]
+                    .contains(&r.event_type.as_str())
+                }),
+            _ => false,
+        });
+        let mut n = 0u64;
+        for ch in &c.changes {
+            match ch {
+                Change::Delete(k)
+                    if k.starts_with("intent/") && self.kv.contains_key(k) && !transfer_end =>
+                {
+                    n += 1
+                }
+                Change::Put(k, e) if k.starts_with("intent/") => {
+                    let Some(before) = self.kv.get(k) else {
+                        continue;
+                    };
+                    let digest = |v: &[u8]| {
+                        crate::rc::Manifest::parse(&String::from_utf8_lossy(v))
+                            .ok()
+                            .map(|m| m.digest().to_string())
+                    };
+                    if digest(before) == digest(&e.value) {
+                        continue;
+                    }
+                    // A pod taken over by another RC (a roll's new RC, in place) was charged
+                    // to the roll's step; only an RC rewriting its own pod counts here.
+                    let Some((node, pod)) =
+                        k.strip_prefix("intent/").and_then(|r| r.split_once('/'))
+                    else {
+                        continue;
+                    };
+                    let label = format!("labels/pod/{node}/{pod}");
+                    let rc_of = |v: Option<&[u8]>| {
+                        v.and_then(|v| parse_labels(v).ok())
+                            .and_then(|l| l.get(RC_ID_LABEL).cloned())
+                    };
+                    let was = rc_of(self.kv.get(&label).map(Vec::as_slice));
+                    let now = c
+                        .changes
+                        .iter()
+                        .find_map(|ch| match ch {
+                            Change::Put(lk, le) if *lk == label => Some(rc_of(Some(&le.value))),
+                            _ => None,
+                        })
+                        .unwrap_or_else(|| was.clone());
+                    if was.is_some() && was == now {
+                        n += 1;
+                    }
+                }
+                Change::Put(k, e) if k.starts_with(AUDIT_PREFIX) => {
+                    let Ok(r) = AuditRecord::from_kv(k, &e.value) else {
+                        continue;
+                    };
+                    if r.event_type == events::ROLL_STEP {
+                        n += r.event_details["replicas_removed"].as_u64().unwrap_or(0);
+                    } else if r.event_type == events::NODE_TRANSFER_START {
+                        n += 1;
+                    }
+                }
+                _ => {}
+            }
+        }
+        if n == 0 {
+            return;
+        }
+        self.removals_seen += n;
+        // A decision is committed a moment after the budget granted it: a commit window this
+        // much shorter than the farm's holds only what one budget window granted.
+        let slack = std::time::Duration::from_secs(2).min(window / 2);
+        let q = self.removals.entry(session.clone()).or_default();
+        for _ in 0..n {
+            q.push_back(c.at);
+        }
+        while q
+            .front()
+            .is_some_and(|t| c.at.duration_since(*t) >= window - slack)
+        {
+            q.pop_front();
+        }
+        let in_window = q.len() as u64;
+        self.removals_max_per_window = self.removals_max_per_window.max(in_window);
+        if in_window > limit {
+            self.violations.push(Violation {
+                index: c.index,
+                what: format!(
+                    "session {session} committed {in_window} removals within {:?}, above the limit of {limit} per {:?}",
+                    window - slack,
+                    window
+                ),
+            });
+        }
+    }
+
     /// Observes a whole log.
     pub fn replay(log: &[LoggedCommit]) -> Observer {
         let mut o = Observer::default();
@@ -590,6 +726,45 @@ mod tests {
         assert_eq!(o.violations.len(), 2);
         assert!(o.violations[1].what.contains("while it was failed"));
         assert_eq!(o.roll_control_checked, 3);
+    }
+
+    #[test]
+    fn removals_above_the_limit_within_a_window_are_a_violation() {
+        let intent = |node: &str, v: u32| {
+            put(
+                &format!("intent/{node}/web"),
+                format!("id: web\nversion: {v}\n").as_bytes(),
+                None,
+            )
+        };
+        let del = |node: &str| Change::Delete(format!("intent/{node}/web"));
+        let lock = ("lock/replication_controllers/rc-1", "s1");
+        let mut o = Observer::with_removal_limit(2, std::time::Duration::from_secs(60));
+        // Pods placed: no removal.
+        o.observe(&commit(
+            1,
+            vec![intent("n1", 1), intent("n2", 1), intent("n3", 1)],
+            &[lock],
+        ));
+        assert_eq!(o.removals_seen, 0);
+        // Two removed, then an intent rewritten with the same manifest (no removal), then a
+        // third removal: one too many for the window.
+        o.observe(&commit(2, vec![del("n1"), del("n2")], &[lock]));
+        o.observe(&commit(3, vec![intent("n3", 1)], &[lock]));
+        assert!(o.violations.is_empty(), "{:?}", o.violations);
+        assert_eq!(o.removals_seen, 2);
+        o.observe(&commit(4, vec![del("n3")], &[lock]));
+        assert_eq!(o.removals_max_per_window, 3);
+        assert!(
+            o.violations[0].what.contains("3 removals"),
+            "{:?}",
+            o.violations
+        );
+        // Without a limit nothing is checked.
+        let mut free = Observer::default();
+        free.observe(&commit(1, vec![intent("n1", 1)], &[lock]));
+        free.observe(&commit(2, vec![del("n1")], &[lock]));
+        assert_eq!(free.removals_seen, 0);
     }
 
     #[test]

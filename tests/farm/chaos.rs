@@ -39,6 +39,15 @@ async fn thirty_seconds_of_chaos_break_no_promise(backend: Backend) {
         "the farms scheduled: {summary}"
     );
     assert!(report.audit_written > 0, "{summary}");
+    // Where the commit log is replayed, the blast-radius check ran on real removals.
+    if let Some((seen, _)) = report.removals {
+        assert!(seen > 0, "the farms removed pods: {summary}");
+    }
+    let braking = ["roll-pause", "roll-resume", "roll-promote", "restart"];
+    assert!(
+        braking.iter().any(|m| report.mutations.contains_key(m)),
+        "the rolls were braked: {summary}"
+    );
     explain_failure(&report, dir.path());
 }
 

@@ -290,7 +290,9 @@ async fn open_blocking_queries_do_not_grow_with_the_number_of_rcs() {
     }
     println!("FIGURE open blocking queries for one farm: {figures:?}");
     assert_eq!(figures[0].1, figures[1].1, "the same at 50 and 500 RCs");
-    assert!(figures[0].1 <= 10, "a handful: {}", figures[0].1);
+    // The farm's watches (RCs, their labels, locks, rolls and their locks, pods, nodes, health,
+    // farms, the audit shipper's lock, operators' releases of held removals): a fixed set.
+    assert!(figures[0].1 <= 12, "a handful: {}", figures[0].1);
 }
 
 on_both_backends!(node_transfer_with_the_pool_scheduler);
