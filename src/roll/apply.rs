@@ -6,7 +6,7 @@ use std::time::Duration;
 use chrono::Utc;
 use serde_json::{Value, json};
 
-use super::control::{CANARY_PAUSER, RollControl, control_key};
+use super::control::{CANARY_PAUSER, Progress, RollControl, control_key};
 use super::history::{self, History, HistorySeen, Revision, history_key};
 use super::plan::RollAction;
 use super::record::{Roll, Update, roll_key, roll_lock_key};
@@ -66,6 +66,16 @@ impl Worker {
             Value::Object(m)
         };
         let counts = json!({"old": o.old_counts, "new": o.new_counts});
+        // A step records the roll's progress in its control (guarded by the fence): a farm
+        // that takes the roll over counts the progress deadline from it.
+        let progress = |ops: &mut Vec<TxnOp>| {
+            let mut control = o.control.control.clone().unwrap_or_default();
+            control.progress = Some(Progress {
+                at: Utc::now(),
+                new_up: o.new_counts.map_or(0, |c| c.healthy),
+            });
+            ops.push(TxnOp::set(control_key(self.id), control.to_bytes()));
+        };
         let (mut audits, wait_locks) = match &action {
             RollAction::Lock => {
                 let holder = roll_holder(self.id);
@@ -133,6 +143,7 @@ impl Worker {
                     })),
                 );
                 ops.extend(checks);
+                progress(&mut ops);
                 ops.push(rewrite(&old, &[Mutation::SetReplicas(*old_to)], &audit)?);
                 ops.push(rewrite(
                     &new,
@@ -210,6 +221,8 @@ impl Worker {
                 control.paused = true;
                 control.paused_by = Some(CANARY_PAUSER.to_string());
                 control.paused_at = Some(Utc::now());
+                // Its promotion gives it another deadline.
+                control.progress = None;
                 ops.push(TxnOp::set(control_key(self.id), control.to_bytes()));
                 let audit = AuditRecord::new(
                     events::ROLL_PAUSED,

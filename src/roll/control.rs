@@ -42,6 +42,11 @@ pub struct RollControl {
     /// (`rcctl roll resume` gives it another deadline, `rcctl roll abort` ends it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub failed: Option<RollFailure>,
+    /// The roll's last progress (written with each step): a farm that takes the roll over
+    /// counts its progress deadline from here, so a handover does not postpone a failure.
+    /// Cleared by a resume or a promotion (another deadline).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub progress: Option<Progress>,
     /// Replace this many pods first, then pause until promoted (`--canary K`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub canary: Option<u64>,
@@ -62,6 +67,14 @@ pub struct RollControl {
     /// never reverted itself: a revert that fails stays Failed (no revert loop).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub revert_of: Option<RollId>,
+}
+
+/// A roll's last progress as its owner recorded it with a step: when, and how many new pods
+/// were up then.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Progress {
+    pub at: DateTime<Utc>,
+    pub new_up: u64,
 }
 
 /// Why and when a roll failed.

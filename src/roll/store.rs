@@ -444,6 +444,7 @@ impl RollStore {
                         paused_by: None,
                         paused_at: None,
                         failed: None,
+                        progress: None,
                         ..current.clone()
                     };
                     (c, events::ROLL_RESUMED, json!({"was_failed": was_failed}))
@@ -472,6 +473,7 @@ impl RollStore {
                     let c = RollControl {
                         promoted_by: Some(actor.to_string()),
                         promoted_at: Some(now),
+                        progress: None,
                         ..c
                     };
                     (

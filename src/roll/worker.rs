@@ -361,6 +361,9 @@ impl Worker {
             };
             tracing::debug!(?action, "applying");
             let done = matches!(action, RollAction::Complete | RollAction::DeleteOrphan);
+            // Taking the mutation locks moves nothing: a farm that takes a roll over takes them
+            // first, and its progress deadline goes on from the previous owner's last step.
+            let moves_pods = !matches!(action, RollAction::Lock);
             // The planner saw room for this step's removals; another task may have spent it
             // since: then plan again.
             let removals = match &action {
@@ -379,7 +382,7 @@ impl Worker {
                 }
                 return Err(e);
             }
-            self.progressed();
+            self.progressed(moves_pods);
             if done {
                 return Ok(Outcome::Done);
             }
@@ -614,9 +617,25 @@ impl Worker {
         o: &Observation,
     ) -> Result<Deadline, RollError> {
         let up = o.new_counts.map_or(0, |c| c.healthy);
-        if self.best_new_up.is_none_or(|b| up > b) {
-            self.best_new_up = Some(up);
-            self.last_progress = Instant::now();
+        match self.best_new_up {
+            // This farm's first look: the clock goes on from the progress the roll's previous
+            // owner recorded, unless more new pods are up than then.
+            None => {
+                self.best_new_up = Some(up);
+                self.last_progress = Instant::now();
+                let recorded = o.control.control.as_ref().ok().and_then(|c| c.progress);
+                if let Some(p) = recorded.filter(|p| up <= p.new_up) {
+                    let since = (Utc::now() - p.at).to_std().unwrap_or_default();
+                    self.last_progress = Instant::now()
+                        .checked_sub(since.min(o.deadline))
+                        .unwrap_or(self.last_progress);
+                }
+            }
+            Some(b) if up > b => {
+                self.best_new_up = Some(up);
+                self.last_progress = Instant::now();
+            }
+            Some(_) => {}
         }
         let Some((kind, why)) = &o.planned.waiting else {
             return Ok(Deadline::Running);
@@ -802,9 +821,11 @@ impl Worker {
     }
 
     /// The roll moved.
-    fn progressed(&mut self) {
+    fn progressed(&mut self, pods_moved: bool) {
         self.stuck_since = None;
-        self.last_progress = Instant::now();
+        if pods_moved {
+            self.last_progress = Instant::now();
+        }
         if self.alerted.take().is_some() {
             tracing::info!("rolling update progresses again");
             self.ctx.status.update(self.id, &self.ctx.farm_id, |s| {

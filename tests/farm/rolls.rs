@@ -1128,3 +1128,51 @@ async fn a_rolling_restart_replaces_every_pod_with_the_same_manifest_through_a_r
     assert!(lowest.is_none_or(|l| l >= 2), "lowest pods up {lowest:?}");
     c.check_invariants(|_| false);
 }
+
+on_both_backends!(a_handover_does_not_postpone_a_rolls_progress_deadline);
+async fn a_handover_does_not_postpone_a_rolls_progress_deadline(backend: Backend) {
+    // Version 9 never passes: the roll must fail about its deadline after its step, even
+    // though its farm stops half-way and another farm carries it on.
+    let (mut c, _sim, old) = rolling_cluster_failing(&backend, 4, 3, Some("-9.tar.gz")).await;
+    c.spawn_farm("f2", &ROLL_FLAGS).await;
+    let dir = tempfile::tempdir().unwrap();
+    let manifest = dir.path().join("v9.yaml");
+    std::fs::write(&manifest, Cluster::manifest("svc-0", 9)).unwrap();
+    let (code, out, err) = c
+        .rcctl(&[
+            "roll",
+            "start",
+            &old.to_string(),
+            "-f",
+            manifest.to_str().unwrap(),
+            "--progress-deadline",
+            "8s",
+        ])
+        .await;
+    assert_eq!(code, 0, "{out}{err}");
+    let roll = RcId::parse(out.trim()).unwrap();
+    audited(&c, "ROLLING_UPDATE_STEP", 1).await;
+    let stepped = std::time::Instant::now();
+    // Half-way to the deadline, the roll's farm stops: the other one takes the roll over.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let holder = roll_holder(&c, roll).await.expect("the roll is held");
+    let owner = c.farm_sessions().await[&holder].clone();
+    let i = c.farms.iter().position(|f| f.id == owner).unwrap();
+    signal(c.farms[i].pid, "TERM");
+    let cr = &c;
+    c.wait_for(
+        Duration::from_secs(30),
+        "the roll fails",
+        move || async move { cr.audit_events("ROLLING_UPDATE_FAILED").await.len() == 1 },
+    )
+    .await;
+    let after = stepped.elapsed().as_secs_f64();
+    let failed = c.audit_events("ROLLING_UPDATE_FAILED").await;
+    assert_ne!(
+        failed[0]["farm_id"], owner,
+        "failed by the farm that took it over"
+    );
+    println!("failed {after:.1} s after its step was seen (deadline 8 s, handover at 4 s)");
+    // Counting the deadline from the handover would fail it 12 s or more after the step.
+    assert!(after < 11.0, "failed {after:.1} s after its step");
+}
