@@ -135,6 +135,11 @@ pub struct ChaosReport {
     pub handovers: Option<u64>,
     /// Audit records seen in the outbox but not found in SQL (outside observer).
     pub audit_missing: u64,
+    /// Records in SQL that Consul never committed (embedded server: its whole commit log).
+    pub audit_unknown: u64,
+    /// Records (and RETARGET records) committed between the replay and the reads of SQL.
+    pub audit_written_late: u64,
+    pub retargets_committed_late: u64,
     /// Snapshots the outside observer took and how many reads failed.
     pub external_snapshots: Option<(u64, u64)>,
 }
@@ -153,8 +158,14 @@ impl ChaosReport {
                 self.audit_in_sql >= self.audit_written
                     && self.retargets_in_sql >= self.retargets_committed
             } else {
-                self.audit_in_sql == self.audit_written
-                    && self.retargets_in_sql == self.retargets_committed
+                // Every record committed by the replay is in SQL once, and nothing else but
+                // what was committed before SQL was read.
+                self.audit_unknown == 0
+                    && (self.audit_written..=self.audit_written + self.audit_written_late)
+                        .contains(&self.audit_in_sql)
+                    && (self.retargets_committed
+                        ..=self.retargets_committed + self.retargets_committed_late)
+                        .contains(&self.retargets_in_sql)
             }
     }
 
@@ -219,10 +230,16 @@ impl ChaosReport {
             },
             self.audit_written,
             self.audit_in_sql,
-            if self.audit_missing > 0 {
-                format!(", {} seen but MISSING from SQL", self.audit_missing)
-            } else {
-                String::new()
+            match (
+                self.audit_missing,
+                self.audit_unknown,
+                self.audit_written_late
+            ) {
+                (0, 0, 0) => String::new(),
+                (0, 0, late) => format!(" ({late} more committed before SQL was read)"),
+                (missing, unknown, _) => format!(
+                    ", {missing} committed but MISSING from SQL, {unknown} in SQL never committed"
+                ),
             }
         ));
         s.push_str(&format!(
@@ -600,6 +617,12 @@ pub async fn run(cfg: ChaosConfig) -> Result<ChaosReport, String> {
         .count() as u64;
     let sql_ids = all_ids(&sql).await?;
     sql.close().await;
+    // What was written by the time SQL was read: a farm may still write (and its shipper ship)
+    // a record between the replay above and the reads of SQL.
+    let later = cl
+        .backend
+        .embedded()
+        .map(|server| Observer::replay(&server.commit_log()));
 
     let mut r = std::mem::take(&mut *report.lock());
     r.ran_for = ran_for;
@@ -630,6 +653,11 @@ pub async fn run(cfg: ChaosConfig) -> Result<ChaosReport, String> {
         r.violations = observer.violations.clone();
         r.audit_written = observer.audit_ids.len() as u64;
         r.audit_missing = observer.audit_ids.difference(&sql_ids).count() as u64;
+        if let Some(later) = &later {
+            r.audit_unknown = sql_ids.difference(&later.audit_ids).count() as u64;
+            r.audit_written_late = later.audit_ids.len() as u64 - r.audit_written;
+            r.retargets_committed_late = later.retarget_commits - observer.retarget_commits;
+        }
         r.retargets_committed = observer.retarget_commits;
         r.roll_steps = observer.roll_steps;
         r.roll_steps_braked_checked = observer.roll_control_checked;
