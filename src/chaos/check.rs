@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use super::DRAIN_LIMIT;
 use crate::consul::{Consul, QueryOptions};
 use crate::labels::{LabelStore, LabelType, parse_labels, split_pod_label_id};
-use crate::rc::{RC_ID_LABEL, RcStore, parse_locks};
+use crate::rc::{Mutation, RC_ID_LABEL, RcId, RcStore, parse_locks};
 use crate::roll::{ControlChange, RollControl, RollStore, control_key};
 
 /// Does what an operator does with the rolls left braked when the faults stop: resumes paused
@@ -45,6 +45,35 @@ pub(super) async fn release_rolls(consul: &Consul) -> u64 {
             any
         };
         released += u64::from(done);
+    }
+    // A bad deploy's RC left by an abort (its pods never pass) is scaled to 0 and deleted, as
+    // an operator cleans up after a bad deploy; its pods could otherwise never be transferred
+    // or rolled from.
+    let rcs = RcStore::new(consul.clone());
+    let in_rolls: BTreeSet<RcId> = match store.list().await {
+        Ok(l) => l
+            .rolls
+            .values()
+            .flat_map(|r| [r.update.old_rc, r.update.new_rc])
+            .collect(),
+        Err(_) => return released,
+    };
+    if let Ok(listing) = rcs.list().await {
+        for rc in listing.rcs.values() {
+            if in_rolls.contains(&rc.id)
+                || !rc.manifest.raw().contains(super::mutate::FAILING_BUILD)
+            {
+                continue;
+            }
+            if rcs
+                .mutate(rc.id, &Mutation::SetReplicas(0), "chaos", false)
+                .await
+                .is_ok()
+                && rcs.delete(rc.id, false, "chaos", false).await.is_ok()
+            {
+                released += 1;
+            }
+        }
     }
     released
 }

@@ -254,7 +254,7 @@ impl ChaosReport {
             )),
         }
         s.push_str(&format!(
-            "rolling updates: {} completed, {} aborted, {} bad deploys ({} reverted by their farm), {} left paused or failed and released at the end, {} commits of steps ({} steps checked: none while paused or failed); closest a farm's write took pods up to a minimum: {}\n",
+            "rolling updates: {} completed, {} aborted, {} bad deploys ({} reverted by their farm), {} released at the end (paused or canary rolls let go, failed ones aborted, bad deploys' RCs removed), {} commits of steps ({} steps checked: none while paused or failed); closest a farm's write took pods up to a minimum: {}\n",
             self.rolls_completed,
             self.rolls_aborted,
             self.rolls_bad,
@@ -523,6 +523,10 @@ pub async fn run(cfg: ChaosConfig) -> Result<ChaosReport, String> {
     // Convergence: every RC as desired, within 2×TTL plus the margin.
     let quiet = Instant::now();
     let limit = cfg.session_ttl * 2 + cfg.settle_margin;
+    // The operator's part, while waiting: paused rolls resumed, canaries promoted, failed
+    // rolls aborted (a bad deploy fails at its deadline, after the faults stopped, too) and
+    // the RCs of aborted bad deploys removed.
+    let mut rolls_released = 0;
     let mut unconverged = Vec::new();
     let mut converged_after = None;
     while quiet.elapsed() < limit {
@@ -532,6 +536,8 @@ pub async fn run(cfg: ChaosConfig) -> Result<ChaosReport, String> {
             .filter(|f| f.child.is_some())
             .map(|f| f.pid)
             .collect();
+        // The operator's part (below) starts here: a bad deploy's pods never converge.
+        rolls_released += release_rolls(&cl.consul).await;
         unconverged = not_converged(&cl.consul, &running).await;
         if unconverged.is_empty() {
             converged_after = Some(quiet.elapsed());
@@ -540,9 +546,6 @@ pub async fn run(cfg: ChaosConfig) -> Result<ChaosReport, String> {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 
-    // The operator's part, while waiting: paused rolls resumed, canaries promoted, failed
-    // rolls aborted (a bad deploy fails at its deadline, after the faults stopped, too).
-    let mut rolls_released = 0;
     // Every roll that can complete does.
     let mut rolls_unfinished = Vec::new();
     let mut rolls_impossible = 0;

@@ -180,6 +180,8 @@ pub(super) async fn mutate(
                     .iter()
                     .filter_map(|id| listing.rcs.get(id))
                     .filter(|rc| rc.replicas_desired >= 1 && !rc.disabled)
+                    // A bad deploy's RC (left by an abort) never has a healthy pod to roll from.
+                    .filter(|rc| !rc.manifest.raw().contains(FAILING_BUILD))
                     .collect();
                 match candidates.get(rng.random_range(0..candidates.len().max(1))) {
                     Some(rc) => {
@@ -249,6 +251,8 @@ pub(super) async fn mutate(
                     if let Ok(Some(h)) = rolls.history(*id).await
                         && let (Some(rev), Some(rc)) = (h.latest(), listing.rcs.get(id))
                         && rc.replicas_desired >= 1
+                        // Not back onto a bad deploy (a reverted one is a revision too).
+                        && !rev.manifest.contains(FAILING_BUILD)
                     {
                         with_history.push((rc.clone(), rev.clone()));
                     }
