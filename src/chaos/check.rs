@@ -17,17 +17,24 @@ pub(super) async fn release_rolls(consul: &Consul) -> u64 {
     let Ok(rolls) = store.list().await else {
         return 0;
     };
+    let keys: Vec<String> = rolls.rolls.keys().map(|id| control_key(*id)).collect();
+    let Ok(controls) = consul.read_keys(&keys).await else {
+        return 0;
+    };
+    // RCs in a roll are the roll's; an aborted roll's are not any more.
+    let mut in_rolls: BTreeSet<RcId> = BTreeSet::new();
     let mut released = 0;
-    for id in rolls.rolls.keys() {
-        let control = match consul
-            .kv_get(&control_key(*id), &QueryOptions::default())
-            .await
-        {
-            Ok((Some(kv), _)) => RollControl::parse(kv.value_bytes()).unwrap_or_default(),
-            _ => RollControl::default(),
-        };
+    for (id, roll) in &rolls.rolls {
+        let control = controls
+            .get(&control_key(*id))
+            .and_then(|kv| RollControl::parse(kv.value_bytes()).ok())
+            .unwrap_or_default();
+        let aborted = control.failed.is_some() && store.abort(*id, "chaos", false).await.is_ok();
+        if !aborted {
+            in_rolls.extend([roll.update.old_rc, roll.update.new_rc]);
+        }
         let done = if control.failed.is_some() {
-            store.abort(*id, "chaos", false).await.is_ok()
+            aborted
         } else {
             let mut any = false;
             if control.canary_pending().is_some() {
@@ -50,14 +57,6 @@ pub(super) async fn release_rolls(consul: &Consul) -> u64 {
     // an operator cleans up after a bad deploy; its pods could otherwise never be transferred
     // or rolled from.
     let rcs = RcStore::new(consul.clone());
-    let in_rolls: BTreeSet<RcId> = match store.list().await {
-        Ok(l) => l
-            .rolls
-            .values()
-            .flat_map(|r| [r.update.old_rc, r.update.new_rc])
-            .collect(),
-        Err(_) => return released,
-    };
     if let Ok(listing) = rcs.list().await {
         for rc in listing.rcs.values() {
             if in_rolls.contains(&rc.id)

@@ -286,61 +286,10 @@ impl Observer {
         }
     }
 
-    /// Checks and applies one commit.
-    pub fn observe(&mut self, c: &LoggedCommit) {
-        self.commits += 1;
-        self.check_removals(c);
-        let pod_keys: Vec<(String, String)> = c
-            .changes
-            .iter()
-            .filter_map(|ch| match ch {
-                Change::Put(k, _) | Change::Delete(k) => {
-                    pod_key(k).map(|(n, p)| (n.to_string(), p.to_string()))
-                }
-                _ => None,
-            })
-            .collect();
-        let mut touched: BTreeSet<String> = pod_keys
-            .iter()
-            .filter_map(|(n, p)| self.rc_of_pod(n, p))
-            .collect();
-        let before: BTreeMap<String, usize> = touched
-            .iter()
-            .map(|rc| (rc.clone(), self.count(rc)))
-            .collect();
-        // Rolls this commit steps (by its audit records), and the rolls' state before it.
-        let roll_records: BTreeSet<String> = c
-            .changes
-            .iter()
-            .filter_map(|ch| match ch {
-                Change::Put(k, e) if k.starts_with(AUDIT_PREFIX) => {
-                    let r = AuditRecord::from_kv(k, &e.value).ok()?;
-                    [
-                        events::ROLL_STARTED,
-                        events::ROLL_STEP,
-                        events::ROLL_COMPLETION,
-                    ]
-                    .contains(&r.event_type.as_str())
-                    .then(|| {
-                        r.event_details["rolling_update_id"]
-                            .as_str()
-                            .map(str::to_string)
-                    })
-                    .flatten()
-                    .filter(|_| !c.checks.is_empty() || r.event_type != events::ROLL_COMPLETION)
-                }
-                _ => None,
-            })
-            .collect();
-        // A paused or failed roll takes no step: its control, as it was before this commit.
-        for ch in &c.changes {
-            let Change::Put(k, e) = ch else { continue };
-            if !k.starts_with(AUDIT_PREFIX) {
-                continue;
-            }
-            let Ok(r) = AuditRecord::from_kv(k, &e.value) else {
-                continue;
-            };
+    /// A paused or failed roll takes no step (its control as it was before this commit), and
+    /// a revert is never reverted.
+    fn check_brakes(&mut self, c: &LoggedCommit, audits: &[AuditRecord]) {
+        for r in audits {
             if r.event_type == events::ROLL_REVERTED {
                 self.reverts += 1;
                 let failed = r.event_details["failed_rolling_update_id"].as_str();
@@ -388,6 +337,60 @@ impl Observer {
                 self.roll_control_checked += 1;
             }
         }
+    }
+
+    /// Checks and applies one commit.
+    pub fn observe(&mut self, c: &LoggedCommit) {
+        self.commits += 1;
+        // The commit's audit records, parsed once for every check that reads them.
+        let audits: Vec<AuditRecord> = c
+            .changes
+            .iter()
+            .filter_map(|ch| match ch {
+                Change::Put(k, e) if k.starts_with(AUDIT_PREFIX) => {
+                    AuditRecord::from_kv(k, &e.value).ok()
+                }
+                _ => None,
+            })
+            .collect();
+        self.check_removals(c, &audits);
+        let pod_keys: Vec<(String, String)> = c
+            .changes
+            .iter()
+            .filter_map(|ch| match ch {
+                Change::Put(k, _) | Change::Delete(k) => {
+                    pod_key(k).map(|(n, p)| (n.to_string(), p.to_string()))
+                }
+                _ => None,
+            })
+            .collect();
+        let mut touched: BTreeSet<String> = pod_keys
+            .iter()
+            .filter_map(|(n, p)| self.rc_of_pod(n, p))
+            .collect();
+        let before: BTreeMap<String, usize> = touched
+            .iter()
+            .map(|rc| (rc.clone(), self.count(rc)))
+            .collect();
+        // Rolls this commit steps (by its audit records), and the rolls' state before it.
+        let roll_records: BTreeSet<String> = audits
+            .iter()
+            .filter(|r| {
+                [
+                    events::ROLL_STARTED,
+                    events::ROLL_STEP,
+                    events::ROLL_COMPLETION,
+                ]
+                .contains(&r.event_type.as_str())
+            })
+            .filter(|r| !c.checks.is_empty() || r.event_type != events::ROLL_COMPLETION)
+            .filter_map(|r| {
+                r.event_details["rolling_update_id"]
+                    .as_str()
+                    .map(str::to_string)
+            })
+            .collect();
+        self.check_brakes(c, &audits);
         let concerns_rolls = c.changes.iter().any(|ch| match ch {
             Change::Put(k, _) | Change::Delete(k) => {
                 k.starts_with(RC_PREFIX) || k.starts_with(ROLL_PREFIX) || pod_key(k).is_some()
@@ -419,11 +422,6 @@ impl Observer {
                 Change::Put(k, e) => {
                     if let Some(id) = k.strip_prefix(AUDIT_PREFIX) {
                         self.audit_ids.insert(id.to_string());
-                        if AuditRecord::from_kv(k, &e.value)
-                            .is_ok_and(|r| r.event_type == events::RC_RETARGET)
-                        {
-                            self.retarget_commits += 1;
-                        }
                     }
                     self.set(k, Some((&e.value, e.session.as_ref())));
                 }
@@ -442,6 +440,10 @@ impl Observer {
                 _ => {}
             }
         }
+        self.retarget_commits += audits
+            .iter()
+            .filter(|r| r.event_type == events::RC_RETARGET)
+            .count() as u64;
         if !roll_records.is_empty() {
             self.roll_steps += 1;
         }
@@ -529,7 +531,7 @@ impl Observer {
 
     /// Counts the removals one commit makes (before it is applied: it compares with what the
     /// pods were) and checks the writer's window.
-    fn check_removals(&mut self, c: &LoggedCommit) {
+    fn check_removals(&mut self, c: &LoggedCommit, audits: &[AuditRecord]) {
         let Some((limit, window)) = self.removal_limit else {
             return;
         };
@@ -538,16 +540,12 @@ impl Observer {
         };
         // A transfer's removal was charged when it started: its completion (or rollback)
         // deletes an intent it already paid for.
-        let transfer_end = c.changes.iter().any(|ch| match ch {
-            Change::Put(k, e) if k.starts_with(AUDIT_PREFIX) => AuditRecord::from_kv(k, &e.value)
-                .is_ok_and(|r| {
-                    [
-                        events::NODE_TRANSFER_COMPLETION,
-                        events::NODE_TRANSFER_ROLLBACK,
-                    ]
-                    .contains(&r.event_type.as_str())
-                }),
-            _ => false,
+        let transfer_end = audits.iter().any(|r| {
+            [
+                events::NODE_TRANSFER_COMPLETION,
+                events::NODE_TRANSFER_ROLLBACK,
+            ]
+            .contains(&r.event_type.as_str())
         });
         let mut n = 0u64;
         for ch in &c.changes {
@@ -594,17 +592,14 @@ impl Observer {
                         n += 1;
                     }
                 }
-                Change::Put(k, e) if k.starts_with(AUDIT_PREFIX) => {
-                    let Ok(r) = AuditRecord::from_kv(k, &e.value) else {
-                        continue;
-                    };
-                    if r.event_type == events::ROLL_STEP {
-                        n += r.event_details["replicas_removed"].as_u64().unwrap_or(0);
-                    } else if r.event_type == events::NODE_TRANSFER_START {
-                        n += 1;
-                    }
-                }
                 _ => {}
+            }
+        }
+        for r in audits {
+            if r.event_type == events::ROLL_STEP {
+                n += r.event_details["replicas_removed"].as_u64().unwrap_or(0);
+            } else if r.event_type == events::NODE_TRANSFER_START {
+                n += 1;
             }
         }
         if n == 0 {

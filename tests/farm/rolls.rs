@@ -57,6 +57,17 @@ pub(crate) async fn audited(c: &Cluster, event: &str, n: usize) {
     .await;
 }
 
+/// Each `rcctl roll start OLD -f MANIFEST ARGS…` is a usage mistake: exit 2 saying `says`.
+async fn refused_starts(c: &Cluster, old: &str, manifest: &str, cases: &[(Vec<&str>, &str)]) {
+    for (args, says) in cases {
+        let mut a = vec!["roll", "start", old, "-f", manifest];
+        a.extend(args);
+        let (code, out, err) = c.rcctl(&a).await;
+        assert_eq!(code, 2, "{args:?}: {out}{err}");
+        assert!(err.contains(says), "{args:?}: {err}");
+    }
+}
+
 /// Waits until the roll is gone, the old RC deleted and the new one runs `n` pods, all up.
 pub(crate) async fn completed(c: &Cluster, roll: RcId, old: RcId, n: usize, timeout: Duration) {
     c.wait_for(timeout, "the roll completes", move || async move {
@@ -384,15 +395,7 @@ async fn a_roll_that_cannot_progress_says_why_once_and_resumes_when_fixed(backen
     let log = c.farm_log(0);
     assert!(log.contains("rolling update stalled"), "{log}");
     // The farm's API says what the roll waits for, and that it stalled.
-    let (entries, _) = c
-        .consul
-        .kv_list("rcfarm/farms/", &QueryOptions::default())
-        .await
-        .unwrap();
-    let base = rcfarm::farm::registry::live_farms(&entries)[0]
-        .http
-        .clone()
-        .unwrap();
+    let base = c.farm_http("f1").await;
     rcfarm::consul::init_tls();
     let body: Value = reqwest::get(format!("{base}/v1/rolls/{roll}"))
         .await
@@ -814,28 +817,28 @@ async fn max_parallel_and_max_unavailable_pace_a_roll_started_by_rcctl(backend: 
     let (m, id) = (manifest.to_str().unwrap(), old.to_string());
 
     // Mistakes: exit 2, nothing written.
-    for (args, says) in [
-        (
-            vec!["--max-unavailable", "150%"],
-            "a percentage of at most 100%",
-        ),
-        (vec!["--max-unavailable", "10%"], "that is 0 of 4 pods"),
-        (
-            vec!["--max-unavailable", "many"],
-            "give a number of pods (2) or a percentage",
-        ),
-        (vec!["--max-parallel", "0"], "--max-parallel 0"),
-        (
-            vec!["--max-unavailable", "1", "--minimum", "2"],
-            "cannot be used with",
-        ),
-    ] {
-        let mut a = vec!["roll", "start", &id, "-f", m];
-        a.extend(&args);
-        let (code, out, err) = c.rcctl(&a).await;
-        assert_eq!(code, 2, "{args:?}: {out}{err}");
-        assert!(err.contains(says), "{args:?}: {err}");
-    }
+    refused_starts(
+        &c,
+        &id,
+        m,
+        &[
+            (
+                vec!["--max-unavailable", "150%"],
+                "a percentage of at most 100%",
+            ),
+            (vec!["--max-unavailable", "10%"], "that is 0 of 4 pods"),
+            (
+                vec!["--max-unavailable", "many"],
+                "give a number of pods (2) or a percentage",
+            ),
+            (vec!["--max-parallel", "0"], "--max-parallel 0"),
+            (
+                vec!["--max-unavailable", "1", "--minimum", "2"],
+                "cannot be used with",
+            ),
+        ],
+    )
+    .await;
     assert_eq!(c.count_prefix("rolls/").await, 0);
 
     // 100% unavailable is a minimum of 0, which alone would replace all four pods in one step;
@@ -950,29 +953,28 @@ async fn a_roll_whose_new_pods_never_pass_fails_at_its_deadline_and_stops(backen
 on_both_backends!(a_canary_roll_replaces_k_pods_pauses_and_goes_on_when_promoted);
 async fn a_canary_roll_replaces_k_pods_pauses_and_goes_on_when_promoted(backend: Backend) {
     let (c, _sim, old) = rolling_cluster(&backend, 5, 5).await;
-    let cr = &c;
     let dir = tempfile::tempdir().unwrap();
     let manifest = dir.path().join("v2.yaml");
     std::fs::write(&manifest, Cluster::manifest("svc-0", 2)).unwrap();
     let (m, id) = (manifest.to_str().unwrap(), old.to_string());
 
     // Mistakes: exit 2, nothing written.
-    for (args, says) in [
-        (
-            vec!["--canary", "5"],
-            "--canary 5: a canary must be smaller",
-        ),
-        (
-            vec!["--canary", "7"],
-            "--canary 7: a canary must be smaller",
-        ),
-    ] {
-        let mut a = vec!["roll", "start", &id, "-f", m];
-        a.extend(&args);
-        let (code, out, err) = c.rcctl(&a).await;
-        assert_eq!(code, 2, "{args:?}: {out}{err}");
-        assert!(err.contains(says), "{args:?}: {err}");
-    }
+    refused_starts(
+        &c,
+        &id,
+        m,
+        &[
+            (
+                vec!["--canary", "5"],
+                "--canary 5: a canary must be smaller",
+            ),
+            (
+                vec!["--canary", "7"],
+                "--canary 7: a canary must be smaller",
+            ),
+        ],
+    )
+    .await;
     assert_eq!(c.count_prefix("rolls/").await, 0);
     assert_eq!(c.count_prefix("rcfarm/rolls/").await, 0);
 
@@ -1041,12 +1043,7 @@ async fn a_canary_roll_replaces_k_pods_pauses_and_goes_on_when_promoted(backend:
     assert!(out.contains("promoted"), "{out}");
     assert!(err.contains("rolling update complete"), "{err}");
     completed(&c, roll, old, 5, Duration::from_secs(30)).await;
-    c.wait_for(
-        Duration::from_secs(10),
-        "the promotion's audit record",
-        move || async move { cr.audit_events("ROLLING_UPDATE_PROMOTED").await.len() == 1 },
-    )
-    .await;
+    audited(&c, "ROLLING_UPDATE_PROMOTED", 1).await;
     let promoted = c.audit_events("ROLLING_UPDATE_PROMOTED").await;
     assert!(promoted[0]["actor"].as_str().unwrap().starts_with("rcctl:"));
     assert_eq!(promoted[0]["canary_was_up"], true);

@@ -347,11 +347,8 @@ pub(crate) async fn start(
         Some(d) => opts.minimum(d)?,
         None => opts.minimum,
     };
-    let control = match desired {
-        Some(d) => opts.control(d)?,
-        // The old RC's count, whatever it is: no canary to compare with it.
-        None => opts.control(u64::MAX)?,
-    };
+    // Without a count here there is no canary (it would have fetched one) to compare with it.
+    let control = opts.control(desired.unwrap_or(u64::MAX))?;
     let w = store
         .with_control(control)
         .start(
