@@ -393,10 +393,17 @@ pub async fn run(args: BenchFarmArgs) -> Result<(), CliError> {
     let pods = args.rcs * args.replicas;
     let req0 = farm_counter(&scraper, &farms, "rcfarm_consul_requests_total", "endpoint").await;
     let cpu0 = target.cpu();
+    let farm_cpu_start: Vec<Option<Duration>> =
+        farms.iter().map(|f| bench_probe::cpu_time(f.pid)).collect();
     let t0 = Instant::now();
     for chunk in ops.chunks(63) {
         consul.txn(chunk).await.map_err(failed)?;
     }
+    eprintln!(
+        "the {} RCs were written in {:.2} s (while the farms worked)",
+        args.rcs,
+        t0.elapsed().as_secs_f64()
+    );
 
     // Connections, sampled while the farms converge.
     let sampling = tokio_util::sync::CancellationToken::new();
@@ -430,6 +437,26 @@ pub async fn run(args: BenchFarmArgs) -> Result<(), CliError> {
         (Some(a), Some(b)) => Some(b.saturating_sub(a)),
         _ => None,
     };
+    let farm_cpu: Vec<f64> = farms
+        .iter()
+        .zip(&farm_cpu_start)
+        .filter_map(|(f, c0)| {
+            Some(
+                bench_probe::cpu_time(f.pid)?
+                    .saturating_sub((*c0)?)
+                    .as_secs_f64(),
+            )
+        })
+        .collect();
+    eprintln!(
+        "farms' CPU while converging: {:.1} s in all ({} s each)",
+        farm_cpu.iter().sum::<f64>(),
+        farm_cpu
+            .iter()
+            .map(|c| format!("{c:.1}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
     let req1 = farm_counter(&scraper, &farms, "rcfarm_consul_requests_total", "endpoint").await;
     let by_endpoint: Vec<String> = req1
         .iter()
@@ -459,6 +486,12 @@ pub async fn run(args: BenchFarmArgs) -> Result<(), CliError> {
             ))
             .collect::<Vec<_>>()
             .join(", ")
+    );
+    let conflicts =
+        total(&farm_counter(&scraper, &farms, "rcfarm_claim_conflicts_total", "").await);
+    let handovers = total(&farm_counter(&scraper, &farms, "rcfarm_rcs_released_total", "").await);
+    eprintln!(
+        "claim transactions refused (a lock held already): {conflicts:.0}; RCs handed over: {handovers:.0}"
     );
     let converge_requests = total(&req1) - total(&req0);
     let requests_per_rc = converge_requests / args.rcs as f64;
@@ -565,6 +598,15 @@ pub async fn run(args: BenchFarmArgs) -> Result<(), CliError> {
         .filter_map(|f| peak_rss_kib(f.pid))
         .map(|k| format!("{:.0}", k as f64 / 1024.0))
         .collect();
+    eprintln!(
+        "farms' anonymous RSS now (RssAnon: without the mapped binary), MiB: {}",
+        farms
+            .iter()
+            .filter_map(|f| proc_status_kib(f.pid, "RssAnon:"))
+            .map(|k| format!("{:.0}", k as f64 / 1024.0))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
     eprintln!(
         "farms' RSS now / at their peak (VmHWM), MiB: {} / {}",
         rss.iter()

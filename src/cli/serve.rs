@@ -67,7 +67,9 @@ pub struct FarmArgs {
     /// Re-plan every RC this often even without changes.
     #[arg(long, env = "RCFARM_RESYNC_INTERVAL", default_value = "30s", value_parser = parse_duration_flag)]
     pub resync_interval: Duration,
-    /// Read every owned pod's intent this often, to repair missing or altered ones.
+    /// Read the pod label tree and every owned pod's intent at least this often, to repair
+    /// what was changed behind the farm's back (it reads the labels sooner when it takes RCs
+    /// over or a rolling update runs).
     #[arg(long, env = "RCFARM_CONSISTENCY_INTERVAL", default_value = "60s", value_parser = parse_duration_flag)]
     pub consistency_interval: Duration,
     /// Roll a node transfer back if the new pod is not healthy by then.

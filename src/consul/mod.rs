@@ -32,6 +32,6 @@ pub use types::{
     KvPair, QueryMeta, QueryOptions, ServiceCheck, SessionBehavior, SessionEntry, SessionRequest,
 };
 pub use watch::{
-    DerivedWatch, SinkWatch, Snapshot, SnapshotRx, Watch, WatchConfig, WatchStats, entries_digest,
-    spawn_sink_watch, spawn_watch,
+    Demand, DerivedWatch, FastGuard, REFERENCE_READERS, SinkWatch, Snapshot, SnapshotRx, Watch,
+    WatchConfig, WatchStats, entries_digest, spawn_sink_watch, spawn_watch,
 };

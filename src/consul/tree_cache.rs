@@ -42,12 +42,17 @@ impl CacheSignals {
     }
 
     /// After an answer at `index` was applied; `changed` if it changed the cache's content.
-    pub(crate) fn applied(&mut self, index: u64, changed: bool) {
+    pub(crate) fn applied(&self, index: u64, changed: bool) {
         if changed || *self.version.borrow() == 0 {
             self.version.send_modify(|n| *n += 1);
         }
         self.applied
             .send_if_modified(|i| std::mem::replace(i, index) != index);
+    }
+
+    /// After a change that came from no answer (the process's own write, applied directly).
+    pub(crate) fn changed(&self) {
+        self.version.send_modify(|n| *n += 1);
     }
 }
 
@@ -79,7 +84,7 @@ impl<T: Send + Sync + 'static> TreeCache<T> {
             errors: BTreeMap::new(),
             last_changed: Arc::default(),
         }));
-        let (mut signals, version, applied) = CacheSignals::new();
+        let (signals, version, applied) = CacheSignals::new();
         let (changes, _) = tokio::sync::broadcast::channel(1024);
         let ctx = changes.clone();
         let st = state.clone();

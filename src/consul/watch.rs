@@ -45,6 +45,146 @@ pub struct WatchConfig {
     pub regression_grace: Duration,
     pub error_backoff_base: Duration,
     pub error_backoff_cap: Duration,
+    /// Reads on demand instead of after every change (see [`Demand`]); `None`: a plain watch.
+    pub demand: Option<Arc<Demand>>,
+    /// How many processes (farms) watch the same trees, if known. The pacing above was
+    /// measured with [`REFERENCE_READERS`] farms; with `r` of them each paces `r / 3` times
+    /// as long, so that all of them together re-read a changing tree at the same rate whatever
+    /// their number: Consul's cost of the farms' reads does not grow with the farms.
+    pub readers: Option<Arc<std::sync::atomic::AtomicUsize>>,
+}
+
+/// The number of farms [`WatchConfig`]'s pacing was measured with.
+pub const REFERENCE_READERS: usize = 3;
+
+impl WatchConfig {
+    /// This config, read on demand.
+    pub fn on_demand(mut self, demand: Arc<Demand>) -> Self {
+        self.demand = Some(demand);
+        self
+    }
+}
+
+/// When a watch of a big tree reads it again: not after every change, which with several
+/// farms writing means continuously (each farm re-reading the whole tree for every farm's
+/// writes), but when someone asks ([`Demand::urge`]), while someone needs every change
+/// ([`Demand::fast`]), and otherwise at least every `idle`.
+///
+/// An urge is answered by a query sent after it that does not block: a waiter learns the
+/// tree as it is now, even when nothing in it changed since the last answer.
+#[derive(Debug)]
+pub struct Demand {
+    idle: Duration,
+    /// If set, `idle` is for [`REFERENCE_READERS`] readers and scales with their number (see
+    /// [`WatchConfig::readers`]).
+    readers: Option<Arc<std::sync::atomic::AtomicUsize>>,
+    fast: std::sync::atomic::AtomicUsize,
+    urge: tokio::sync::Notify,
+    /// Queries started, and the sequence number of the last one answered and published.
+    started: AtomicU64,
+    answered: watch::Sender<u64>,
+}
+
+/// While held, the watch reads after every change (see [`Demand::fast`]).
+#[derive(Debug)]
+pub struct FastGuard(Arc<Demand>);
+
+impl Drop for FastGuard {
+    fn drop(&mut self) {
+        self.0.fast.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+impl Demand {
+    pub fn new(idle: Duration) -> Arc<Demand> {
+        Self::shared(idle, None)
+    }
+
+    /// Like [`Demand::new`], the idle wait scaling with `readers` as a watch's pace does.
+    pub fn shared(
+        idle: Duration,
+        readers: Option<Arc<std::sync::atomic::AtomicUsize>>,
+    ) -> Arc<Demand> {
+        Arc::new(Demand {
+            idle,
+            readers,
+            fast: Default::default(),
+            urge: tokio::sync::Notify::new(),
+            started: AtomicU64::new(0),
+            answered: watch::channel(0).0,
+        })
+    }
+
+    /// Asks for a fresh read. Returns a ticket that [`Demand::fresh`] waits on.
+    pub fn urge(&self) -> u64 {
+        let ticket = self.started.load(Ordering::SeqCst) + 1;
+        self.urge.notify_one();
+        ticket
+    }
+
+    /// A ticket for the next query sent, without asking for one: whoever takes it must
+    /// [`Demand::urge`] before waiting on it, unless a read is due anyway.
+    pub fn next_ticket(&self) -> u64 {
+        self.started.load(Ordering::SeqCst) + 1
+    }
+
+    /// Whether an answer to a query sent after the urge that gave `ticket` was applied.
+    pub fn is_fresh(&self, ticket: u64) -> bool {
+        *self.answered.borrow() >= ticket
+    }
+
+    /// Waits until an answer to a query sent after the urge that gave `ticket` was applied.
+    pub async fn fresh(&self, ticket: u64) {
+        let mut rx = self.answered.subscribe();
+        let _ = rx.wait_for(|a| *a >= ticket).await;
+    }
+
+    /// Asks for a fresh read and waits for it.
+    pub async fn refresh(&self) {
+        let ticket = self.urge();
+        self.fresh(ticket).await;
+    }
+
+    /// Reads after every change for as long as the guard is held.
+    pub fn fast(self: &Arc<Self>) -> FastGuard {
+        if self.fast.fetch_add(1, Ordering::SeqCst) == 0 {
+            self.urge.notify_one();
+        }
+        FastGuard(self.clone())
+    }
+
+    pub fn is_fast(&self) -> bool {
+        self.fast.load(Ordering::SeqCst) > 0
+    }
+
+    /// Before a query: waits until one is wanted. `true`: it was asked for (the query must
+    /// not block).
+    async fn gate(&self) -> bool {
+        if self.is_fast() {
+            return false;
+        }
+        let scale = self.readers.as_ref().map_or(1.0, |r| {
+            (r.load(Ordering::Relaxed).max(1) as f64 / REFERENCE_READERS as f64).max(1.0)
+        });
+        tokio::select! {
+            _ = self.urge.notified() => !self.is_fast(),
+            _ = tokio::time::sleep(self.idle.mul_f64(scale)) => false,
+        }
+    }
+
+    fn start(&self) -> u64 {
+        self.started.fetch_add(1, Ordering::SeqCst) + 1
+    }
+
+    fn answered(&self, seq: u64) {
+        self.answered.send_if_modified(|a| {
+            let newer = seq > *a;
+            if newer {
+                *a = seq;
+            }
+            newer
+        });
+    }
 }
 
 impl Default for WatchConfig {
@@ -64,6 +204,8 @@ impl Default for WatchConfig {
             regression_grace: Duration::from_secs(5),
             error_backoff_base: Duration::from_millis(100),
             error_backoff_cap: Duration::from_secs(5),
+            demand: None,
+            readers: None,
         }
     }
 }
@@ -268,15 +410,39 @@ async fn run_watch<T, F, Fut, P>(
     let mut consecutive_errors = 0u32;
     // Since when answers have been older than `last_seen`, while they are held back.
     let mut regressed_since: Option<Instant> = None;
+    // Whether the next query was asked for (it must answer at once) rather than a wait for
+    // the next change.
+    let mut urged = false;
     loop {
+        let mut seq = 0;
+        if let Some(d) = &config.demand {
+            if block_on > 0 && !urged {
+                urged = tokio::select! {
+                    _ = cancel.cancelled() => return,
+                    u = d.gate() => u,
+                };
+            }
+            seq = d.start();
+        }
         let started = Instant::now();
-        let opts = QueryOptions::blocking(block_on, config.wait);
+        let opts = QueryOptions::blocking(if urged { 0 } else { block_on }, config.wait);
         stats.queries.fetch_add(1, Ordering::Relaxed);
         let result = tokio::select! {
             _ = cancel.cancelled() => return,
             _ = out.closed() => return,
             r = fetch(opts) => r,
+            // Asked for a read while waiting for a change: ask again, without blocking.
+            _ = async {
+                match &config.demand {
+                    Some(d) if !urged => d.urge.notified().await,
+                    _ => std::future::pending().await,
+                }
+            } => {
+                urged = true;
+                continue;
+            }
         };
+        urged = false;
         match result {
             Ok((value, meta)) => {
                 if consecutive_errors > 0 {
@@ -316,15 +482,22 @@ async fn run_watch<T, F, Fut, P>(
                 metrics::counter!("rcfarm_consul_watch_answer_bytes_total", "watch" => name.clone())
                     .increment(meta.body_len as u64);
                 out.publish(index, value, &stats);
+                if let Some(d) = &config.demand {
+                    d.answered(seq);
+                }
                 let elapsed = started.elapsed();
+                let scale = config.readers.as_ref().map_or(1.0, |r| {
+                    r.load(Ordering::Relaxed).max(1) as f64 / REFERENCE_READERS as f64
+                });
                 let pace = config
                     .min_interval
                     .max(
                         config
                             .pace_per_mib
-                            .mul_f64(meta.body_len as f64 / (1 << 20) as f64),
+                            .mul_f64(scale * meta.body_len as f64 / (1 << 20) as f64),
                     )
-                    .min(config.max_pace.max(config.min_interval));
+                    .min(config.max_pace.mul_f64(scale).max(config.min_interval));
+                tracing::trace!(watch = %name, index, bytes = meta.body_len, ?elapsed, ?pace, "answer");
                 if elapsed < pace {
                     tokio::select! {
                         _ = cancel.cancelled() => return,

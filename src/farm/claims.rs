@@ -58,14 +58,31 @@ impl Assignment {
 
 /// Computes the assignment of `rcs` (each with its own labels, for the farms' RC selectors).
 pub fn assign(rcs: &BTreeMap<RcId, LabelSet>, farms: &[FarmView]) -> Assignment {
-    assign_by(rcs, farms, |selector, labels| selector.matches(labels))
+    assign_held(rcs, farms, &BTreeMap::new())
+}
+
+/// Like [`assign`], with `held` (RC → id of the live farm holding it): a farm keeps what it
+/// holds, up to its cap, and only the rest is placed by score. Without this, the assignment of
+/// an RC shifts whenever RCs are created before it in id order or farms come and go, and each
+/// shift is a claim, a handover and a claim again; with it, growth moves nothing and a new or
+/// departed farm moves only the RCs over a cap or left unheld.
+pub fn assign_held<L: std::borrow::Borrow<LabelSet>>(
+    rcs: &BTreeMap<RcId, L>,
+    farms: &[FarmView],
+    held: &BTreeMap<RcId, String>,
+) -> Assignment {
+    assign_by(rcs, farms, held, |selector, labels| {
+        selector.matches(labels.borrow())
+    })
 }
 
 /// Computes the assignment of any claimed objects (named by an RC id: rolls are named by
-/// their new RC), `may_serve` telling whether a farm's RC selector admits an object.
+/// their new RC), `may_serve` telling whether a farm's RC selector admits an object, `held`
+/// who holds what (see [`assign_held`]).
 pub fn assign_by<L>(
     items: &BTreeMap<RcId, L>,
     farms: &[FarmView],
+    held: &BTreeMap<RcId, String>,
     may_serve: impl Fn(&Selector, &L) -> bool,
 ) -> Assignment {
     let mut farms: Vec<&FarmView> = farms.iter().collect();
@@ -91,7 +108,24 @@ pub fn assign_by<L>(
     }
     let mut load: BTreeMap<&str, usize> = BTreeMap::new();
     let mut owner = BTreeMap::new();
+    // Holders first, in id order, each up to its cap.
     for (rc, labels) in items {
+        let Some(f) = held
+            .get(rc)
+            .and_then(|h| farms.iter().find(|f| f.farm_id == *h))
+        else {
+            continue;
+        };
+        let l = load.entry(f.farm_id.as_str()).or_default();
+        if may_serve(&f.rc_selector, labels) && *l < cap[&f.farm_id] {
+            *l += 1;
+            owner.insert(*rc, f.farm_id.clone());
+        }
+    }
+    for (rc, labels) in items {
+        if owner.contains_key(rc) {
+            continue;
+        }
         let mut candidates: Vec<(&FarmView, u64)> = farms
             .iter()
             .filter(|f| may_serve(&f.rc_selector, labels))
@@ -171,6 +205,44 @@ mod tests {
             .filter(|rc| before.owner[rc] != left.owner[rc])
             .count();
         assert!(moved_away < 170, "moved {moved_away} of 300 when b left");
+    }
+
+    /// Holders keep what they hold up to their cap: a new farm takes only what is over the
+    /// caps, growth moves nothing held, and a departed farm's RCs go to those with room.
+    #[test]
+    fn holders_keep_what_they_hold_up_to_their_cap() {
+        let all = rcs(300);
+        let three = farms(&["a", "b", "c"]);
+        let before = assign(&all, &three);
+        let held: BTreeMap<RcId, String> = before.owner.clone();
+        assert_eq!(assign_held(&all, &three, &held), before);
+        let four = farms(&["a", "b", "c", "d"]);
+        let after = assign_held(&all, &four, &held);
+        let moved = all
+            .keys()
+            .filter(|rc| before.owner[rc] != after.owner[rc])
+            .count();
+        assert_eq!(after.of("d").len(), 75);
+        assert_eq!(moved, 75, "only what d takes moves");
+        // 100 more RCs: nothing held moves; each farm gets new ones up to its cap.
+        let mut more = all.clone();
+        more.extend(rcs(100));
+        let grown = assign_held(&more, &three, &held);
+        assert!(held.iter().all(|(rc, f)| grown.owner[rc] == *f));
+        for f in ["a", "b", "c"] {
+            assert!(grown.of(f).len() <= grown.cap[f], "{f}");
+        }
+        assert_eq!(grown.owner.len(), 400);
+        // b leaves: only b's RCs move, and they are spread over a and c.
+        let two = farms(&["a", "c"]);
+        let left = assign_held(&all, &two, &held);
+        let moved: Vec<&RcId> = all
+            .keys()
+            .filter(|rc| before.owner[rc] != left.owner[rc])
+            .collect();
+        assert!(moved.iter().all(|rc| before.owner[*rc] == "b"));
+        assert_eq!(left.of("a").len(), 150);
+        assert_eq!(left.of("c").len(), 150);
     }
 
     #[test]

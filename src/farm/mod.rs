@@ -27,12 +27,12 @@ use tokio_util::sync::CancellationToken;
 
 use crate::audit::{AuditStore, ShipperConfig, ShipperStats};
 use crate::consul::{
-    Consul, ConsulConfig, ConsulError, KvPair, Session, SessionBehavior, SessionConfig, TxnOp,
-    Watch, WatchConfig,
+    Consul, ConsulConfig, ConsulError, Demand, FastGuard, KvPair, Session, SessionBehavior,
+    SessionConfig, TxnOp, Watch, WatchConfig,
 };
 use crate::health::HealthCache;
 use crate::labels::{LabelCache, LabelType, Selector};
-use crate::rc::{LockView, LockWatch, RcStore, RcWatch};
+use crate::rc::{LockView, LockWatch, RcId, RcStore, RcWatch};
 use crate::rctask::{IntentView, StatusRegistry, TaskConfig, TaskContext, TaskEvent};
 use crate::roll::{
     ROLL_LOCK_PREFIX, RollConfig, RollContext, RollEvent, RollStatusRegistry, RollStore, RollWatch,
@@ -215,7 +215,26 @@ pub struct Farm {
     /// Kept across sessions: removals made before a session loss still count.
     failsafe: Arc<crate::failsafe::Failsafe>,
     failsafe_seen: parking_lot::Mutex<failsafe::FailsafeSeen>,
+    /// What claims need of the pod label tree (reset with each session).
+    pod_freshness: parking_lot::Mutex<rcs::PodFreshness>,
+    /// The live farms, which pace their watches together (see `WatchConfig::readers`).
+    readers: Arc<std::sync::atomic::AtomicUsize>,
+    /// When the RC lock tree is read.
+    lock_demand: Arc<Demand>,
+    /// The last reconcile's inputs, reused while they are unchanged.
+    claim_inputs: parking_lot::Mutex<Option<Arc<rcs::ClaimInputs>>>,
+    /// Which pods the pod label cache keeps.
+    pod_interest: Arc<parking_lot::RwLock<rcs::PodInterest>>,
 }
+
+/// The longest the RC lock tree goes unread while it changes and nothing asks for it (a
+/// claim rush: each batch of claims changes it, and every farm re-reading 1.5 MiB at 20,000
+/// RCs for each was most of what the farms read from Consul after the pod labels), with three
+/// farms; with more it grows as their watches' pace does.
+const LOCK_TREE_IDLE: Duration = Duration::from_secs(2);
+
+/// How long after a farm left every change of the lock tree is read.
+const HANDOVER_FAST: Duration = Duration::from_secs(15);
 
 impl Farm {
     pub fn new(config: FarmConfig) -> Result<Farm, FarmError> {
@@ -233,9 +252,15 @@ impl Farm {
             config.farm_id.clone(),
             config.failsafe,
         ));
+        let readers = Arc::new(std::sync::atomic::AtomicUsize::new(1));
         Ok(Farm {
             failsafe,
             failsafe_seen: parking_lot::Mutex::default(),
+            pod_freshness: parking_lot::Mutex::default(),
+            readers: readers.clone(),
+            lock_demand: Demand::shared(LOCK_TREE_IDLE, Some(readers)),
+            claim_inputs: parking_lot::Mutex::default(),
+            pod_interest: Arc::default(),
             config,
             consul,
             status,
@@ -284,10 +309,21 @@ impl Farm {
             return Ok(());
         }
         let cfg = &self.config;
-        let w = cfg.watch.clone();
+        let mut w = cfg.watch.clone();
+        w.readers = Some(self.readers.clone());
+        let pod_demand = Demand::new(cfg.consistency_interval);
+        // The pool scheduler counts every pod on a node, whoever wrote it.
+        let pool = matches!(cfg.scheduler, SchedulerKind::Pool(_));
+        let _pool_reads_every_change = pool.then(|| pod_demand.fast());
+        self.pod_interest.write().everything = pool;
         let views = Views {
             rcs: RcStore::new(self.consul.clone()).watch(w.clone()),
-            locks: RcStore::new(self.consul.clone()).watch_locks(w.clone()),
+            // Read on demand too: claims of RCs assigned to this farm need no view of the
+            // others' (a claim of a held lock just fails), so during a claim rush the tree is
+            // read every `LOCK_TREE_IDLE`, and at once when a farm comes or goes, a claim
+            // finds a lock held, or a rolling update is in flight.
+            locks: RcStore::new(self.consul.clone())
+                .watch_locks(w.clone().on_demand(self.lock_demand.clone())),
             farms: self.consul.watch_prefix(FARMS_PREFIX, w.clone()),
             rolls: RollStore::new(self.consul.clone()).watch(w.clone()),
             roll_locks: self.consul.watch_prefix(ROLL_LOCK_PREFIX, w.clone()),
@@ -297,7 +333,19 @@ impl Farm {
                 w.clone(),
             )),
             nodes: Arc::new(LabelCache::spawn(&self.consul, LabelType::Node, w.clone())),
-            pods: Arc::new(LabelCache::spawn(&self.consul, LabelType::Pod, w.clone())),
+            // Read on demand: this farm's own pod writes are applied as it commits them, so
+            // it reads the whole tree only when it takes RCs over from another session, while
+            // rolling updates run, when a write finds a label changed behind its back, and
+            // at least once per consistency interval (see `rcs::PodFreshness`).
+            pods: Arc::new(LabelCache::spawn_keeping(
+                &self.consul,
+                LabelType::Pod,
+                w.clone().on_demand(pod_demand.clone()),
+                Some(crate::labels::Keep({
+                    let interest = self.pod_interest.clone();
+                    Arc::new(move |l| interest.read().keep(l))
+                })),
+            )),
             health: Arc::new(HealthCache::spawn(&self.consul, w.clone())),
             release: self
                 .consul
@@ -365,6 +413,7 @@ impl Farm {
                 locks: locks_rx,
                 rcs: views.rcs.subscribe(),
                 failsafe: self.failsafe.clone(),
+                pod_tickets: Default::default(),
                 config: cfg.task.clone(),
             });
             let shipper_stop = session.lost().child_token();
@@ -545,9 +594,21 @@ impl Farm {
         let mut tick = tokio::time::interval(Duration::from_millis(500));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut next_sweep = Instant::now() + Duration::from_secs(1);
-        let mut sweep_soon = false;
+        // RCs taken over from another session, whose intents are swept soon (once the read of
+        // the pod labels their claim asked for is in).
+        let mut taken_over: BTreeSet<RcId> = BTreeSet::new();
         let mut last_sweep: Option<Instant> = None;
 
+        // A new session: what the last one wrote with its answer lost is learnt from a read.
+        *self.pod_freshness.lock() =
+            rcs::PodFreshness::new(views.pods.demand(), self.status.farm().session_losses > 0);
+        let mut roll_fast: Option<(FastGuard, FastGuard)> = None;
+        self.farms_changed(views);
+        // A farm that leaves gives its locks back over seconds (a transaction per few dozen
+        // RCs): for a while every change of the lock tree is read, so they are taken at once.
+        let mut farm_sessions = BTreeSet::new();
+        Self::farm_left(views, &mut farm_sessions);
+        let mut handover_fast: Option<(FastGuard, Instant)> = None;
         tracing::info!(session = %session.id(), "serving");
         // Claims are reconsidered when what they depend on changes (RCs or rolls, locks,
         // farms, RC labels, a task stopping) and on each tick; pod, node and health changes
@@ -568,6 +629,24 @@ impl Farm {
             // claim could not commit anyway, and a release would hand RCs over for nothing if
             // the session holds (see consul::session).
             let in_doubt = *doubt_rx.borrow_and_update();
+            // Rolling updates move pods between RCs that other farms may own: while any is in
+            // flight, every change to the pod label tree is read.
+            if handover_fast
+                .as_ref()
+                .is_some_and(|(_, until)| Instant::now() >= *until)
+            {
+                handover_fast = None;
+            }
+            let rolling = views.rolls.latest().is_some_and(|l| !l.rolls.is_empty());
+            if rolling != roll_fast.is_some() {
+                let pool = matches!(self.config.scheduler, SchedulerKind::Pool(_));
+                // Kept before the read the guard asks for, so that read brings every pod.
+                self.pod_interest.write().everything = rolling || pool;
+                roll_fast = match views.pods.demand() {
+                    Some(d) if rolling => Some((d.fast(), self.lock_demand.fast())),
+                    _ => None,
+                };
+            }
             if ready {
                 // Before claims and tasks act on a new listing: a tree just emptied or zeroed
                 // must trip the failsafe before any task sees it.
@@ -596,7 +675,8 @@ impl Farm {
                         &locks_after,
                     );
                 }
-                sweep_soon |= claimed;
+                // Swept once the read of the pod labels their claim asked for is in.
+                taken_over.extend(claimed);
             }
             if ready && dirty_rolls && !in_doubt {
                 dirty_rolls = false;
@@ -623,17 +703,32 @@ impl Farm {
                 });
                 self.status.update_farm(|f| f.synced = true);
             }
-            // A sweep lists every intent; claims come in rounds while a dead farm's RCs are
-            // taken over, so those they prompt are at most one every 2 s (the tick looks again).
-            let sweep_due = Instant::now() >= next_sweep
-                || (sweep_soon && last_sweep.is_none_or(|t| t.elapsed() >= Duration::from_secs(2)));
-            if ready && !in_doubt && sweep_due {
-                last_sweep = Some(Instant::now());
-                self.sweep(views, &sv.ctx, &owned).await;
+            if ready && !in_doubt && Instant::now() >= next_sweep {
+                self.sweep(views, &sv.ctx, &owned, None).await;
                 next_sweep = Instant::now()
                     + jitter_half(self.config.consistency_interval * 2)
                         .min(self.config.consistency_interval * 2);
-                sweep_soon = false;
+                taken_over.clear();
+            }
+            // Taken-over RCs' intents: claims come in rounds while a dead farm's RCs are taken
+            // over, so these sweeps are at most one every 2 s (the tick looks again), and each
+            // reads only what was taken over since the last.
+            let pods_known = views.pods.demand().is_none_or(|d| {
+                let tickets = sv.ctx.pod_tickets.lock();
+                taken_over
+                    .iter()
+                    .filter_map(|id| tickets.get(id))
+                    .all(|t| d.is_fresh(*t))
+            });
+            if ready
+                && !in_doubt
+                && !taken_over.is_empty()
+                && pods_known
+                && last_sweep.is_none_or(|t: Instant| t.elapsed() >= Duration::from_secs(2))
+            {
+                last_sweep = Some(Instant::now());
+                let only = std::mem::take(&mut taken_over);
+                self.sweep(views, &sv.ctx, &owned, Some(&only)).await;
             }
             tokio::select! {
                 biased;
@@ -677,6 +772,10 @@ impl Farm {
                 }
                 r = farm_rx.changed() => {
                     if r.is_err() { return Ended::SessionLost("farm watch ended".into()); }
+                    self.farms_changed(views);
+                    if Self::farm_left(views, &mut farm_sessions) {
+                        handover_fast = Some((self.lock_demand.fast(), Instant::now() + HANDOVER_FAST));
+                    }
                     dirty = true;
                     dirty_rolls = true;
                 }
@@ -721,13 +820,50 @@ impl Farm {
         }
     }
 
+    /// The farm registry changed (or is first seen by this session).
+    fn farms_changed(&self, views: &Views) {
+        let Some(snap) = views.farms.latest() else {
+            return;
+        };
+        self.pod_freshness
+            .lock()
+            .farms_seen(&snap.value, views.pods.demand());
+        let live = registry::live_farms(&snap.value).len();
+        self.readers
+            .store(live.max(1), std::sync::atomic::Ordering::Relaxed);
+        // Locks are about to be given back, or to be taken.
+        self.lock_demand.urge();
+    }
+
+    /// Whether a farm left since the farm registry was last seen (`seen`: the sessions).
+    fn farm_left(views: &Views, seen: &mut BTreeSet<String>) -> bool {
+        let Some(snap) = views.farms.latest() else {
+            return false;
+        };
+        let now: BTreeSet<String> = registry::live_farms(&snap.value)
+            .into_iter()
+            .map(|f| f.session)
+            .collect();
+        let left = seen.iter().any(|s| !now.contains(s));
+        *seen = now;
+        left
+    }
+
     fn claim_farm<'a>(&'a self, session: &'a Session) -> ClaimFarm<'a> {
         ClaimFarm {
             consul: &self.consul,
             session,
             farm_id: &self.config.farm_id,
+            lock_demand: &self.lock_demand,
             rules: ClaimRules {
-                grace: self.config.claim_grace,
+                // The farm an RC is assigned to sees it up to a watch pace late, and the pace
+                // grows with the farms (see `WatchConfig::readers`): so does the grace, or
+                // farms would take each other's new RCs in a rush and hand them back.
+                grace: self.config.claim_grace.mul_f64(
+                    (self.readers.load(std::sync::atomic::Ordering::Relaxed) as f64
+                        / crate::consul::REFERENCE_READERS as f64)
+                        .max(1.0),
+                ),
                 slack: self.config.share_slack,
             },
         }

@@ -11,9 +11,12 @@ use tokio::time::Instant;
 
 use super::claims::Assignment;
 use crate::audit::AuditRecord;
-use crate::consul::{Consul, ConsulError, MAX_TXN_OPS, Session, TxnOp};
+use crate::consul::{Consul, ConsulError, MAX_TXN_OPS, Session, TxnFailure, TxnOp};
 use crate::rc::RcId;
 use crate::task::TaskHandle;
+
+/// Release transactions sent at once when handing objects over.
+const RELEASES_IN_FLIGHT: usize = 4;
 
 /// What distinguishes one kind of claimed work.
 pub(crate) trait Kind {
@@ -47,6 +50,8 @@ pub(crate) struct ClaimView<'a> {
     pub holders: &'a BTreeMap<RcId, String>,
     /// The lock tree's index, to tell a lagging view from a lost lock.
     pub lock_index: u64,
+    /// When the lock tree was read: an object is known unheld only up to then.
+    pub locks_read_at: Instant,
     /// The objects' tree's index, to tell a lagging view from an object that ended.
     pub listing_index: u64,
     /// An op a claim must carry to be sure the object is still as seen (a roll that has just
@@ -99,6 +104,10 @@ pub(crate) struct Owned<K: Kind> {
     /// Objects whose task finished them (a completed roll) at a commit index: not claimed
     /// or started again until the view of the objects has caught up with that index.
     finished_at: HashMap<RcId, u64>,
+    /// Objects a claim found held by another session, and when: held, as far as this farm
+    /// knows, until a lock tree read after that shows otherwise (the tree is read on demand,
+    /// and a refused claim is no reason to read it all again).
+    refused_at: HashMap<RcId, Instant>,
 }
 
 impl<K: Kind> Owned<K> {
@@ -110,7 +119,13 @@ impl<K: Kind> Owned<K> {
             unheld_since: HashMap::new(),
             sent: HashMap::new(),
             finished_at: HashMap::new(),
+            refused_at: HashMap::new(),
         }
+    }
+
+    /// Objects a claim found held by another session that the lock tree has not shown since.
+    pub fn refused(&self) -> impl Iterator<Item = &RcId> {
+        self.refused_at.keys()
     }
 
     /// A task finished its object (deleted it) at commit `index`.
@@ -156,8 +171,10 @@ impl<K: Kind> Owned<K> {
         state: impl Fn(RcId) -> Option<(K::State, u64)>,
     ) -> Vec<RcId> {
         let sid = farm.session.id();
+        self.refused_at.retain(|_, at| view.locks_read_at < *at);
+        let refused = &self.refused_at;
         let held_by_us = |id: &RcId| view.holders.get(id).is_some_and(|s| s == sid);
-        let held_by_anyone = |id: &RcId| view.holders.contains_key(id);
+        let held_by_anyone = |id: &RcId| view.holders.contains_key(id) || refused.contains_key(id);
         self.claimed_at.retain(|_, idx| view.lock_index < *idx);
         self.finished_at.retain(|_, idx| view.listing_index < *idx);
         let finished = &self.finished_at;
@@ -202,24 +219,50 @@ impl<K: Kind> Owned<K> {
             .retain(|id, _| view.all.contains(id) && !held_by_anyone(id));
         let held_count = self.tasks.len();
         let mut to_claim = Vec::new();
+        let mut stale_for_grace = false;
+        let mut unassigned = 0usize;
         for id in view.matching {
             if held_by_anyone(id) || self.tasks.contains_key(id) || finished.contains_key(id) {
                 continue;
             }
             let since = *self.unheld_since.entry(*id).or_insert(now);
-            let waited = now.duration_since(since);
-            let room = held_count + to_claim.len() < cap + farm.rules.slack;
-            if mine.contains(id)
-                || (waited >= farm.rules.grace && room)
-                || waited >= farm.rules.grace * 3
-            {
-                to_claim.push(*id);
+            // Unheld for as long as the view shows: an object first seen a while after the
+            // lock tree was read may have been claimed since by the farm it is assigned to.
+            let waited = view.locks_read_at.min(now).saturating_duration_since(since);
+            if waited < farm.rules.grace && now.duration_since(since) >= farm.rules.grace {
+                // The grace is over unless the tree changed meanwhile: read it to know.
+                stale_for_grace = true;
             }
+            let room = held_count + to_claim.len() < cap + farm.rules.slack;
+            // What is assigned to us is within our share (the assignment keeps each farm
+            // under its cap, counting what it holds).
+            if mine.contains(id) {
+                to_claim.push(*id);
+            } else if (waited >= farm.rules.grace && room) || waited >= farm.rules.grace * 3 {
+                to_claim.push(*id);
+                unassigned += 1;
+            }
+        }
+        if stale_for_grace {
+            farm.lock_demand.urge();
+        }
+        if unassigned > 0 {
+            tracing::info!(
+                count = unassigned,
+                "claiming {} assigned elsewhere that nobody took within the grace",
+                K::PLURAL
+            );
         }
         let claimed = if to_claim.is_empty() {
             Vec::new()
         } else {
-            farm.claim(&self.kind, &to_claim, view.guard).await
+            let (claimed, refused) = farm.claim(&self.kind, &to_claim, view.guard).await;
+            let at = Instant::now();
+            for id in refused {
+                self.refused_at.insert(id, at);
+                self.unheld_since.remove(&id);
+            }
+            claimed
         };
         for (id, index) in &claimed {
             self.claimed_at.insert(*id, *index);
@@ -243,21 +286,41 @@ impl<K: Kind> Owned<K> {
             }
         }
 
-        // Hand over what is assigned elsewhere: only objects we hold per the view (never one
-        // just claimed), and only while the farm it is assigned to is live.
-        let excess: Vec<RcId> = self
+        // Hand over what we may not serve, and, only while we hold more than our share (plus
+        // the slack), as many objects assigned to other live farms as we hold over our share:
+        // what we hold stays ours otherwise, so growth or a new farm moves few objects and
+        // no farm claims something only to hand it back. Only objects we hold per the view
+        // (never one just claimed).
+        let handable =
+            |id: &&RcId| !mine.contains(id) && held_by_us(id) && !self.claimed_at.contains_key(id);
+        let mut excess: Vec<RcId> = self
             .tasks
             .keys()
-            .filter(|id| !mine.contains(id) && held_by_us(id) && !self.claimed_at.contains_key(id))
-            .filter(|id| {
-                view.assignment
-                    .owner
-                    .get(id)
-                    .is_some_and(|f| f != farm.farm_id)
-                    || !view.matching.contains(id)
-            })
+            .filter(handable)
+            .filter(|id| !view.matching.contains(id))
             .copied()
             .collect();
+        let over = self
+            .tasks
+            .len()
+            .saturating_sub(excess.len())
+            .saturating_sub(cap);
+        if over > farm.rules.slack {
+            excess.extend(
+                self.tasks
+                    .keys()
+                    .filter(handable)
+                    .filter(|id| view.matching.contains(id))
+                    .filter(|id| {
+                        view.assignment
+                            .owner
+                            .get(id)
+                            .is_some_and(|f| f != farm.farm_id)
+                    })
+                    .take(over)
+                    .copied(),
+            );
+        }
         if !excess.is_empty() {
             tracing::info!(
                 count = excess.len(),
@@ -310,19 +373,22 @@ pub(crate) struct ClaimFarm<'a> {
     pub consul: &'a Consul,
     pub session: &'a Session,
     pub farm_id: &'a str,
+    /// Asked for a read of the lock tree when a claim finds a lock held (the view was old).
+    pub lock_demand: &'a crate::consul::Demand,
     pub rules: ClaimRules,
 }
 
 impl ClaimFarm<'_> {
     /// Takes locks in batched transactions (a lock and its audit record per object); ops that
     /// fail (someone else was faster) are dropped and the rest retried once. Returns each
-    /// object claimed with the commit index.
+    /// object claimed with the commit index, and the objects whose lock another session held.
     async fn claim<K: Kind>(
         &self,
         kind: &K,
         ids: &[RcId],
         guard: &dyn Fn(RcId) -> Option<TxnOp>,
-    ) -> Vec<(RcId, u64)> {
+    ) -> (Vec<(RcId, u64)>, Vec<RcId>) {
+        let mut refused = Vec::new();
         let per = if ids.first().is_some_and(|id| guard(*id).is_some()) {
             3
         } else {
@@ -355,11 +421,17 @@ impl ClaimFarm<'_> {
                         got.extend(batch.iter().map(|id| (*id, index)));
                         break;
                     }
-                    Err(ConsulError::Conflict(errs)) => {
-                        let failed: BTreeSet<RcId> = errs
-                            .iter()
-                            .filter_map(|e| owner.get(e.op_index).copied())
+                    Err(e @ ConsulError::Conflict(_)) => {
+                        metrics::counter!("rcfarm_claim_conflicts_total").increment(1);
+                        let failed: BTreeSet<RcId> = e
+                            .txn_failures()
+                            .filter_map(|(i, _)| owner.get(i).copied())
                             .collect();
+                        refused.extend(
+                            e.txn_failures()
+                                .filter(|(_, f)| *f == TxnFailure::LockHeld)
+                                .filter_map(|(i, _)| owner.get(i).copied()),
+                        );
                         batch.retain(|id| !failed.contains(id));
                     }
                     Err(e) => {
@@ -369,30 +441,37 @@ impl ClaimFarm<'_> {
                 }
             }
         }
-        got
+        (got, refused)
     }
 
     /// Gives locks up (deleted if still ours, so no lock-delay applies), with an audit record
     /// each.
     pub async fn release<K: Kind>(&self, kind: &K, ids: &[RcId], reason: &str) {
-        for chunk in ids.chunks(MAX_TXN_OPS / 3) {
-            let mut ops = Vec::new();
-            for id in chunk {
-                let key = K::lock_key(*id);
-                ops.push(TxnOp::check_session(key.clone(), self.session.id()));
-                ops.push(TxnOp::delete(key));
-                ops.push(kind.released_record(*id, self.session, reason).txn_op());
-            }
-            if let Err(e) = self.consul.txn(&ops).await {
-                // Some lock was not ours any more: release one by one.
-                tracing::debug!(error = %e, "batched release failed; releasing one by one");
+        metrics::counter!("rcfarm_rcs_released_total", "kind" => K::PLURAL)
+            .increment(ids.len() as u64);
+        // A few transactions in flight at once: a farm shutting down hands thousands of RCs
+        // over, and the others wait for each lock (one at a time took ~5 s for 6,700 RCs).
+        use futures::StreamExt;
+        futures::stream::iter(ids.chunks(MAX_TXN_OPS / 3))
+            .for_each_concurrent(RELEASES_IN_FLIGHT, |chunk| async move {
+                let mut ops = Vec::new();
                 for id in chunk {
-                    let _ = self
-                        .consul
-                        .release_lock(&K::lock_key(*id), self.session.id())
-                        .await;
+                    let key = K::lock_key(*id);
+                    ops.push(TxnOp::check_session(key.clone(), self.session.id()));
+                    ops.push(TxnOp::delete(key));
+                    ops.push(kind.released_record(*id, self.session, reason).txn_op());
                 }
-            }
-        }
+                if let Err(e) = self.consul.txn(&ops).await {
+                    // Some lock was not ours any more: release one by one.
+                    tracing::debug!(error = %e, "batched release failed; releasing one by one");
+                    for id in chunk {
+                        let _ = self
+                            .consul
+                            .release_lock(&K::lock_key(*id), self.session.id())
+                            .await;
+                    }
+                }
+            })
+            .await;
     }
 }

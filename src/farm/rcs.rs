@@ -2,21 +2,90 @@
 //! the dispatch of pod, node and health changes to the RC tasks they concern, the consistency
 //! sweep, and the reports of what no task can report.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 
 use tokio::sync::{broadcast, mpsc, watch};
 
-use super::claims::assign;
+use super::claims::assign_held;
 use super::ownership::{ClaimView, Kind, Owned, ownership_record};
 use super::registry::{self, FarmInfo};
 use super::unclaimable::Unclaimable;
 use super::{Farm, Views, sweep};
 use crate::audit::{AuditRecord, events};
-use crate::consul::Session;
-use crate::labels::{LabelChanges, LabelSet, Selector};
+use crate::consul::{Demand, KvPair, Session};
+use crate::labels::{LabelChanges, LabelLookup, LabelSet, Selector};
 use crate::rc::{LockView, RC_ID_LABEL, RcId, RcListing, RcStore};
 use crate::rctask::{RcState, StatusRegistry, TaskContext, TaskEvent, TaskHandle};
+
+/// Which claimed RCs must wait for a read of the pod label tree before their first plan.
+/// The farm reads that tree on demand and applies its own writes as it commits them, so its
+/// view lacks only what other sessions wrote since the last read: the pods of an RC it takes
+/// from another farm (seen holding it), and after a farm came or left (its last writes, an
+/// RC held briefly in a handover, or this farm's own under a session it lost) those of any
+/// RC it claims.
+#[derive(Debug, Default)]
+pub(crate) struct PodFreshness {
+    /// RCs seen held by another session, until this farm claims them.
+    foreign: HashSet<RcId>,
+    /// The live farms' sessions last seen.
+    sessions: BTreeSet<String>,
+    /// A read every claim waits for until it is done.
+    pending: Option<u64>,
+}
+
+impl PodFreshness {
+    /// For a new session: after a lost one, claims wait for a read sent from now on.
+    pub fn new(demand: Option<&Arc<Demand>>, after_loss: bool) -> Self {
+        PodFreshness {
+            pending: demand.filter(|_| after_loss).map(|d| d.next_ticket()),
+            ..Default::default()
+        }
+    }
+
+    /// The farm registry changed: if a farm came or went, RCs change hands, some after being
+    /// held too briefly for this farm's view of the lock tree to show it; claims wait for a
+    /// read sent from now on.
+    pub fn farms_seen(&mut self, entries: &[KvPair], demand: Option<&Arc<Demand>>) {
+        let now: BTreeSet<String> = registry::live_farms(entries)
+            .into_iter()
+            .map(|f| f.session)
+            .collect();
+        if let Some(d) = demand
+            && !self.sessions.is_empty()
+            && self.sessions != now
+        {
+            self.pending = Some(d.next_ticket());
+        }
+        self.sessions = now;
+    }
+}
+
+/// Which pods a farm keeps in its pod label cache: not those of RCs another session holds
+/// (they are that farm's business, and at 100,000 pods they were most of a farm's memory),
+/// unless they share a pod id with an RC this farm serves (a rolling update's old RC, which
+/// the new one takes pods over from), or a rolling update is in flight, or the pool scheduler
+/// counts every pod on a node.
+#[derive(Debug, Default)]
+pub(crate) struct PodInterest {
+    pub everything: bool,
+    /// RCs (as their label values) held by another session.
+    foreign: HashSet<String>,
+    /// Pod ids of the RCs this farm serves.
+    pod_ids: HashSet<String>,
+}
+
+impl PodInterest {
+    pub fn keep(&self, labels: &dyn LabelLookup) -> bool {
+        self.everything
+            || labels
+                .label(RC_ID_LABEL)
+                .is_none_or(|rc| !self.foreign.contains(rc))
+            || labels
+                .label(crate::rc::POD_ID_LABEL)
+                .is_some_and(|p| self.pod_ids.contains(p))
+    }
+}
 
 /// RCs, for the claim machinery.
 pub(crate) struct RcKind {
@@ -144,7 +213,7 @@ impl Farm {
     }
 
     /// Decides what to claim and release, starts and stops tasks, and hands RCs their updates.
-    /// Returns whether it claimed something.
+    /// Returns the RCs it took over that another session may have written pods for.
     #[allow(clippy::too_many_arguments)]
     pub(super) async fn reconcile_rcs(
         &self,
@@ -155,15 +224,15 @@ impl Farm {
         owned: &mut OwnedRcs,
         ev_tx: &mpsc::UnboundedSender<TaskEvent>,
         locks_tx: &LocksTx,
-    ) -> bool {
+    ) -> Vec<RcId> {
         let Some(listing) = views.rcs.latest() else {
-            return false;
+            return Vec::new();
         };
         let Some(locks) = views.locks.latest() else {
-            return false;
+            return Vec::new();
         };
         let Some(farm_snap) = views.farms.latest() else {
-            return false;
+            return Vec::new();
         };
         let sid = session.id();
         {
@@ -206,54 +275,97 @@ impl Farm {
         )
         .await;
 
-        // Every RC key that names an RC, valid or not (an invalid one is still claimed, so that
-        // exactly one farm reports it).
-        let all_ids: BTreeSet<RcId> = listing
-            .rcs
+        // What this farm holds beyond what the lock tree showed (claims since its last read).
+        let mine_now = owned
+            .tasks
             .keys()
-            .copied()
-            .chain(
-                listing
-                    .invalid
-                    .keys()
-                    .filter_map(|k| RcId::from_key(k).and_then(Result::ok)),
-            )
-            .collect();
-        let rc_labels: BTreeMap<RcId, LabelSet> = all_ids
-            .iter()
-            .map(|id| {
-                (
-                    *id,
-                    views
-                        .rc_labels
-                        .get(&id.to_string())
-                        .map(Arc::unwrap_or_clone)
-                        .unwrap_or_default(),
-                )
-            })
-            .collect();
-        let farms = registry::live_farms_with(&farm_snap.value, info);
-        let assignment = assign(&rc_labels, &registry::views(&farms));
+            .fold((owned.tasks.len() as u64, 0u128), |(n, x), id| {
+                (n, x ^ id.as_u128())
+            });
+        let key = (
+            listing.index,
+            views.rc_labels.index(),
+            farm_snap.index,
+            locks.index,
+            sid.to_string(),
+            mine_now,
+        );
+        let mut inputs_changed = false;
+        let inputs = {
+            let cached = self.claim_inputs.lock().clone();
+            match cached {
+                // Ticks and events that changed none of its inputs: the assignment of 20,000
+                // RCs is not computed again (it was most of an idle farm's CPU).
+                Some(c) if c.key == key => c,
+                _ => {
+                    inputs_changed = true;
+                    let c = Arc::new(claim_inputs(
+                        key,
+                        &listing,
+                        views,
+                        &locks,
+                        &farm_snap.value,
+                        info,
+                        &self.config.rc_selector,
+                        owned.tasks.keys(),
+                    ));
+                    *self.claim_inputs.lock() = Some(c.clone());
+                    c
+                }
+            }
+        };
+        let (all_ids, assignment, owners, farms) = (
+            &inputs.all,
+            &inputs.assignment,
+            &inputs.owners,
+            &inputs.farms,
+        );
+        let matching: &BTreeSet<RcId> = &inputs.matching;
         let cap = assignment
             .cap
             .get(&self.config.farm_id)
             .copied()
             .unwrap_or(0);
-        let matching: BTreeSet<RcId> = rc_labels
-            .iter()
-            .filter(|(_, l)| self.config.rc_selector.matches(*l))
-            .map(|(id, _)| *id)
-            .collect();
-        let owners: BTreeMap<RcId, String> = holders
-            .iter()
-            .filter_map(|(id, h)| h.ownership.as_ref().map(|(s, _)| (*id, s.clone())))
-            .collect();
+        // Tickets for the RCs that would need a read of the pod label tree if claimed now.
+        let pod_demand = views.pods.demand().cloned();
+        let candidates: BTreeSet<RcId> = match &pod_demand {
+            Some(d) => {
+                let mut f = self.pod_freshness.lock();
+                f.foreign
+                    .extend(owners.iter().filter(|(_, s)| *s != sid).map(|(id, _)| *id));
+                f.foreign.extend(owned.refused().copied());
+                f.pending = f.pending.filter(|t| !d.is_fresh(*t));
+                let ticket = f.pending.unwrap_or_else(|| d.next_ticket());
+                let c: BTreeSet<RcId> = matching
+                    .iter()
+                    .filter(|id| !owners.contains_key(*id) && !owned.tasks.contains_key(*id))
+                    .filter(|id| {
+                        f.pending.is_some()
+                            || f.foreign.contains(*id)
+                            // Another RC of its pod id is held elsewhere (a rolling update's
+                            // old RC): the pods it may take over are not in the cache.
+                            || listing
+                                .rcs
+                                .get(id)
+                                .is_some_and(|rc| inputs.foreign_pod_ids.contains(rc.pod_id()))
+                    })
+                    .copied()
+                    .collect();
+                let mut tickets = ctx.pod_tickets.lock();
+                for id in &c {
+                    tickets.insert(*id, ticket);
+                }
+                c
+            }
+            None => BTreeSet::new(),
+        };
         let view = ClaimView {
-            all: &all_ids,
-            matching: &matching,
-            assignment: &assignment,
-            holders: &owners,
+            all: all_ids,
+            matching,
+            assignment,
+            holders: owners,
             lock_index: locks.index,
+            locks_read_at: locks.read_at.unwrap_or_else(tokio::time::Instant::now),
             listing_index: listing.index,
             // A claim of an RC deleted meanwhile is harmless: its task is told, and gives the
             // lock back.
@@ -276,6 +388,46 @@ impl Farm {
                 |id| Some((rc_state(&listing, id), rc_version(&listing, id)?)),
             )
             .await;
+        if inputs_changed || !claimed.is_empty() {
+            // Before any read of the pod labels these claims ask for: the new RCs' pods (and
+            // their pod ids') are to be kept.
+            let pod_ids: HashSet<String> = owned
+                .tasks
+                .keys()
+                .filter_map(|id| listing.rcs.get(id))
+                .map(|rc| rc.pod_id().to_string())
+                .collect();
+            let foreign: HashSet<String> = owners
+                .iter()
+                .filter(|(_, s)| *s != sid)
+                .map(|(id, _)| id.to_string())
+                .collect();
+            let mut interest = self.pod_interest.write();
+            interest.pod_ids = pod_ids;
+            interest.foreign = foreign;
+        }
+        // RCs taken over from another session: their intents are swept soon too. New RCs
+        // have none to sweep (a sweep lists every intent: 100,000 of them were most of what a
+        // farm read while claiming, and its peak memory).
+        let taken_over = claimed.iter().any(|id| candidates.contains(id));
+        if let Some(d) = &pod_demand
+            && !candidates.is_empty()
+        {
+            if taken_over {
+                d.urge();
+            }
+            let mut f = self.pod_freshness.lock();
+            for id in &claimed {
+                f.foreign.remove(id);
+            }
+            let mut tickets = ctx.pod_tickets.lock();
+            for id in candidates
+                .iter()
+                .filter(|id| !owned.tasks.contains_key(*id))
+            {
+                tickets.remove(id);
+            }
+        }
 
         // A mutation lock our session holds on an RC we do not serve would stop its owner from
         // ever moving a pod (it waits for "another session"). It happens when a task is stopped
@@ -313,13 +465,29 @@ impl Farm {
             f.matching_rcs = matching.len();
             f.invalid_rcs = listing.invalid.len();
         });
-        !claimed.is_empty()
+        claimed
+            .iter()
+            .filter(|id| pod_demand.is_none() || candidates.contains(*id))
+            .copied()
+            .collect()
     }
 
     /// Reads the intents of every owned pod and wakes the tasks that have something to repair.
-    pub(super) async fn sweep(&self, views: &Views, ctx: &Arc<TaskContext>, owned: &OwnedRcs) {
+    /// Reads the intents of every owned pod (`only`: of those RCs, just taken over) and wakes
+    /// the tasks that have something to repair.
+    pub(super) async fn sweep(
+        &self,
+        views: &Views,
+        ctx: &Arc<TaskContext>,
+        owned: &OwnedRcs,
+        only: Option<&BTreeSet<RcId>>,
+    ) {
         let mut pods = BTreeSet::new();
-        for id in owned.tasks.keys() {
+        for id in owned
+            .tasks
+            .keys()
+            .filter(|id| only.is_none_or(|o| o.contains(*id)))
+        {
             let sel = Selector::from_equalities([(RC_ID_LABEL, id.to_string().as_str())]);
             for pid in views.pods.matches(&sel) {
                 if let Some((n, p)) = crate::labels::split_pod_label_id(&pid) {
@@ -327,7 +495,7 @@ impl Farm {
                 }
             }
         }
-        match sweep::sweep(&self.consul, &ctx.intents, &pods).await {
+        match sweep::sweep(&self.consul, &ctx.intents, &pods, only.is_none()).await {
             Ok(n) => {
                 tracing::debug!(intents = n, "consistency sweep done");
                 if let Some(listing) = views.rcs.latest() {
@@ -397,4 +565,95 @@ fn rc_version(listing: &RcListing, id: RcId) -> Option<u64> {
         .get(&id)
         .map(|r| r.modify_index)
         .or_else(|| listing.invalid.get(&id.key()).map(|i| i.modify_index))
+}
+
+/// What a reconcile of the RCs decides from: derived from the RC listing, the RC labels, the
+/// farm registry and the lock tree, and kept until one of them changes.
+pub(crate) struct ClaimInputs {
+    key: ClaimKey,
+    /// Every RC key that names an RC, valid or not (an invalid one is still claimed, so that
+    /// exactly one farm reports it).
+    all: BTreeSet<RcId>,
+    matching: BTreeSet<RcId>,
+    assignment: super::claims::Assignment,
+    /// RC → the session holding its ownership lock.
+    owners: BTreeMap<RcId, String>,
+    /// Pod ids of RCs another session holds.
+    foreign_pod_ids: HashSet<String>,
+    farms: Vec<FarmInfo>,
+}
+
+/// The indexes of the listing, RC labels, registry and lock tree, the session, and what the
+/// farm's tasks hold (their number and ids folded).
+type ClaimKey = (u64, u64, u64, u64, String, (u64, u128));
+
+#[allow(clippy::too_many_arguments)]
+fn claim_inputs<'a>(
+    key: ClaimKey,
+    listing: &RcListing,
+    views: &Views,
+    locks: &LockView,
+    registry_entries: &[KvPair],
+    info: &FarmInfo,
+    selector: &Selector,
+    tasks: impl Iterator<Item = &'a RcId>,
+) -> ClaimInputs {
+    let all: BTreeSet<RcId> = listing
+        .rcs
+        .keys()
+        .copied()
+        .chain(
+            listing
+                .invalid
+                .keys()
+                .filter_map(|k| RcId::from_key(k).and_then(Result::ok)),
+        )
+        .collect();
+    // Most RCs carry no labels: they share one empty set.
+    let none = Arc::new(LabelSet::new());
+    let rc_labels: BTreeMap<RcId, Arc<LabelSet>> = all
+        .iter()
+        .map(|id| {
+            let l = views.rc_labels.get(&id.to_string());
+            (*id, l.unwrap_or_else(|| none.clone()))
+        })
+        .collect();
+    let farms = registry::live_farms_with(registry_entries, info);
+    let farm_of: HashMap<&str, &str> = farms
+        .iter()
+        .map(|f| (f.session.as_str(), f.farm_id.as_str()))
+        .collect();
+    let owners: BTreeMap<RcId, String> = locks
+        .holders
+        .iter()
+        .filter_map(|(id, h)| h.ownership.as_ref().map(|(s, _)| (*id, s.clone())))
+        .collect();
+    let mut held: BTreeMap<RcId, String> = owners
+        .iter()
+        .filter_map(|(id, s)| Some((*id, farm_of.get(s.as_str())?.to_string())))
+        .collect();
+    // Claims the lock tree does not show yet are ours too: counted as free, they were given to
+    // this farm again on top of its share, and it then had that many to hand back.
+    held.extend(tasks.map(|id| (*id, info.farm_id.clone())));
+    let assignment = assign_held(&rc_labels, &registry::views(&farms), &held);
+    let matching: BTreeSet<RcId> = rc_labels
+        .iter()
+        .filter(|(_, l)| selector.matches(&***l))
+        .map(|(id, _)| *id)
+        .collect();
+    let foreign_pod_ids = owners
+        .iter()
+        .filter(|(_, s)| **s != key.4)
+        .filter_map(|(id, _)| listing.rcs.get(id))
+        .map(|rc| rc.pod_id().to_string())
+        .collect();
+    ClaimInputs {
+        foreign_pod_ids,
+        key,
+        all,
+        matching,
+        assignment,
+        owners,
+        farms,
+    }
 }

@@ -196,7 +196,12 @@ impl Farm {
         let may_serve = |sel: &crate::labels::Selector, (old, new): &(LabelSet, LabelSet)| {
             sel.matches(old) && sel.matches(new)
         };
-        let assignment = assign_by(&items, &registry::views(&farms), may_serve);
+        let assignment = assign_by(
+            &items,
+            &registry::views(&farms),
+            &BTreeMap::new(),
+            may_serve,
+        );
         let matching: BTreeSet<RollId> = items
             .iter()
             .filter(|(_, l)| may_serve(&self.config.rc_selector, l))
@@ -208,6 +213,7 @@ impl Farm {
             assignment: &assignment,
             holders: &holders,
             lock_index: lock_snap.index,
+            locks_read_at: tokio::time::Instant::now(),
             listing_index: rolls.index,
             guard: &|id| {
                 let index = rolls.rolls.get(&id).map(|r| r.modify_index).or_else(|| {

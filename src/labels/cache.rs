@@ -14,9 +14,9 @@ use parking_lot::RwLock;
 use tokio::sync::{broadcast, watch};
 
 use super::compact::CompactLabels;
-use super::selector::{Requirement, Selector};
+use super::selector::{LabelLookup, Requirement, Selector};
 use super::store::{LabelSet, LabelType, parse_entry};
-use crate::consul::{CacheSignals, Consul, KvPair, SinkWatch, WatchConfig};
+use crate::consul::{CacheSignals, Consul, Demand, KvPair, KvVerb, SinkWatch, TxnOp, WatchConfig};
 
 /// One id whose labels changed.
 #[derive(Debug, Clone)]
@@ -116,6 +116,27 @@ impl IdSet {
     }
 }
 
+/// Which entries a cache keeps (those it is asked about); the others are left out as they
+/// arrive, and dropped when they stop being wanted at the next answer.
+#[derive(Clone)]
+pub struct Keep(pub Arc<KeepFn>);
+
+/// Whether an entry's labels are wanted.
+pub type KeepFn = dyn Fn(&dyn LabelLookup) -> bool + Send + Sync;
+
+/// A change before its label sets are expanded: id, old, new.
+type RawChange = (
+    String,
+    Option<Arc<CompactLabels>>,
+    Option<Arc<CompactLabels>>,
+);
+
+impl std::fmt::Debug for Keep {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Keep(..)")
+    }
+}
+
 /// Sized for 100,000 pods per farm: an id is allocated once and shared by the entry and the
 /// index, and equal label sets (every pod of an RC carries the same labels) are one allocation.
 #[derive(Debug, Default)]
@@ -130,6 +151,10 @@ struct State {
     interned: HashSet<Arc<CompactLabels>>,
     /// Malformed keys: key → (ModifyIndex, reason).
     errors: BTreeMap<String, (u64, String)>,
+    /// Ids this process wrote (or deleted) itself, at the commit index of the write, until a
+    /// snapshot that includes the write arrives: an older snapshot must not undo them.
+    local: HashMap<Arc<str>, u64>,
+    keep: Option<Keep>,
 }
 
 impl State {
@@ -183,10 +208,17 @@ impl State {
         let mut added = 0usize;
         for e in entries {
             let id = e.key.strip_prefix(prefix.as_str()).unwrap_or(&e.key);
+            // Our own write is newer than this snapshot: keep ours (the snapshot's tree index
+            // is at least every index in it, so it holds our write iff it is not below it).
+            if self.local.get(id).is_some_and(|l| *l > index) {
+                continue;
+            }
             if let Some(c) = self.entries.get(id)
                 && c.modify_index == e.modify_index
             {
-                seen.insert(id);
+                if self.keep.as_ref().is_none_or(|k| (k.0)(&*c.labels)) {
+                    seen.insert(id);
+                }
                 continue;
             }
             if let Some((idx, reason)) = self.errors.get(&e.key)
@@ -196,6 +228,7 @@ impl State {
                 continue;
             }
             match parse_entry(t, &prefix, e) {
+                Ok(l) if self.keep.as_ref().is_some_and(|k| !(k.0)(&l.labels)) => {}
                 Ok(l) => {
                     seen.insert(id);
                     let new = self.intern(&l.labels);
@@ -235,15 +268,76 @@ impl State {
             .entries
             .keys()
             .filter(|id| !seen.contains(&***id))
+            .filter(|id| self.local.get(&***id).is_none_or(|l| *l <= index))
             .cloned()
             .collect();
+        self.local.retain(|_, l| *l > index);
         for id in gone {
             if let Some(c) = self.entries.remove(&*id) {
                 self.unindex(&id, &c.labels);
                 changes.push((id.to_string(), Some(c.labels), None));
             }
         }
-        // Subscribers get plain label sets, each distinct one expanded once.
+        let changes = self.expand(changes);
+        if added > self.entries.len() / 8 {
+            // Keys come in order, and a B-tree filled one insert at a time in order leaves its
+            // nodes half empty; built whole it packs them (100,000 pods: ~2.5 MB less per farm).
+            self.entries = std::mem::take(&mut self.entries).into_iter().collect();
+        }
+        self.errors = errors;
+        self.index = index;
+        self.synced = true;
+        LabelChanges { index, changes }
+    }
+
+    /// Applies this process's own committed write at `index`: `(id, labels or None if the
+    /// key was deleted)`. Returns what changed.
+    fn apply_own(&mut self, index: u64, writes: Vec<(String, Option<LabelSet>)>) -> LabelChanges {
+        let mut changes = Vec::new();
+        for (id, labels) in writes {
+            let key: Arc<str> = match self.entries.get_key_value(id.as_str()) {
+                Some((k, _)) => k.clone(),
+                None => Arc::from(id.as_str()),
+            };
+            let old = match labels {
+                Some(l) => {
+                    let new = self.intern(&l);
+                    let old = self.entries.insert(
+                        key.clone(),
+                        Cached {
+                            labels: new.clone(),
+                            modify_index: index,
+                        },
+                    );
+                    let old = old.map(|c| c.labels);
+                    if old.as_deref() != Some(&*new) {
+                        if let Some(o) = &old {
+                            self.unindex(&id, o);
+                        }
+                        self.reindex(&key, &new);
+                        changes.push((id, old, Some(new)));
+                    }
+                    None
+                }
+                None => self.entries.remove(id.as_str()).map(|c| (id, c.labels)),
+            };
+            if let Some((id, o)) = old {
+                self.unindex(&id, &o);
+                changes.push((id, Some(o), None));
+            }
+            // The newest write wins when one id is written twice before a snapshot.
+            let l = self.local.entry(key).or_insert(index);
+            *l = (*l).max(index);
+        }
+        LabelChanges {
+            index: self.index,
+            changes: self.expand(changes),
+        }
+    }
+
+    /// Subscribers get plain label sets, each distinct one expanded once; label sets no entry
+    /// holds any more are forgotten.
+    fn expand(&mut self, changes: Vec<RawChange>) -> Vec<LabelChange> {
         let mut expanded: HashMap<*const CompactLabels, Arc<LabelSet>> = HashMap::new();
         let mut expand = |l: Option<Arc<CompactLabels>>| {
             l.map(|l| {
@@ -265,15 +359,7 @@ impl State {
             // Forget label sets no entry holds any more (held only by this set).
             self.interned.retain(|l| Arc::strong_count(l) > 1);
         }
-        if added > self.entries.len() / 8 {
-            // Keys come in order, and a B-tree filled one insert at a time in order leaves its
-            // nodes half empty; built whole it packs them (100,000 pods: ~2.5 MB less per farm).
-            self.entries = std::mem::take(&mut self.entries).into_iter().collect();
-        }
-        self.errors = errors;
-        self.index = index;
-        self.synced = true;
-        LabelChanges { index, changes }
+        changes
     }
 
     /// The id sets an indexed requirement draws from (their union holds every id it can
@@ -349,16 +435,34 @@ pub struct LabelCache {
     /// The index of the last answer applied.
     applied: watch::Receiver<u64>,
     changes: broadcast::Sender<Arc<LabelChanges>>,
+    signals: Arc<CacheSignals>,
+    /// How the tree is read, if on demand.
+    demand: Option<Arc<Demand>>,
     watch: SinkWatch,
 }
 
 impl LabelCache {
     /// Starts watching `labels/<type>/` with one blocking query.
     pub fn spawn(consul: &Consul, label_type: LabelType, config: WatchConfig) -> LabelCache {
-        let state: Arc<RwLock<State>> = Arc::default();
-        let (mut signals, version, applied) = CacheSignals::new();
+        Self::spawn_keeping(consul, label_type, config, None)
+    }
+
+    /// Like [`LabelCache::spawn`], holding only the entries `keep` wants.
+    pub fn spawn_keeping(
+        consul: &Consul,
+        label_type: LabelType,
+        config: WatchConfig,
+        keep: Option<Keep>,
+    ) -> LabelCache {
+        let state: Arc<RwLock<State>> = Arc::new(RwLock::new(State {
+            keep,
+            ..Default::default()
+        }));
+        let (signals, version, applied) = CacheSignals::new();
+        let signals = Arc::new(signals);
         let (changes, _) = broadcast::channel(1024);
-        let (st, ctx) = (state.clone(), changes.clone());
+        let (st, ctx, sig) = (state.clone(), changes.clone(), signals.clone());
+        let demand = config.demand.clone();
         let watch = consul.sink_prefix(label_type.prefix(), config, move |index, entries| {
             let c = st.write().apply(label_type, index, &entries);
             drop(entries);
@@ -366,7 +470,7 @@ impl LabelCache {
             if changed {
                 let _ = ctx.send(Arc::new(c));
             }
-            signals.applied(index, changed);
+            sig.applied(index, changed);
         });
         LabelCache {
             label_type,
@@ -374,8 +478,58 @@ impl LabelCache {
             version,
             applied,
             changes,
+            signals,
+            demand,
             watch,
         }
+    }
+
+    /// Applies a transaction this process committed at `index` (its ops on this tree; the
+    /// others are ignored), so that its own writes are seen at once, before any answer of the
+    /// watch, and an answer older than the write does not undo them.
+    pub fn apply_own(&self, index: u64, ops: &[TxnOp]) {
+        let prefix = self.label_type.prefix();
+        let writes: Vec<(String, Option<LabelSet>)> = ops
+            .iter()
+            .filter_map(|op| {
+                let id = op.key.strip_prefix(prefix.as_str())?;
+                match op.verb {
+                    KvVerb::Set | KvVerb::Cas => {
+                        let kv = KvPair {
+                            key: op.key.clone(),
+                            value: op.value.clone(),
+                            modify_index: index,
+                            ..Default::default()
+                        };
+                        // What does not parse is left to the next answer to report.
+                        let l = parse_entry(self.label_type, &prefix, &kv).ok()?;
+                        Some((id.to_string(), Some(l.labels)))
+                    }
+                    KvVerb::Delete | KvVerb::DeleteCas => Some((id.to_string(), None)),
+                    _ => None,
+                }
+            })
+            .collect();
+        if writes.is_empty() || index == 0 {
+            return;
+        }
+        let c = self.state.write().apply_own(index, writes);
+        if !c.changes.is_empty() {
+            let _ = self.changes.send(Arc::new(c));
+            self.signals.changed();
+        }
+    }
+
+    /// Reads the tree again now (if it is read on demand) and waits for the answer.
+    pub async fn refresh(&self) {
+        if let Some(d) = &self.demand {
+            d.refresh().await;
+        }
+    }
+
+    /// How the tree is read, if on demand.
+    pub fn demand(&self) -> Option<&Arc<Demand>> {
+        self.demand.as_ref()
     }
 
     pub fn label_type(&self) -> LabelType {
@@ -529,6 +683,74 @@ mod tests {
         assert!(
             !st.inverted["env"].contains_key("dev"),
             "old index entries removed"
+        );
+    }
+
+    fn labels(pairs: &[(&str, &str)]) -> LabelSet {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    /// The process's own writes are seen at once, and an answer older than a write (sent
+    /// before it committed) undoes neither a write nor a delete; one that includes it wins.
+    #[test]
+    fn own_writes_survive_older_answers() {
+        let mut st = State::default();
+        let p = LabelType::Pod;
+        st.apply(p, 10, &[kv("labels/pod/n1/web", r#"{"rc":"a"}"#, 10)]);
+        let c = st.apply_own(
+            12,
+            vec![
+                ("n2/web".into(), Some(labels(&[("rc", "a")]))),
+                ("n1/web".into(), None),
+            ],
+        );
+        assert_eq!(c.changes.len(), 2);
+        let sel = Selector::parse("rc=a").unwrap();
+        assert_eq!(st.matches(&sel), ["n2/web"]);
+        // An answer from before the write: n1 still there, n2 not yet.
+        let c = st.apply(p, 11, &[kv("labels/pod/n1/web", r#"{"rc":"a"}"#, 10)]);
+        assert!(c.changes.is_empty(), "{:?}", c.changes);
+        assert_eq!(st.matches(&sel), ["n2/web"]);
+        assert_eq!(st.index, 11);
+        // The answer that includes the write (its index is the write's).
+        st.apply(p, 12, &[kv("labels/pod/n2/web", r#"{"rc":"a"}"#, 12)]);
+        assert!(st.local.is_empty());
+        assert_eq!(st.matches(&sel), ["n2/web"]);
+        // Later, someone deletes n2 behind our back: believed.
+        let c = st.apply(p, 13, &[]);
+        assert_eq!(c.changes.len(), 1);
+        assert!(st.matches(&sel).is_empty());
+    }
+
+    /// What the filter does not want is left out as it arrives, and dropped when it stops
+    /// being wanted, even unchanged.
+    #[test]
+    fn a_filtered_cache_holds_only_what_it_keeps() {
+        let wanted = Arc::new(parking_lot::RwLock::new(BTreeSet::from(["a".to_string()])));
+        let w = wanted.clone();
+        let mut st = State {
+            keep: Some(Keep(Arc::new(move |l: &dyn LabelLookup| {
+                l.label("rc").is_some_and(|rc| w.read().contains(rc))
+            }))),
+            ..Default::default()
+        };
+        let p = LabelType::Pod;
+        let tree = [
+            kv("labels/pod/n1/web", r#"{"rc":"a"}"#, 1),
+            kv("labels/pod/n2/api", r#"{"rc":"b"}"#, 2),
+        ];
+        st.apply(p, 2, &tree);
+        assert_eq!(st.entries.len(), 1);
+        wanted.write().insert("b".into());
+        wanted.write().remove("a");
+        let c = st.apply(p, 2, &tree);
+        assert_eq!(c.changes.len(), 2);
+        assert_eq!(
+            st.entries.keys().map(|k| k.to_string()).collect::<Vec<_>>(),
+            ["n2/api"]
         );
     }
 

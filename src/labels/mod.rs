@@ -6,7 +6,7 @@ pub mod compact;
 pub mod selector;
 pub mod store;
 
-pub use cache::{LabelCache, LabelChange, LabelChanges};
+pub use cache::{Keep, LabelCache, LabelChange, LabelChanges};
 pub use compact::CompactLabels;
 pub use selector::{LabelLookup, Requirement, Selector, SelectorError};
 pub use store::{

@@ -27,6 +27,11 @@ pub const CHANGE_MARKER: &str = "rcfarm_change_id";
 pub struct RcId(Uuid);
 
 impl RcId {
+    /// The id as a number (for digests of id sets).
+    pub fn as_u128(&self) -> u128 {
+        self.0.as_u128()
+    }
+
     pub fn new() -> RcId {
         RcId(Uuid::new_v4())
     }

@@ -124,7 +124,7 @@ impl Worker {
             .commit_for(rc, ops, vec![start, self.retarget(rc, &nodes)])
             .await
         {
-            Ok(idx) => {
+            Ok(_) => {
                 tracing::info!(%old, %new, "node transfer started");
                 self.ctx.intents.set(
                     &new,
@@ -132,7 +132,6 @@ impl Worker {
                     IntentState::Digest(rc.manifest.digest().to_string()),
                 );
                 self.transfer = Some(t);
-                self.await_own_write(idx).await?;
                 Ok(Applied::Done)
             }
             Err(e) if e.outcome_unknown() => {
@@ -253,16 +252,15 @@ impl Worker {
             }
             None => events::NODE_TRANSFER_COMPLETION,
         };
-        let idx = self
-            .commit_for(
-                rc,
-                ops,
-                vec![
-                    AuditRecord::new(event, Value::Object(details)),
-                    self.retarget(rc, &nodes),
-                ],
-            )
-            .await?;
+        self.commit_for(
+            rc,
+            ops,
+            vec![
+                AuditRecord::new(event, Value::Object(details)),
+                self.retarget(rc, &nodes),
+            ],
+        )
+        .await?;
         match &rollback {
             Some(reason) => {
                 tracing::warn!(old = %t.old_node, new = %t.new_node, %reason, "node transfer rolled back")
@@ -274,7 +272,6 @@ impl Worker {
         let _ = store
             .release_mutation(self.id, &self.session, &self.id.node_transfer_holder())
             .await;
-        self.await_own_write(idx).await?;
         self.deallocate(rc, std::slice::from_ref(drop_node)).await;
         Ok(Applied::Done)
     }

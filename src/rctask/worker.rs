@@ -2,7 +2,7 @@
 //! and applies the plan as fenced Consul transactions, each beginning with `check-session` on
 //! the RC's ownership lock and carrying its audit record.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -65,7 +65,27 @@ pub struct TaskContext {
     pub rcs: watch::Receiver<Option<Arc<crate::rc::RcListing>>>,
     /// The farm's removal budget and tripwire: every removal asks it first.
     pub failsafe: Arc<crate::failsafe::Failsafe>,
+    /// RCs whose pods another session may have written since the pod label tree was last
+    /// read (taken over from another farm, or after a farm left): the task waits for the read
+    /// of that ticket ([`crate::consul::Demand`]) before its first plan.
+    pub pod_tickets: parking_lot::Mutex<HashMap<RcId, u64>>,
     pub config: TaskConfig,
+}
+
+impl TaskContext {
+    /// Waits, up to `limit`, for a read of the pod label tree sent after `ticket`.
+    pub(super) async fn pods_fresh(&self, ticket: u64, limit: Duration) -> Result<(), TaskError> {
+        let Some(d) = self.pods.demand() else {
+            return Ok(());
+        };
+        tokio::time::timeout(limit, d.fresh(ticket))
+            .await
+            .map_err(|_| {
+                TaskError::Other(format!(
+                    "the pod label tree was not read again within {limit:?}"
+                ))
+            })
+    }
 }
 
 /// The RC as the farm last saw it.
@@ -320,6 +340,16 @@ impl Worker {
     /// the desires are unmet.
     pub(super) async fn pass(&mut self, rc: &Rc) -> Result<bool, TaskError> {
         let started = Instant::now();
+        // Pods another session may have written must be known before planning: a plan from a
+        // view without them would schedule more pods than the RC wants.
+        let ticket = self.ctx.pod_tickets.lock().get(&self.id).copied();
+        if let Some(t) = ticket {
+            self.ctx.pods_fresh(t, Duration::from_secs(30)).await?;
+            let mut tickets = self.ctx.pod_tickets.lock();
+            if tickets.get(&self.id) == Some(&t) {
+                tickets.remove(&self.id);
+            }
+        }
         self.ctx.status.update_rc(self.id, &self.ctx.farm_id, |s| {
             s.set_condition("Invalid", None)
         });
@@ -438,10 +468,24 @@ impl Worker {
             .map(|(n, h)| (NodeName::from(n), h))
             .collect();
         let health_in_use = !health.is_empty();
-        let bad_intents =
+        let mut bad_intents =
             self.ctx
                 .intents
                 .bad(rc.pod_id(), rc.manifest.digest(), current.keys().cloned());
+        // A pod of this pod id missing a label the RC gives its pods (removed or changed by
+        // hand) is repaired like a bad intent: both are written again.
+        let want = rc.labels_for_pods();
+        for (node, pod) in &current {
+            if pod != rc.pod_id() || bad_intents.contains(node) {
+                continue;
+            }
+            let id = crate::labels::pod_label_id(node, pod);
+            if let Some(l) = self.ctx.pods.get(&id)
+                && want.iter().any(|(k, v)| l.get(k) != Some(v))
+            {
+                bad_intents.insert(node.clone());
+            }
+        }
         let (takeover, occupied) = self.neighbours(rc);
         let locked_elsewhere = mutation_locked_elsewhere
             || (self.ctx.locks.borrow().mutation(self.id).is_some() && !self.holds_mutation_lock());

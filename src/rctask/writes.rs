@@ -2,7 +2,6 @@
 //! guarded by the RC record's index, carrying its audit record.
 
 use std::collections::BTreeSet;
-use std::time::Duration;
 
 use serde_json::json;
 
@@ -58,12 +57,28 @@ impl Worker {
             // Stopped (session lost or handed over): never write again.
             return Err(TaskError::Fenced);
         }
+        let pod_prefix = LabelType::Pod.prefix();
+        // Op 0 is the ownership check.
+        let is_label_op = |i: usize| {
+            i.checked_sub(1)
+                .and_then(|i| ops.get(i))
+                .is_some_and(|op| op.key.starts_with(&pod_prefix))
+        };
+        let label_failed = |e: &crate::consul::ConsulError| {
+            e.txn_failures()
+                .any(|(i, f)| is_label_op(i) && f != TxnFailure::SessionMismatch)
+        };
         let mut all = Vec::with_capacity(ops.len() + audits.len() + 1);
         all.push(RcStore::ownership_check_op(self.id, &self.session));
-        all.extend(ops);
+        all.extend(ops.iter().cloned());
         all.extend(audits.iter().map(AuditRecord::txn_op));
         match self.ctx.consul.txn_coalesced(all).await {
-            Ok(index) => Ok(index),
+            Ok(index) => {
+                // The next plan counts what we wrote: the pod label tree is read on demand,
+                // not after each of our writes.
+                self.ctx.pods.apply_own(index, &ops);
+                Ok(index)
+            }
             Err(e)
                 if e.txn_failures().any(|(i, f)| {
                     i == 0 && matches!(f, TxnFailure::SessionMismatch | TxnFailure::KeyMissing)
@@ -72,7 +87,18 @@ impl Worker {
                 metrics::counter!("rcfarm_fenced_writes_total").increment(1);
                 Err(TaskError::Fenced)
             }
-            Err(e) => Err(e.into()),
+            Err(e) => {
+                // Someone else changed one of our pods' labels, or our write may have been
+                // applied with its answer lost (and so not applied to the cache): the next
+                // plan waits for the tree as it is now.
+                if (label_failed(&e) || e.is_retryable())
+                    && let Some(d) = self.ctx.pods.demand()
+                {
+                    let ticket = d.urge();
+                    self.ctx.pod_tickets.lock().insert(self.id, ticket);
+                }
+                Err(e.into())
+            }
         }
     }
 
@@ -85,20 +111,6 @@ impl Worker {
             Err(TaskError::Consul(e)) if AuditRecord::recorded_already(&e, 1) => Ok(()),
             Err(e) => Err(e),
         }
-    }
-
-    /// Waits until the pod label cache reflects our own write, so the next plan counts it.
-    pub(super) async fn await_own_write(&self, index: u64) -> Result<(), TaskError> {
-        if index == 0 {
-            return Ok(());
-        }
-        tokio::time::timeout(Duration::from_secs(10), self.ctx.pods.wait_for_index(index))
-            .await
-            .map_err(|_| {
-                TaskError::Other(
-                    "the pod label cache did not catch up with our own write within 10 s".into(),
-                )
-            })
     }
 
     pub(super) fn schedule_ops(&self, rc: &Rc, node: &str) -> Vec<TxnOp> {
@@ -189,8 +201,7 @@ impl Worker {
                     for node in chunk {
                         nodes.remove(node);
                     }
-                    let idx = self
-                        .commit_for(rc, ops, vec![self.retarget(rc, &nodes)])
+                    self.commit_for(rc, ops, vec![self.retarget(rc, &nodes)])
                         .await?;
                     for node in chunk {
                         self.ctx.intents.remove(node, rc.pod_id());
@@ -198,7 +209,6 @@ impl Worker {
                     tracing::info!(nodes = ?chunk, "unscheduled");
                     metrics::counter!("rcfarm_pods_unscheduled_total")
                         .increment(chunk.len() as u64);
-                    self.await_own_write(idx).await?;
                     self.deallocate(rc, chunk).await;
                 }
                 Ok(Applied::Done)
@@ -278,13 +288,13 @@ impl Worker {
                         "pod_id": rc.pod_id(),
                         "farm_id": self.ctx.farm_id,
                         "nodes": chunk,
-                        "reason": "intent missing or different from the manifest",
+                        "reason": "intent missing or different from the manifest, or labels missing or changed",
                     }),
                 )
             } else {
                 self.retarget(rc, &nodes)
             };
-            let idx = self.commit_for(rc, ops, vec![audit]).await?;
+            self.commit_for(rc, ops, vec![audit]).await?;
             for node in chunk {
                 self.ctx.intents.set(
                     node,
@@ -294,7 +304,6 @@ impl Worker {
             }
             tracing::info!(nodes = ?chunk, repair, "scheduled");
             metrics::counter!("rcfarm_pods_scheduled_total").increment(chunk.len() as u64);
-            self.await_own_write(idx).await?;
         }
         Ok(Applied::Done)
     }

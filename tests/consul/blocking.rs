@@ -182,6 +182,19 @@ async fn session_list_blocks_until_a_session_changes() {
     assert!(meta2.index > meta.index);
 }
 
+/// The watch's first snapshot, marked seen.
+async fn first_snapshot<T: Send + Sync>(
+    rx: &mut rcfarm::consul::SnapshotRx<T>,
+) -> std::sync::Arc<rcfarm::consul::Snapshot<T>> {
+    let first = eventually(Duration::from_secs(5), "first snapshot", || {
+        let v = rx.borrow().clone();
+        async move { v }
+    })
+    .await;
+    rx.mark_unchanged();
+    first
+}
+
 #[tokio::test]
 async fn watch_publishes_changes_and_skips_identical_results() {
     let s = server().await;
@@ -189,13 +202,8 @@ async fn watch_publishes_changes_and_skips_identical_results() {
     c.kv_put("wp/a", b"1", None).await.unwrap();
     let watch = c.watch_prefix("wp/", WatchConfig::default());
     let mut rx = watch.subscribe();
-    let first = eventually(Duration::from_secs(5), "first snapshot", || {
-        let v = rx.borrow().clone();
-        async move { v }
-    })
-    .await;
+    let first = first_snapshot(&mut rx).await;
     assert_eq!(first.value.len(), 1);
-    rx.mark_unchanged();
 
     c.kv_put("wp/b", b"2", None).await.unwrap();
     tokio::time::timeout(Duration::from_secs(5), rx.changed())
@@ -367,4 +375,52 @@ async fn abandoned_blocking_queries_leave_no_waiters_behind() {
         },
     )
     .await;
+}
+
+/// A watch read on demand does not read after a change until asked (or until its idle wait is
+/// over); asked, it reads at once even with nothing changed, and an open blocking query is
+/// dropped for a read that answers at once.
+#[tokio::test]
+async fn a_watch_read_on_demand_reads_when_asked() {
+    let s = server().await;
+    let c = client(&s);
+    c.kv_put("wd/a", b"1", None).await.unwrap();
+    let demand = rcfarm::consul::Demand::new(Duration::from_secs(3600));
+    let watch = c.watch_prefix("wd/", WatchConfig::default().on_demand(demand.clone()));
+    let mut rx = watch.subscribe();
+    let first = first_snapshot(&mut rx).await;
+    assert_eq!(first.value.len(), 1);
+
+    // Nobody asks: a change is not read.
+    c.kv_put("wd/b", b"2", None).await.unwrap();
+    assert!(
+        tokio::time::timeout(Duration::from_millis(500), rx.changed())
+            .await
+            .is_err(),
+        "read without being asked"
+    );
+    // Asked: read at once.
+    let ticket = demand.urge();
+    tokio::time::timeout(Duration::from_secs(5), demand.fresh(ticket))
+        .await
+        .expect("the urged read");
+    assert_eq!(rx.borrow_and_update().clone().unwrap().value.len(), 2);
+
+    // Asked again with nothing changed: answered at once all the same.
+    let ticket = demand.urge();
+    tokio::time::timeout(Duration::from_secs(5), demand.fresh(ticket))
+        .await
+        .expect("an urged read answers even when nothing changed");
+
+    // While someone needs every change, changes are read as they come.
+    let fast = demand.fast();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    c.kv_put("wd/c", b"3", None).await.unwrap();
+    tokio::time::timeout(Duration::from_secs(5), rx.changed())
+        .await
+        .expect("read in fast mode")
+        .unwrap();
+    assert_eq!(rx.borrow_and_update().clone().unwrap().value.len(), 3);
+    drop(fast);
+    watch.stop().await;
 }

@@ -6,6 +6,7 @@ mod common;
 
 mod audit;
 mod bad_input;
+mod behind_the_back;
 mod chaos;
 mod compat;
 mod converge;
