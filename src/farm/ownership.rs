@@ -286,9 +286,9 @@ impl<K: Kind> Owned<K> {
             }
         }
 
-        // Hand over what we may not serve, and, only while we hold more than our share (plus
-        // the slack), as many objects assigned to other live farms as we hold over our share:
-        // what we hold stays ours otherwise, so growth or a new farm moves few objects and
+        // Hand over what we may not serve, and as many objects assigned to other live farms
+        // as we hold over our share (the assignment keeps what each farm holds up to its cap,
+        // so only those are assigned elsewhere): growth or a new farm moves few objects, and
         // no farm claims something only to hand it back. Only objects we hold per the view
         // (never one just claimed).
         let handable =
@@ -305,7 +305,7 @@ impl<K: Kind> Owned<K> {
             .len()
             .saturating_sub(excess.len())
             .saturating_sub(cap);
-        if over > farm.rules.slack {
+        if over > 0 {
             excess.extend(
                 self.tasks
                     .keys()
