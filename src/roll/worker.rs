@@ -404,15 +404,25 @@ impl Worker {
             .ok_or_else(|| RollError::Other("the RC view is not ready".into()))?;
         // A roll is created with its new RC in one transaction, and the watches of rolls and
         // of RCs answer apart: an RC view older than the roll is behind, not proof of absence.
-        if listing.index < roll.create_index
-            && [u.old_rc, u.new_rc]
-                .iter()
-                .any(|id| !listing.rcs.contains_key(id))
-        {
-            return Err(RollError::Stale(format!(
-                "the RC view (index {}) is older than the rolling update (created at {})",
-                listing.index, roll.create_index
-            )));
+        // Consul itself is asked whether a missing RC is there (an RC deleted before the roll
+        // was written is absent from every view, however new).
+        if listing.index < roll.create_index {
+            for id in [u.old_rc, u.new_rc] {
+                if listing.rcs.contains_key(&id) || listing.invalid.contains_key(&id.key()) {
+                    continue;
+                }
+                let (there, _) = self
+                    .ctx
+                    .consul
+                    .kv_get(&id.key(), &crate::consul::QueryOptions::default())
+                    .await?;
+                if there.is_some() {
+                    return Err(RollError::Stale(format!(
+                        "the RC view (index {}) is older than the rolling update (created at {})",
+                        listing.index, roll.create_index
+                    )));
+                }
+            }
         }
         let lookup = |id: RcId| -> Result<Arc<Rc>, String> {
             if let Some(rc) = listing.rcs.get(&id) {
