@@ -33,5 +33,5 @@ pub use types::{
 };
 pub use watch::{
     Demand, DerivedWatch, FastGuard, REFERENCE_READERS, SinkWatch, Snapshot, SnapshotRx, Watch,
-    WatchConfig, WatchStats, entries_digest, spawn_sink_watch, spawn_watch,
+    WatchConfig, WatchStats, entries_digest, readers_scale, spawn_sink_watch, spawn_watch,
 };

@@ -57,6 +57,14 @@ pub struct WatchConfig {
 /// The number of farms [`WatchConfig`]'s pacing was measured with.
 pub const REFERENCE_READERS: usize = 3;
 
+/// How much longer than measured with [`REFERENCE_READERS`] farms each of `readers` paces
+/// (1 when their number is unknown).
+pub fn readers_scale(readers: Option<&std::sync::atomic::AtomicUsize>) -> f64 {
+    readers.map_or(1.0, |r| {
+        r.load(Ordering::Relaxed).max(1) as f64 / REFERENCE_READERS as f64
+    })
+}
+
 impl WatchConfig {
     /// This config, read on demand.
     pub fn on_demand(mut self, demand: Arc<Demand>) -> Self {
@@ -117,7 +125,7 @@ impl Demand {
 
     /// Asks for a fresh read. Returns a ticket that [`Demand::fresh`] waits on.
     pub fn urge(&self) -> u64 {
-        let ticket = self.started.load(Ordering::SeqCst) + 1;
+        let ticket = self.next_ticket();
         self.urge.notify_one();
         ticket
     }
@@ -139,12 +147,6 @@ impl Demand {
         let _ = rx.wait_for(|a| *a >= ticket).await;
     }
 
-    /// Asks for a fresh read and waits for it.
-    pub async fn refresh(&self) {
-        let ticket = self.urge();
-        self.fresh(ticket).await;
-    }
-
     /// Reads after every change for as long as the guard is held.
     pub fn fast(self: &Arc<Self>) -> FastGuard {
         if self.fast.fetch_add(1, Ordering::SeqCst) == 0 {
@@ -163,9 +165,7 @@ impl Demand {
         if self.is_fast() {
             return false;
         }
-        let scale = self.readers.as_ref().map_or(1.0, |r| {
-            (r.load(Ordering::Relaxed).max(1) as f64 / REFERENCE_READERS as f64).max(1.0)
-        });
+        let scale = readers_scale(self.readers.as_deref()).max(1.0);
         tokio::select! {
             _ = self.urge.notified() => !self.is_fast(),
             _ = tokio::time::sleep(self.idle.mul_f64(scale)) => false,
@@ -486,9 +486,7 @@ async fn run_watch<T, F, Fut, P>(
                     d.answered(seq);
                 }
                 let elapsed = started.elapsed();
-                let scale = config.readers.as_ref().map_or(1.0, |r| {
-                    r.load(Ordering::Relaxed).max(1) as f64 / REFERENCE_READERS as f64
-                });
+                let scale = readers_scale(config.readers.as_deref());
                 let pace = config
                     .min_interval
                     .max(

@@ -107,6 +107,11 @@ impl FarmConfig {
         }
     }
 
+    /// Whether the farm schedules from a pool (which counts every pod on a node).
+    pub fn pool_scheduler(&self) -> bool {
+        matches!(self.scheduler, SchedulerKind::Pool(_))
+    }
+
     /// Whether this farm ships the audit outbox to SQL.
     pub fn ships_audit(&self) -> bool {
         self.audit_shipping && self.audit_db.is_some()
@@ -313,7 +318,7 @@ impl Farm {
         w.readers = Some(self.readers.clone());
         let pod_demand = Demand::new(cfg.consistency_interval);
         // The pool scheduler counts every pod on a node, whoever wrote it.
-        let pool = matches!(cfg.scheduler, SchedulerKind::Pool(_));
+        let pool = cfg.pool_scheduler();
         let _pool_reads_every_change = pool.then(|| pod_demand.fast());
         self.pod_interest.write().everything = pool;
         let views = Views {
@@ -518,7 +523,7 @@ impl Farm {
     /// Before anything else: checks that Consul lets the farm's token do what the farm does
     /// (see [`access`]), retrying while Consul is unavailable. `false`: shut down meanwhile.
     async fn check_access(&self, shutdown: &CancellationToken) -> Result<bool, FarmError> {
-        let pool = matches!(self.config.scheduler, SchedulerKind::Pool(_));
+        let pool = self.config.pool_scheduler();
         let ships_audit = self.config.ships_audit();
         let mut backoff = Backoff::new(Duration::from_millis(500), Duration::from_secs(30));
         loop {
@@ -554,10 +559,7 @@ impl Farm {
             return Some(FarmError::AclRefused {
                 token: self.config.consul.token_origin(),
                 detail,
-                needs: access::needs(
-                    matches!(self.config.scheduler, SchedulerKind::Pool(_)),
-                    self.config.ships_audit(),
-                ),
+                needs: access::needs(self.config.pool_scheduler(), self.config.ships_audit()),
             });
         }
         e.tls_problem().map(|detail| FarmError::Tls {
@@ -606,8 +608,6 @@ impl Farm {
         self.farms_changed(views);
         // A farm that leaves gives its locks back over seconds (a transaction per few dozen
         // RCs): for a while every change of the lock tree is read, so they are taken at once.
-        let mut farm_sessions = BTreeSet::new();
-        Self::farm_left(views, &mut farm_sessions);
         let mut handover_fast: Option<(FastGuard, Instant)> = None;
         tracing::info!(session = %session.id(), "serving");
         // Claims are reconsidered when what they depend on changes (RCs or rolls, locks,
@@ -629,19 +629,18 @@ impl Farm {
             // claim could not commit anyway, and a release would hand RCs over for nothing if
             // the session holds (see consul::session).
             let in_doubt = *doubt_rx.borrow_and_update();
-            // Rolling updates move pods between RCs that other farms may own: while any is in
-            // flight, every change to the pod label tree is read.
             if handover_fast
                 .as_ref()
                 .is_some_and(|(_, until)| Instant::now() >= *until)
             {
                 handover_fast = None;
             }
+            // Rolling updates move pods between RCs that other farms may own: while any is in
+            // flight, every change to the pod label tree is read.
             let rolling = views.rolls.latest().is_some_and(|l| !l.rolls.is_empty());
             if rolling != roll_fast.is_some() {
-                let pool = matches!(self.config.scheduler, SchedulerKind::Pool(_));
                 // Kept before the read the guard asks for, so that read brings every pod.
-                self.pod_interest.write().everything = rolling || pool;
+                self.pod_interest.write().everything = rolling || self.config.pool_scheduler();
                 roll_fast = match views.pods.demand() {
                     Some(d) if rolling => Some((d.fast(), self.lock_demand.fast())),
                     _ => None,
@@ -772,8 +771,7 @@ impl Farm {
                 }
                 r = farm_rx.changed() => {
                     if r.is_err() { return Ended::SessionLost("farm watch ended".into()); }
-                    self.farms_changed(views);
-                    if Self::farm_left(views, &mut farm_sessions) {
+                    if self.farms_changed(views) {
                         handover_fast = Some((self.lock_demand.fast(), Instant::now() + HANDOVER_FAST));
                     }
                     dirty = true;
@@ -820,33 +818,23 @@ impl Farm {
         }
     }
 
-    /// The farm registry changed (or is first seen by this session).
-    fn farms_changed(&self, views: &Views) {
-        let Some(snap) = views.farms.latest() else {
-            return;
-        };
-        self.pod_freshness
-            .lock()
-            .farms_seen(&snap.value, views.pods.demand());
-        let live = registry::live_farms(&snap.value).len();
-        self.readers
-            .store(live.max(1), std::sync::atomic::Ordering::Relaxed);
-        // Locks are about to be given back, or to be taken.
-        self.lock_demand.urge();
-    }
-
-    /// Whether a farm left since the farm registry was last seen (`seen`: the sessions).
-    fn farm_left(views: &Views, seen: &mut BTreeSet<String>) -> bool {
+    /// The farm registry changed (or is first seen by this session). Returns whether a farm
+    /// left since it was last seen.
+    fn farms_changed(&self, views: &Views) -> bool {
         let Some(snap) = views.farms.latest() else {
             return false;
         };
-        let now: BTreeSet<String> = registry::live_farms(&snap.value)
+        let live: BTreeSet<String> = registry::live_farms(&snap.value)
             .into_iter()
             .map(|f| f.session)
             .collect();
-        let left = seen.iter().any(|s| !now.contains(s));
-        *seen = now;
-        left
+        self.readers
+            .store(live.len().max(1), std::sync::atomic::Ordering::Relaxed);
+        // Locks are about to be given back, or to be taken.
+        self.lock_demand.urge();
+        self.pod_freshness
+            .lock()
+            .farms_seen(live, views.pods.demand())
     }
 
     fn claim_farm<'a>(&'a self, session: &'a Session) -> ClaimFarm<'a> {
@@ -859,11 +847,10 @@ impl Farm {
                 // The farm an RC is assigned to sees it up to a watch pace late, and the pace
                 // grows with the farms (see `WatchConfig::readers`): so does the grace, or
                 // farms would take each other's new RCs in a rush and hand them back.
-                grace: self.config.claim_grace.mul_f64(
-                    (self.readers.load(std::sync::atomic::Ordering::Relaxed) as f64
-                        / crate::consul::REFERENCE_READERS as f64)
-                        .max(1.0),
-                ),
+                grace: self
+                    .config
+                    .claim_grace
+                    .mul_f64(crate::consul::readers_scale(Some(&self.readers)).max(1.0)),
                 slack: self.config.share_slack,
             },
         }

@@ -43,21 +43,19 @@ impl PodFreshness {
         }
     }
 
-    /// The farm registry changed: if a farm came or went, RCs change hands, some after being
-    /// held too briefly for this farm's view of the lock tree to show it; claims wait for a
-    /// read sent from now on.
-    pub fn farms_seen(&mut self, entries: &[KvPair], demand: Option<&Arc<Demand>>) {
-        let now: BTreeSet<String> = registry::live_farms(entries)
-            .into_iter()
-            .map(|f| f.session)
-            .collect();
+    /// The live farms' sessions are `now`: if a farm came or went, RCs change hands, some
+    /// after being held too briefly for this farm's view of the lock tree to show it; claims
+    /// wait for a read sent from now on. Returns whether a farm left.
+    pub fn farms_seen(&mut self, now: BTreeSet<String>, demand: Option<&Arc<Demand>>) -> bool {
         if let Some(d) = demand
             && !self.sessions.is_empty()
             && self.sessions != now
         {
             self.pending = Some(d.next_ticket());
         }
+        let left = self.sessions.iter().any(|s| !now.contains(s));
         self.sessions = now;
+        left
     }
 }
 
@@ -331,8 +329,10 @@ impl Farm {
         let candidates: BTreeSet<RcId> = match &pod_demand {
             Some(d) => {
                 let mut f = self.pod_freshness.lock();
-                f.foreign
-                    .extend(owners.iter().filter(|(_, s)| *s != sid).map(|(id, _)| *id));
+                if inputs_changed {
+                    f.foreign
+                        .extend(owners.iter().filter(|(_, s)| *s != sid).map(|(id, _)| *id));
+                }
                 f.foreign.extend(owned.refused().copied());
                 f.pending = f.pending.filter(|t| !d.is_fresh(*t));
                 let ticket = f.pending.unwrap_or_else(|| d.next_ticket());

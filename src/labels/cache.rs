@@ -231,30 +231,10 @@ impl State {
                 Ok(l) if self.keep.as_ref().is_some_and(|k| !(k.0)(&l.labels)) => {}
                 Ok(l) => {
                     seen.insert(id);
-                    let new = self.intern(&l.labels);
-                    // Keep the id already allocated (the index shares it).
-                    let key: Arc<str> = match self.entries.get_key_value(id) {
-                        Some((k, _)) => k.clone(),
-                        None => {
-                            added += 1;
-                            Arc::from(id)
-                        }
-                    };
-                    let old = self.entries.insert(
-                        key.clone(),
-                        Cached {
-                            labels: new.clone(),
-                            modify_index: l.modify_index,
-                        },
-                    );
-                    let old = old.map(|c| c.labels);
-                    if old.as_deref() != Some(&*new) {
-                        if let Some(o) = &old {
-                            self.unindex(id, o);
-                        }
-                        self.reindex(&key, &new);
-                        changes.push((l.id, old, Some(new)));
+                    if !self.entries.contains_key(id) {
+                        added += 1;
                     }
+                    changes.extend(self.put(id, &l.labels, l.modify_index));
                 }
                 Err(reason) => {
                     if !self.errors.contains_key(&e.key) {
@@ -273,10 +253,7 @@ impl State {
             .collect();
         self.local.retain(|_, l| *l > index);
         for id in gone {
-            if let Some(c) = self.entries.remove(&*id) {
-                self.unindex(&id, &c.labels);
-                changes.push((id.to_string(), Some(c.labels), None));
-            }
+            changes.extend(self.remove(&id));
         }
         let changes = self.expand(changes);
         if added > self.entries.len() / 8 {
@@ -295,44 +272,53 @@ impl State {
     fn apply_own(&mut self, index: u64, writes: Vec<(String, Option<LabelSet>)>) -> LabelChanges {
         let mut changes = Vec::new();
         for (id, labels) in writes {
-            let key: Arc<str> = match self.entries.get_key_value(id.as_str()) {
-                Some((k, _)) => k.clone(),
-                None => Arc::from(id.as_str()),
-            };
-            let old = match labels {
-                Some(l) => {
-                    let new = self.intern(&l);
-                    let old = self.entries.insert(
-                        key.clone(),
-                        Cached {
-                            labels: new.clone(),
-                            modify_index: index,
-                        },
-                    );
-                    let old = old.map(|c| c.labels);
-                    if old.as_deref() != Some(&*new) {
-                        if let Some(o) = &old {
-                            self.unindex(&id, o);
-                        }
-                        self.reindex(&key, &new);
-                        changes.push((id, old, Some(new)));
-                    }
-                    None
-                }
-                None => self.entries.remove(id.as_str()).map(|c| (id, c.labels)),
-            };
-            if let Some((id, o)) = old {
-                self.unindex(&id, &o);
-                changes.push((id, Some(o), None));
-            }
+            changes.extend(match &labels {
+                Some(l) => self.put(&id, l, index),
+                None => self.remove(&id),
+            });
             // The newest write wins when one id is written twice before a snapshot.
-            let l = self.local.entry(key).or_insert(index);
+            let l = self.local.entry(Arc::from(id.as_str())).or_insert(index);
             *l = (*l).max(index);
         }
         LabelChanges {
             index: self.index,
             changes: self.expand(changes),
         }
+    }
+
+    /// Sets an id's labels and `ModifyIndex`, reindexing it; the change, if its labels changed.
+    fn put(&mut self, id: &str, labels: &LabelSet, modify_index: u64) -> Option<RawChange> {
+        let new = self.intern(labels);
+        // Keep the id already allocated (the index shares it).
+        let key: Arc<str> = match self.entries.get_key_value(id) {
+            Some((k, _)) => k.clone(),
+            None => Arc::from(id),
+        };
+        let old = self
+            .entries
+            .insert(
+                key.clone(),
+                Cached {
+                    labels: new.clone(),
+                    modify_index,
+                },
+            )
+            .map(|c| c.labels);
+        if old.as_deref() == Some(&*new) {
+            return None;
+        }
+        if let Some(o) = &old {
+            self.unindex(id, o);
+        }
+        self.reindex(&key, &new);
+        Some((id.to_string(), old, Some(new)))
+    }
+
+    /// Forgets an id; the change, if it was held.
+    fn remove(&mut self, id: &str) -> Option<RawChange> {
+        let c = self.entries.remove(id)?;
+        self.unindex(id, &c.labels);
+        Some((id.to_string(), Some(c.labels), None))
     }
 
     /// Subscribers get plain label sets, each distinct one expanded once; label sets no entry
@@ -517,13 +503,6 @@ impl LabelCache {
         if !c.changes.is_empty() {
             let _ = self.changes.send(Arc::new(c));
             self.signals.changed();
-        }
-    }
-
-    /// Reads the tree again now (if it is read on demand) and waits for the answer.
-    pub async fn refresh(&self) {
-        if let Some(d) = &self.demand {
-            d.refresh().await;
         }
     }
 

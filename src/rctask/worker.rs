@@ -475,14 +475,13 @@ impl Worker {
         // A pod of this pod id missing a label the RC gives its pods (removed or changed by
         // hand) is repaired like a bad intent: both are written again.
         let want = rc.labels_for_pods();
+        let want = Selector::from_equalities(want.iter().map(|(k, v)| (k.as_str(), v.as_str())));
         for (node, pod) in &current {
             if pod != rc.pod_id() || bad_intents.contains(node) {
                 continue;
             }
             let id = crate::labels::pod_label_id(node, pod);
-            if let Some(l) = self.ctx.pods.get(&id)
-                && want.iter().any(|(k, v)| l.get(k) != Some(v))
-            {
+            if self.ctx.pods.contains(&id) && !self.ctx.pods.id_matches(&id, &want) {
                 bad_intents.insert(node.clone());
             }
         }

@@ -57,26 +57,28 @@ impl Worker {
             // Stopped (session lost or handed over): never write again.
             return Err(TaskError::Fenced);
         }
+        // The pod label ops, kept for the cache, at their index in the transaction (op 0 is
+        // the ownership check).
         let pod_prefix = LabelType::Pod.prefix();
-        // Op 0 is the ownership check.
-        let is_label_op = |i: usize| {
-            i.checked_sub(1)
-                .and_then(|i| ops.get(i))
-                .is_some_and(|op| op.key.starts_with(&pod_prefix))
-        };
+        let (label_at, label_ops): (Vec<usize>, Vec<TxnOp>) = ops
+            .iter()
+            .enumerate()
+            .filter(|(_, op)| op.key.starts_with(&pod_prefix))
+            .map(|(i, op)| (i + 1, op.clone()))
+            .unzip();
         let label_failed = |e: &crate::consul::ConsulError| {
             e.txn_failures()
-                .any(|(i, f)| is_label_op(i) && f != TxnFailure::SessionMismatch)
+                .any(|(i, f)| label_at.contains(&i) && f != TxnFailure::SessionMismatch)
         };
         let mut all = Vec::with_capacity(ops.len() + audits.len() + 1);
         all.push(RcStore::ownership_check_op(self.id, &self.session));
-        all.extend(ops.iter().cloned());
+        all.extend(ops);
         all.extend(audits.iter().map(AuditRecord::txn_op));
         match self.ctx.consul.txn_coalesced(all).await {
             Ok(index) => {
                 // The next plan counts what we wrote: the pod label tree is read on demand,
                 // not after each of our writes.
-                self.ctx.pods.apply_own(index, &ops);
+                self.ctx.pods.apply_own(index, &label_ops);
                 Ok(index)
             }
             Err(e)
