@@ -91,6 +91,9 @@ pub struct Demand {
     /// Queries started, and the sequence number of the last one answered and published.
     started: AtomicU64,
     answered: watch::Sender<u64>,
+    /// When the last answer was published: what the watch shows is known current up to then
+    /// (a derived view does not change for an answer equal to the last).
+    answered_at: parking_lot::Mutex<Option<Instant>>,
 }
 
 /// While held, the watch reads after every change (see [`Demand::fast`]).
@@ -120,6 +123,7 @@ impl Demand {
             urge: tokio::sync::Notify::new(),
             started: AtomicU64::new(0),
             answered: watch::channel(0).0,
+            answered_at: parking_lot::Mutex::new(None),
         })
     }
 
@@ -176,7 +180,13 @@ impl Demand {
         self.started.fetch_add(1, Ordering::SeqCst) + 1
     }
 
+    /// When the last answer was applied (`None`: none yet).
+    pub fn answered_at(&self) -> Option<Instant> {
+        *self.answered_at.lock()
+    }
+
     fn answered(&self, seq: u64) {
+        *self.answered_at.lock() = Some(Instant::now());
         self.answered.send_if_modified(|a| {
             let newer = seq > *a;
             if newer {

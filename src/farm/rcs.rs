@@ -365,7 +365,13 @@ impl Farm {
             assignment,
             holders: owners,
             lock_index: locks.index,
-            locks_read_at: locks.read_at.unwrap_or_else(tokio::time::Instant::now),
+            // Not the view's own time: an answer equal to the last one leaves the view as it
+            // was, yet says it is still current (a refused claim, or a grace period, waits for
+            // such an answer).
+            locks_read_at: self
+                .lock_demand
+                .answered_at()
+                .unwrap_or_else(tokio::time::Instant::now),
             listing_index: listing.index,
             // A claim of an RC deleted meanwhile is harmless: its task is told, and gives the
             // lock back.

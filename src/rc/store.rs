@@ -148,9 +148,6 @@ pub struct LockView {
     pub holders: BTreeMap<RcId, LockHolders>,
     /// Keys under the lock prefix that are not RC locks (reported, ignored).
     pub garbage: Vec<String>,
-    /// When the answer arrived: the farm reads the tree on demand, and how long an RC has
-    /// gone unclaimed is only known up to then.
-    pub read_at: Option<tokio::time::Instant>,
 }
 
 /// The RC lock tree, watched and parsed once per change: a farm keeps this one copy, not the
@@ -164,7 +161,6 @@ impl LockView {
             index,
             holders,
             garbage,
-            read_at: Some(tokio::time::Instant::now()),
         }
     }
 

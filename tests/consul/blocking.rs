@@ -406,11 +406,14 @@ async fn a_watch_read_on_demand_reads_when_asked() {
         .expect("the urged read");
     assert_eq!(rx.borrow_and_update().clone().unwrap().value.len(), 2);
 
-    // Asked again with nothing changed: answered at once all the same.
+    // Asked again with nothing changed: answered at once all the same, and the time of that
+    // answer is known (the view is current up to it, though nothing in it changed).
+    let before = demand.answered_at().expect("answered before");
     let ticket = demand.urge();
     tokio::time::timeout(Duration::from_secs(5), demand.fresh(ticket))
         .await
         .expect("an urged read answers even when nothing changed");
+    assert!(demand.answered_at().expect("answered") > before);
 
     // While someone needs every change, changes are read as they come.
     let fast = demand.fast();
