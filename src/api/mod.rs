@@ -13,6 +13,8 @@ use serde::Deserialize;
 use serde_json::json;
 use tokio::sync::watch;
 
+mod series;
+
 use crate::audit::{AuditQuery, AuditStore, ShipperStats};
 use crate::consul::Consul;
 use crate::labels::Selector;
@@ -102,6 +104,8 @@ async fn metrics(State(s): State<ApiState>) -> Response {
         .set(rcs.iter().filter_map(|r| r.desired).sum::<u64>() as f64);
     metrics::gauge!("rcfarm_pods_current")
         .set(rcs.iter().map(|r| r.current as u64).sum::<u64>() as f64);
+    metrics::gauge!("rcfarm_pods_healthy")
+        .set(rcs.iter().map(|r| r.healthy as u64).sum::<u64>() as f64);
     metrics::gauge!("rcfarm_rcs_unmet")
         .set(rcs.iter().filter(|r| r.has_condition("Unmet")).count() as f64);
     metrics::gauge!("rcfarm_ready").set(if *s.ready.borrow() { 1.0 } else { 0.0 });
@@ -122,11 +126,18 @@ async fn metrics(State(s): State<ApiState>) -> Response {
     let c = s.consul.stats();
     metrics::gauge!("rcfarm_consul_blocking_queries").set(c.blocking_open as f64);
     match &s.metrics {
-        Some(h) => (
-            [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-            h.render(),
-        )
-            .into_response(),
+        Some(h) => {
+            let mut text = h.render();
+            if !text.is_empty() && !text.ends_with('\n') {
+                text.push('\n');
+            }
+            text.push_str(&series::render(&rcs, &rolls, chrono::Utc::now()));
+            text.push_str(&series::render_watch_ages(
+                &crate::consul::watch_answer_ages(),
+            ));
+            text.push_str(&series::render_process());
+            ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
+        }
         None => ApiError(
             StatusCode::NOT_FOUND,
             "metrics are not enabled in this process".into(),
@@ -377,6 +388,32 @@ pub fn describe_metrics() {
         "failed Consul requests, by endpoint and reason"
     );
     describe_counter!(
+        "rcfarm_claims_total",
+        "RCs and rolling updates this farm claimed (took the lock of), by kind"
+    );
+    describe_counter!(
+        "rcfarm_rcs_released_total",
+        "RCs and rolling updates this farm gave up (handed over), by kind"
+    );
+    describe_counter!(
+        "rcfarm_claim_conflicts_total",
+        "claim transactions refused because another session took a lock first"
+    );
+    metrics::counter!("rcfarm_claim_conflicts_total").absolute(0);
+    // Labelled series that alerts and the dashboard read exist at zero from the start, so a
+    // rate over them is 0 rather than no data.
+    for kind in ["RCs", "rolling updates"] {
+        metrics::counter!("rcfarm_claims_total", "kind" => kind).absolute(0);
+        metrics::counter!("rcfarm_rcs_released_total", "kind" => kind).absolute(0);
+    }
+    for endpoint in ["kv", "txn", "session", "status"] {
+        metrics::counter!("rcfarm_consul_requests_total", "endpoint" => endpoint).absolute(0);
+        for reason in ["unavailable", "rate_limited", "permission_denied"] {
+            metrics::counter!("rcfarm_consul_request_errors_total", "endpoint" => endpoint, "reason" => reason)
+                .absolute(0);
+        }
+    }
+    describe_counter!(
         "rcfarm_consul_txn_total",
         "Consul transactions, by outcome (committed, fenced, index_stale, …)"
     );
@@ -402,6 +439,10 @@ pub fn describe_metrics() {
         ("rcfarm_live_farms", "live farms seen"),
         ("rcfarm_pods_desired", "pods desired by this farm's RCs"),
         ("rcfarm_pods_current", "pods current for this farm's RCs"),
+        (
+            "rcfarm_pods_healthy",
+            "pods of this farm's RCs whose health checks pass",
+        ),
         (
             "rcfarm_rcs_unmet",
             "this farm's RCs whose desires are unmet",
@@ -451,6 +492,15 @@ pub fn describe_metrics() {
             "rcfarm_failsafe_tripped",
             "1 while the farm removes nothing: the RC tree went empty or all to 0 (FailsafeTripped)",
         ),
+        ("rcfarm_rcs", "RCs in Consul, as this farm sees them"),
+        (
+            "rcfarm_rcs_unowned",
+            "RCs in Consul whose lock no session holds, as this farm sees them",
+        ),
+        (
+            "rcfarm_transfer_timeout_seconds",
+            "this farm's node transfer timeout (--transfer-timeout): a transfer older rolls back",
+        ),
     ];
     for (name, help) in gauges {
         describe_gauge!(name, help);
@@ -460,9 +510,36 @@ pub fn describe_metrics() {
         "rcfarm_consul_blocking_queries_open",
         "blocking queries open (client-side)"
     );
-    describe_histogram!(
-        "rcfarm_converge_pass_seconds",
-        metrics::Unit::Seconds,
-        "duration of RC convergence passes"
-    );
+    let histograms = [
+        (
+            "rcfarm_consul_request_duration_seconds",
+            "Consul request latency (blocking queries excluded), by endpoint",
+        ),
+        (
+            "rcfarm_transfer_duration_seconds",
+            "node transfers, from start to completion or rollback, by outcome",
+        ),
+        (
+            "rcfarm_roll_step_duration_seconds",
+            "time between a rolling update's steps (from the farm taking it on, for the first)",
+        ),
+        (
+            "rcfarm_roll_duration_seconds",
+            "rolling updates, from the completing farm taking them on to completion",
+        ),
+        (
+            "rcfarm_converge_pass_seconds",
+            "duration of RC convergence passes",
+        ),
+    ];
+    for (name, help) in histograms {
+        describe_histogram!(name, metrics::Unit::Seconds, help);
+    }
+    // Registered before their first event, so dashboards and alerts find them from the start.
+    for outcome in ["completed", "rolled_back"] {
+        let _ = metrics::histogram!("rcfarm_transfer_duration_seconds", "outcome" => outcome);
+    }
+    let _ = metrics::histogram!("rcfarm_roll_step_duration_seconds");
+    let _ = metrics::histogram!("rcfarm_roll_duration_seconds");
+    let _ = metrics::histogram!("rcfarm_converge_pass_seconds");
 }

@@ -4,6 +4,10 @@
 //!
 //! The file is turned into flags placed before the user's own (which override them, the
 //! subcommands allowing a flag to repeat), skipping options whose environment variable is set.
+//! A switch (`transfer-static`) takes `true` or `false`, any other option a string, number or
+//! boolean, and a repeatable one (`header`) an array of them too; one option given by two keys
+//! (`session-ttl` and `session_ttl`, or `consul-ca-file` and its alias `tls-ca-file`) is refused.
+//! `rcfarm check-config` ([`super::check_config`]) reads a file by the same rules.
 
 use std::ffi::OsString;
 
@@ -55,60 +59,33 @@ pub fn expand(args: Vec<OsString>) -> Result<Vec<OsString>, CliError> {
     let sub = root
         .find_subcommand(&strs[sub_pos])
         .ok_or_else(|| CliError::Usage(format!("unknown subcommand {}", strs[sub_pos])))?;
-    let known: Vec<&clap::Arg> = sub
-        .get_arguments()
-        .chain(root.get_arguments())
-        .filter(|a| a.get_long().is_some())
-        .collect();
+    let known = file_options(&root, sub);
     let mut injected: Vec<OsString> = Vec::new();
+    let mut seen: Vec<(&clap::Arg, &str)> = Vec::new();
     for (key, value) in &table {
-        let long = key.replace('_', "-");
-        let arg = known
-            .iter()
-            .find(|a| {
-                a.get_long() == Some(long.as_str())
-                    || a.get_all_aliases()
-                        .is_some_and(|al| al.contains(&long.as_str()))
-            })
-            .ok_or_else(|| {
-                let mut names: Vec<&str> = known
-                    .iter()
-                    .filter_map(|a| a.get_long())
-                    .filter(|n| *n != "help" && *n != "version" && *n != "config")
-                    .collect();
-                names.sort();
-                CliError::Usage(format!(
-                    "--config {path}: unknown option `{key}`; valid keys: {}",
-                    names.join(", ")
-                ))
-            })?;
+        let arg = find_option(&known, key).ok_or_else(|| {
+            let mut names: Vec<&str> = known.iter().filter_map(|a| a.get_long()).collect();
+            names.sort();
+            CliError::Usage(format!(
+                "--config {path}: unknown option `{key}`; valid keys: {}",
+                names.join(", ")
+            ))
+        })?;
+        if let Some((_, other)) = seen.iter().find(|(a, _)| a.get_id() == arg.get_id()) {
+            return Err(CliError::Usage(format!(
+                "--config {path}: `{other}` and `{key}` are the same option; keep one"
+            )));
+        }
+        seen.push((arg, key));
+        let flags = to_flags(arg, value)
+            .map_err(|e| CliError::Usage(format!("--config {path}: `{key}`: {e}")))?;
         if arg
             .get_env()
             .is_some_and(|env| std::env::var_os(env).is_some())
         {
             continue;
         }
-        let flag = format!("--{}", arg.get_long().unwrap_or(&long));
-        // A switch (`--transfer-static`) takes no value: `true` sets it, `false` leaves it.
-        let takes_value =
-            arg.get_action().takes_values() && arg.get_num_args().is_none_or(|n| n.takes_values());
-        match value {
-            toml::Value::Boolean(b) if !takes_value => {
-                if *b {
-                    injected.push(flag.into());
-                }
-            }
-            toml::Value::Array(items) => {
-                for item in items {
-                    injected.push(flag.clone().into());
-                    injected.push(scalar(&path, key, item)?.into());
-                }
-            }
-            other => {
-                injected.push(flag.into());
-                injected.push(scalar(&path, key, other)?.into());
-            }
-        }
+        injected.extend(flags.into_iter().map(OsString::from));
     }
     let mut out: Vec<OsString> = args[..=sub_pos].to_vec();
     out.extend(injected);
@@ -116,15 +93,113 @@ pub fn expand(args: Vec<OsString>) -> Result<Vec<OsString>, CliError> {
     Ok(out)
 }
 
-fn scalar(path: &str, key: &str, v: &toml::Value) -> Result<String, CliError> {
+/// Options that cannot be set from a file: they are not settings.
+const NOT_SETTINGS: [&str; 3] = ["help", "version", "config"];
+
+/// The options a file may set for subcommand `sub` of `root`: the subcommand's long options and
+/// the root's global ones (`log-format`), without help, version and config.
+pub(super) fn file_options<'a>(
+    root: &'a clap::Command,
+    sub: &'a clap::Command,
+) -> Vec<&'a clap::Arg> {
+    sub.get_arguments()
+        .chain(root.get_arguments().filter(|a| a.is_global_set()))
+        .filter(|a| a.get_long().is_some_and(|l| !NOT_SETTINGS.contains(&l)))
+        .collect()
+}
+
+/// The option a file key names: its long name or an alias, `_` read as `-`.
+pub(super) fn find_option<'a>(known: &[&'a clap::Arg], key: &str) -> Option<&'a clap::Arg> {
+    let long = key.replace('_', "-");
+    known.iter().copied().find(|a| {
+        a.get_long() == Some(long.as_str())
+            || a.get_all_aliases()
+                .is_some_and(|al| al.contains(&long.as_str()))
+    })
+}
+
+/// Whether an option takes no value (`--transfer-static`): `true` in a file sets it.
+fn is_switch(arg: &clap::Arg) -> bool {
+    !(arg.get_action().takes_values() && arg.get_num_args().is_none_or(|n| n.takes_values()))
+}
+
+/// Whether an option may be given several times, each adding a value (`--header`): an array
+/// in a file gives it once per item.
+fn is_repeatable(arg: &clap::Arg) -> bool {
+    matches!(arg.get_action(), clap::ArgAction::Append)
+}
+
+/// The command-line arguments a file's value for `arg` stands for, or why it cannot be one.
+/// A switch takes `true` (set) or `false` (left unset); an option a string, number or boolean,
+/// or for a repeatable option an array of them.
+pub(super) fn to_flags(arg: &clap::Arg, value: &toml::Value) -> Result<Vec<String>, String> {
+    let long = arg.get_long().unwrap_or_default();
+    let flag = format!("--{long}");
+    if is_switch(arg) {
+        return match value {
+            toml::Value::Boolean(true) => Ok(vec![flag]),
+            toml::Value::Boolean(false) => Ok(Vec::new()),
+            toml::Value::String(s) => Err(format!(
+                "a switch takes true or false (unquoted), not the string {s:?}"
+            )),
+            other => Err(format!(
+                "a switch takes true or false, not {} {}",
+                article(other.type_str()),
+                other.type_str()
+            )),
+        };
+    }
+    let with = |v: String| {
+        // A value that starts with `-` is glued to its flag, or it would read as another flag.
+        if v.starts_with('-') {
+            vec![format!("{flag}={v}")]
+        } else {
+            vec![flag.clone(), v]
+        }
+    };
+    match value {
+        toml::Value::Array(items) if is_repeatable(arg) => {
+            let mut out = Vec::new();
+            for item in items {
+                out.extend(with(scalar(item).map_err(|t| {
+                    format!(
+                        "an array item is {} {t}; give strings, numbers or booleans",
+                        article(t)
+                    )
+                })?));
+            }
+            Ok(out)
+        }
+        toml::Value::Array(_) => Err(format!(
+            "an array, but `{long}` takes one value; give a string, number or boolean"
+        )),
+        other => Ok(with(scalar(other).map_err(|t| {
+            let what = if is_repeatable(arg) {
+                "a string, number or boolean, or an array of them"
+            } else {
+                "a string, number or boolean"
+            };
+            format!("{} {t}, but `{long}` takes {what}", article(t))
+        })?)),
+    }
+}
+
+fn article(type_name: &str) -> &'static str {
+    if type_name.starts_with(['a', 'e', 'i', 'o', 'u']) {
+        "an"
+    } else {
+        "a"
+    }
+}
+
+/// A scalar as its command-line text, or the TOML type it is instead.
+fn scalar(v: &toml::Value) -> Result<String, &'static str> {
     match v {
         toml::Value::String(s) => Ok(s.clone()),
         toml::Value::Integer(i) => Ok(i.to_string()),
         toml::Value::Float(f) => Ok(f.to_string()),
         toml::Value::Boolean(b) => Ok(b.to_string()),
-        _ => Err(CliError::Usage(format!(
-            "--config {path}: `{key}` must be a string, number or boolean"
-        ))),
+        other => Err(other.type_str()),
     }
 }
 
@@ -203,6 +278,32 @@ mod tests {
             err.contains("unknown option `sesion-ttl`") && err.contains("session-ttl"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn arrays_only_for_repeatable_options_and_one_key_per_option() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("farm.toml");
+        let run = |text: &str| {
+            std::fs::write(&f, text).unwrap();
+            expand(os(&["rcfarm", "serve", "--config", f.to_str().unwrap()]))
+                .map(|out| {
+                    out.iter()
+                        .map(|a| a.to_string_lossy().into_owned())
+                        .collect::<Vec<_>>()
+                })
+                .map_err(|e| e.to_string())
+        };
+        let s = run("header = [\"A=1\", \"B=2\"]\nrc-selector = \"-x\"\n").unwrap();
+        assert!(s.windows(2).any(|w| w == ["--header", "A=1"]), "{s:?}");
+        assert!(s.windows(2).any(|w| w == ["--header", "B=2"]), "{s:?}");
+        assert!(s.contains(&"--rc-selector=-x".to_string()), "{s:?}");
+        let err = run("session-ttl = [\"1s\", \"2s\"]\n").unwrap_err();
+        assert!(err.contains("takes one value"), "{err}");
+        let err = run("session-ttl = \"1s\"\nsession_ttl = \"2s\"\n").unwrap_err();
+        assert!(err.contains("the same option"), "{err}");
+        let err = run("transfer-static = \"yes\"\n").unwrap_err();
+        assert!(err.contains("a switch takes true or false"), "{err}");
     }
 
     #[test]

@@ -7,6 +7,7 @@ mod bench_farm;
 mod bench_rolls;
 mod bench_selectors;
 mod chaos;
+mod check_config;
 mod config;
 mod connection;
 mod consul_dev;
@@ -102,6 +103,8 @@ enum RcfarmCommand {
     Chaos(chaos::ChaosArgs),
     /// Play P2's preparer for a set of nodes: run their intents (reality/) and report health.
     SimulateNodes(simulate::SimulateArgs),
+    /// Check a `serve --config` TOML file: every mistake with its line, exit 2 if any.
+    CheckConfig(check_config::CheckConfigArgs),
 }
 
 #[derive(Debug, Subcommand)]
@@ -149,6 +152,7 @@ pub fn rcfarm_main() -> ExitCode {
             RcfarmCommand::Bench(BenchCommand::Audit(args)) => bench_audit::run(args).await,
             RcfarmCommand::Chaos(args) => chaos::run(args).await,
             RcfarmCommand::SimulateNodes(args) => simulate::run(args).await,
+            RcfarmCommand::CheckConfig(args) => check_config::run(&args),
             RcfarmCommand::Bench(BenchCommand::Rolls(args)) => {
                 println!("{}", bench_rolls::header());
                 bench_rolls::run(args).await

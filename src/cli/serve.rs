@@ -349,11 +349,24 @@ fn install_metrics() -> Option<metrics_exporter_prometheus::PrometheusHandle> {
     let buckets = [
         0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
     ];
+    // Node transfers wait for a new pod to be healthy (minutes); rolls take minutes to hours.
+    let slow = [
+        1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, 7200.0, 21600.0,
+    ];
     let builder = PrometheusBuilder::new()
         .set_buckets_for_metric(
             Matcher::Full("rcfarm_converge_pass_seconds".into()),
             &buckets,
         )
+        .ok()?
+        .set_buckets_for_metric(
+            Matcher::Full("rcfarm_consul_request_duration_seconds".into()),
+            &buckets,
+        )
+        .ok()?
+        .set_buckets_for_metric(Matcher::Prefix("rcfarm_transfer_".into()), &slow)
+        .ok()?
+        .set_buckets_for_metric(Matcher::Prefix("rcfarm_roll_".into()), &slow)
         .ok()?;
     match builder.install_recorder() {
         Ok(h) => {
@@ -367,10 +380,19 @@ fn install_metrics() -> Option<metrics_exporter_prometheus::PrometheusHandle> {
     }
 }
 
-pub async fn serve(args: ServeArgs) -> Result<(), CliError> {
+/// What `serve` checks of its options before it connects to anything, and what they make: the
+/// farm's configuration and the HTTP address. `rcfarm check-config` runs the same.
+pub(super) fn prepare(
+    args: &ServeArgs,
+) -> Result<(FarmConfig, Option<std::net::SocketAddr>), CliError> {
     let consul = args.connection.to_config()?;
     let config = args.farm.to_config(consul, &default_farm_id())?;
     let http = args.farm.http_addr()?;
+    Ok((config, http))
+}
+
+pub async fn serve(args: ServeArgs) -> Result<(), CliError> {
+    let (config, http) = prepare(&args)?;
     let shutdown = CancellationToken::new();
     let s = shutdown.clone();
     tokio::spawn(async move {

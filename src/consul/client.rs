@@ -398,10 +398,12 @@ impl Consul {
         endpoint: &'static str,
         retry: Retry,
         timeout: Duration,
-        attempts: u32,
         via: Via,
+        blocking: bool,
         build: impl Fn() -> Result<reqwest::RequestBuilder>,
     ) -> Result<Raw> {
+        // A blocking read is not retried here: its watch loop decides how to recover.
+        let attempts = if blocking { 1 } else { self.inner.cfg.attempts };
         let (lane, mut held) = match via {
             Via::Lane(lane) => (lane, None),
             Via::Held(p) => (Lane::Shared, Some(p)),
@@ -424,9 +426,13 @@ impl Consul {
             if let Some(token) = self.inner.token.current() {
                 request = request.header("X-Consul-Token", token);
             }
+            // A blocking query's time is how long nothing changed, not latency: not timed.
+            let started = (!blocking).then(std::time::Instant::now);
+            let mut http_status = None;
             let (err, may_retry) = match request.send().await {
                 Ok(resp) => {
                     let status = resp.status();
+                    http_status = Some(status.as_u16());
                     let headers = resp.headers().clone();
                     match resp.bytes().await {
                         Ok(body) => {
@@ -434,6 +440,10 @@ impl Consul {
                             // own once the body is done; let it run before the permit goes,
                             // or the next request finds no idle connection and opens one more.
                             tokio::task::yield_now().await;
+                            if let Some(t) = started {
+                                metrics::histogram!("rcfarm_consul_request_duration_seconds", "endpoint" => endpoint)
+                                    .record(t.elapsed().as_secs_f64());
+                            }
                             let raw = Raw {
                                 status,
                                 headers,
@@ -459,7 +469,14 @@ impl Consul {
                 }
             };
             self.inner.stats.errors.fetch_add(1, Ordering::Relaxed);
-            metrics::counter!("rcfarm_consul_request_errors_total", "endpoint" => endpoint, "reason" => err.reason_label())
+            // Consul's rate limiter answers 429: told apart from other unavailability, since
+            // the cure (fewer farms' requests, a higher limit) differs.
+            let reason = if http_status == Some(429) {
+                "rate_limited"
+            } else {
+                err.reason_label()
+            };
+            metrics::counter!("rcfarm_consul_request_errors_total", "endpoint" => endpoint, "reason" => reason)
                 .increment(1);
             if !may_retry || attempt >= attempts.max(1) {
                 return Err(err);
@@ -578,13 +595,12 @@ impl Consul {
         let timeout = self.blocking_timeout(opts);
         let blocking = opts.index > 0;
         let _open = blocking.then(|| BlockingGuard::new(&self.inner.stats));
-        let attempts = if blocking { 1 } else { self.inner.cfg.attempts };
         self.execute(
             endpoint,
             Retry::Idempotent,
             timeout,
-            attempts,
             Via::Lane(Lane::Shared),
+            blocking,
             || Ok(self.inner.http.get(&url).query(&query)),
         )
         .await
@@ -721,11 +737,11 @@ impl Consul {
             w.endpoint,
             w.retry,
             timeout,
-            self.inner.cfg.attempts,
             match held {
                 Some(p) => Via::Held(p),
                 None => Via::Lane(w.lane),
             },
+            false,
             || {
                 let http = match w.lane {
                     Lane::Shared => &self.inner.http,

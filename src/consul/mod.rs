@@ -4,6 +4,7 @@
 //! `shared/CONSUL_API.md` and never depends on anything only the embedded server does, so it
 //! works against real Consul clusters.
 
+mod answers;
 mod client;
 mod coalesce;
 mod error;
@@ -15,6 +16,7 @@ mod txn;
 mod types;
 mod watch;
 
+pub use answers::watch_answer_ages;
 pub use client::{
     ClientStatsSnapshot, Consul, ConsulConfig, DEFAULT_MAX_CONNS, MIN_MAX_CONNS, init_tls,
     parse_go_bool, with_https,

@@ -418,6 +418,10 @@ async fn run_watch<T, F, Fut, P>(
     // The index of the last answer, to notice an index going backwards.
     let mut last_seen = 0u64;
     let mut consecutive_errors = 0u32;
+    let running = super::answers::Running::new(&name);
+    // Registered at zero (never reset: a watch of this name may have run before), so a rate
+    // over reconnects is 0 rather than no data.
+    metrics::counter!("rcfarm_consul_watch_reconnects_total", "watch" => name.clone()).increment(0);
     // Since when answers have been older than `last_seen`, while they are held back.
     let mut regressed_since: Option<Instant> = None;
     // Whether the next query was asked for (it must answer at once) rather than a wait for
@@ -489,6 +493,7 @@ async fn run_watch<T, F, Fut, P>(
                 // Which trees cost what: each answer to a prefix is the whole tree again.
                 metrics::counter!("rcfarm_consul_watch_answers_total", "watch" => name.clone())
                     .increment(1);
+                running.answered();
                 metrics::counter!("rcfarm_consul_watch_answer_bytes_total", "watch" => name.clone())
                     .increment(meta.body_len as u64);
                 out.publish(index, value, &stats);

@@ -314,6 +314,9 @@ impl Farm {
             return Ok(());
         }
         let cfg = &self.config;
+        // For the alert on transfers running past it.
+        metrics::gauge!("rcfarm_transfer_timeout_seconds")
+            .set(cfg.task.transfer_timeout.as_secs_f64());
         let mut w = cfg.watch.clone();
         w.readers = Some(self.readers.clone());
         let pod_demand = Demand::new(cfg.consistency_interval);

@@ -418,6 +418,8 @@ impl ClaimFarm<'_> {
                     Ok(resp) => {
                         let index = resp.commit_index();
                         tracing::info!(count = batch.len(), "claimed {}", K::PLURAL);
+                        metrics::counter!("rcfarm_claims_total", "kind" => K::PLURAL)
+                            .increment(batch.len() as u64);
                         got.extend(batch.iter().map(|id| (*id, index)));
                         break;
                     }

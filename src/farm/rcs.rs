@@ -464,6 +464,14 @@ impl Farm {
         metrics::gauge!("rcfarm_owned_rcs").set(owned_n as f64);
         metrics::gauge!("rcfarm_fair_share").set(cap as f64);
         metrics::gauge!("rcfarm_live_farms").set(farms.len() as f64);
+        // As this farm sees them: an RC no session holds a lock on (none of the farms'
+        // selectors matches it, or its farm died and nobody has taken it yet).
+        metrics::gauge!("rcfarm_rcs").set(all_ids.len() as f64);
+        let unowned = all_ids
+            .iter()
+            .filter(|id| !owners.contains_key(*id) && !owned.tasks.contains_key(*id))
+            .count();
+        metrics::gauge!("rcfarm_rcs_unowned").set(unowned as f64);
         self.status.update_farm(|f| {
             f.owned = owned_n;
             f.fair_share = cap;

@@ -40,6 +40,9 @@ pub fn set_condition(conditions: &mut Vec<Condition>, kind: &str, message: Optio
 pub struct RcStatus {
     pub id: RcId,
     pub pod_id: Option<String>,
+    /// The RC's node selector: alerts carry it, as P2's pages did.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub selector: Option<String>,
     pub owner_farm: String,
     pub desired: Option<u64>,
     pub current: usize,
@@ -58,6 +61,7 @@ impl RcStatus {
         RcStatus {
             id,
             pod_id: None,
+            selector: None,
             owner_farm: owner_farm.to_string(),
             desired: None,
             current: 0,

@@ -261,6 +261,14 @@ impl Worker {
             ],
         )
         .await?;
+        // P2 kept a histogram of transfer durations; a transfer P2 started without a start time
+        // counts from when this farm first saw it.
+        let took = (Utc::now() - t.started_at).to_std().unwrap_or_default();
+        metrics::histogram!(
+            "rcfarm_transfer_duration_seconds",
+            "outcome" => if rollback.is_some() { "rolled_back" } else { "completed" }
+        )
+        .record(took.as_secs_f64());
         match &rollback {
             Some(reason) => {
                 tracing::warn!(old = %t.old_node, new = %t.new_node, %reason, "node transfer rolled back")

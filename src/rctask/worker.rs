@@ -520,6 +520,7 @@ impl Worker {
             .count();
         self.ctx.status.update_rc(self.id, &self.ctx.farm_id, |s| {
             s.pod_id = Some(rc.pod_id().to_string());
+            s.selector = Some(rc.node_selector.to_string());
             s.desired = Some(rc.replicas_desired);
             s.current = o.current.len();
             s.healthy = healthy;

@@ -254,6 +254,10 @@ impl Worker {
                     "moved replicas from the old RC to the new one"
                 );
                 metrics::counter!("rcfarm_roll_steps_total").increment(1);
+                let since = self.last_step_at.unwrap_or(self.began);
+                metrics::histogram!("rcfarm_roll_step_duration_seconds")
+                    .record(since.elapsed().as_secs_f64());
+                self.last_step_at = Some(tokio::time::Instant::now());
                 self.ready_since = None;
                 self.ctx.status.update(self.id, &self.ctx.farm_id, |s| {
                     s.steps += 1;
@@ -278,6 +282,8 @@ impl Worker {
             RollAction::Complete => {
                 tracing::info!(old_deleted = !u.leave_old, "rolling update complete");
                 metrics::counter!("rcfarm_roll_completions_total").increment(1);
+                metrics::histogram!("rcfarm_roll_duration_seconds")
+                    .record(self.began.elapsed().as_secs_f64());
                 self.ctx.status.remove(self.id);
                 let _ = self.events.send(RollEvent::Completed(self.id, index));
                 return Ok(());

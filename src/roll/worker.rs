@@ -151,6 +151,8 @@ pub fn spawn(
             events,
             invalid_reported: None,
             ready_since: None,
+            began: Instant::now(),
+            last_step_at: None,
             stuck_since: None,
             alerted: None,
             lowest_healthy: None,
@@ -189,6 +191,10 @@ pub(super) struct Worker {
     /// episode).
     pub(super) held: bool,
     pub(super) backoff: Backoff,
+    /// When this farm began carrying the roll out, and when it last stepped: step and
+    /// completion durations as this farm saw them (a roll's records keep no start time).
+    pub(super) began: Instant,
+    pub(super) last_step_at: Option<Instant>,
 }
 
 /// What one look at the roll found.

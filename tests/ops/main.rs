@@ -4,6 +4,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod alerting;
 mod browser;
 mod cli;
 mod files;
@@ -42,13 +43,32 @@ pub async fn setup(extra: &[&str]) -> Setup {
     .unwrap();
     let dir = tempfile::tempdir().unwrap();
     let audit_db = format!("sqlite://{}", dir.path().join("audit.db").display());
+    let (farm, http, log) = spawn_farm(&server.url(), "ops", &audit_db, extra).await;
+    Setup {
+        server,
+        farm,
+        http,
+        audit_db,
+        log,
+        dir,
+    }
+}
+
+/// Starts `rcfarm serve` against `consul` with its HTTP API on an ephemeral port; returns the
+/// process, the API's URL and its log as it grows.
+pub async fn spawn_farm(
+    consul: &str,
+    farm_id: &str,
+    audit_db: &str,
+    extra: &[&str],
+) -> (Child, String, Arc<Mutex<String>>) {
     let mut farm = Command::new(RCFARM)
         .args([
             "serve",
             "--consul",
-            &server.url(),
+            consul,
             "--farm-id",
-            "ops",
+            farm_id,
             "--http",
             "127.0.0.1:0",
         ])
@@ -58,7 +78,7 @@ pub async fn setup(extra: &[&str]) -> Setup {
             "--resync-interval",
             "1s",
             "--audit-db",
-            &audit_db,
+            audit_db,
         ])
         .args(["--max-removals", "100000", "--failsafe-confirm", "0s"])
         .args(extra)
@@ -93,14 +113,7 @@ pub async fn setup(extra: &[&str]) -> Setup {
         .await
         .unwrap_or_else(|_| panic!("farm did not announce its HTTP address: {}", log.lock()))
         .unwrap();
-    Setup {
-        server,
-        farm,
-        http,
-        audit_db,
-        log,
-        dir,
-    }
+    (farm, http, log)
 }
 
 /// Runs rcctl against the setup's server; returns (exit code, stdout, stderr).
