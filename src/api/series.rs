@@ -60,7 +60,7 @@ pub fn render(rcs: &[RcStatus], rolls: &[RollStatus], now: DateTime<Utc>) -> Str
                     rc,
                     &[("old_node", &*t.old_node), ("new_node", &*t.new_node)],
                 ),
-                seconds_since(t.started_at, now),
+                seconds_since(t.started_at.unwrap_or(now), now),
             );
         }
     }

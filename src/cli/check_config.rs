@@ -652,6 +652,8 @@ log-format = "json"
             .collect();
         let missing: Vec<&str> = options
             .iter()
+            // Hidden options are test knobs, not settings.
+            .filter(|a| !a.is_hide_set())
             .filter_map(|a| a.get_long())
             .filter(|long| !documented.iter().any(|d| d == long))
             .collect();

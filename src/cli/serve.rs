@@ -72,6 +72,10 @@ pub struct FarmArgs {
     /// over or a rolling update runs).
     #[arg(long, env = "RCFARM_CONSISTENCY_INTERVAL", default_value = "60s", value_parser = parse_duration_flag)]
     pub consistency_interval: Duration,
+    /// Actions an RC task applies in one pass before it looks at its inputs again (tests
+    /// lower it to exercise passes cut short; not a setting).
+    #[arg(long, hide = true, default_value_t = 16)]
+    pub max_actions_per_pass: usize,
     /// Roll a node transfer back if the new pod is not healthy by then.
     #[arg(long, env = "RCFARM_TRANSFER_TIMEOUT", default_value = "5m", value_parser = parse_duration_flag)]
     pub transfer_timeout: Duration,
@@ -226,6 +230,7 @@ impl FarmArgs {
             resync: self.resync_interval,
             transfer_timeout: self.transfer_timeout,
             transfer_static: self.transfer_static,
+            max_actions_per_pass: self.max_actions_per_pass,
             ..TaskConfig::default()
         };
         c.consistency_interval = self.consistency_interval;

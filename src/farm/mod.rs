@@ -791,7 +791,9 @@ impl Farm {
                     if r.is_err() { return Ended::SessionLost("roll lock watch ended".into()); }
                     dirty_rolls = true;
                 }
-                _ = rc_label_rx.changed() => {
+                r = rc_label_rx.changed() => {
+                    // An ended watch answers at once, for ever: ignored, it made this loop spin.
+                    if r.is_err() { return Ended::SessionLost("RC label watch ended".into()); }
                     dirty = true;
                     dirty_rolls = true;
                 }

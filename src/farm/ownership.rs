@@ -197,7 +197,17 @@ impl<K: Kind> Owned<K> {
                     t.update(K::deleted());
                     deleted.push(id);
                 } else if !t.is_finished() {
-                    tracing::warn!(id = %id, "no longer holding the lock of one of our {}; stopping its task", K::PLURAL);
+                    match view.holders.get(&id) {
+                        Some(other) => {
+                            tracing::warn!(id = %id, holder = %other, "another session holds the lock of one of our {}; stopping its task", K::PLURAL)
+                        }
+                        // Nobody holds it: a rolling update deletes its lock with its record
+                        // when it completes, and the lock tree may show that before the task
+                        // has ended and the roll tree shows the record gone. Not news.
+                        None => {
+                            tracing::info!(id = %id, "the lock of one of our {} is gone (completed, or deleted by hand); stopping its task", K::PLURAL)
+                        }
+                    }
                 }
                 t.stop().await;
                 self.kind.forget(id);
@@ -389,14 +399,11 @@ impl ClaimFarm<'_> {
         guard: &dyn Fn(RcId) -> Option<TxnOp>,
     ) -> (Vec<(RcId, u64)>, Vec<RcId>) {
         let mut refused = Vec::new();
-        let per = if ids.first().is_some_and(|id| guard(*id).is_some()) {
-            3
-        } else {
-            2
-        };
         let mut got = Vec::new();
-        for chunk in ids.chunks(MAX_TXN_OPS / per) {
-            let mut batch: Vec<RcId> = chunk.to_vec();
+        // Each object's own op count: a guard adds one, and not every object has one.
+        let ops_of = |id: RcId| 2 + usize::from(guard(id).is_some());
+        for chunk in chunks_by_ops(ids, ops_of, MAX_TXN_OPS) {
+            let mut batch: Vec<RcId> = chunk;
             for _ in 0..2 {
                 if batch.is_empty() {
                     break;
@@ -464,16 +471,182 @@ impl ClaimFarm<'_> {
                     ops.push(kind.released_record(*id, self.session, reason).txn_op());
                 }
                 if let Err(e) = self.consul.txn(&ops).await {
-                    // Some lock was not ours any more: release one by one.
+                    // Some lock was not ours any more: release one by one, each with its
+                    // record, as the batch would have.
                     tracing::debug!(error = %e, "batched release failed; releasing one by one");
                     for id in chunk {
-                        let _ = self
-                            .consul
-                            .release_lock(&K::lock_key(*id), self.session.id())
-                            .await;
+                        let key = K::lock_key(*id);
+                        let one = [
+                            TxnOp::check_session(key.clone(), self.session.id()),
+                            TxnOp::delete(key),
+                            kind.released_record(*id, self.session, reason).txn_op(),
+                        ];
+                        match self.consul.txn(&one).await {
+                            Ok(_) => {}
+                            // Not ours any more (another farm took it, or it is gone):
+                            // nothing to give back.
+                            Err(ConsulError::Conflict(_)) => {}
+                            Err(e) => tracing::warn!(
+                                error = %e,
+                                id = %id,
+                                "could not give a {} back; its lock goes when the session does",
+                                K::NOUN
+                            ),
+                        }
                     }
                 }
             })
             .await;
+    }
+}
+
+/// Splits `ids` into runs whose ops (`ops_of` each) fit one transaction of `max` ops, in order.
+fn chunks_by_ops(ids: &[RcId], ops_of: impl Fn(RcId) -> usize, max: usize) -> Vec<Vec<RcId>> {
+    let mut out: Vec<Vec<RcId>> = Vec::new();
+    let mut used = 0;
+    for id in ids {
+        let n = ops_of(*id);
+        if out.is_empty() || used + n > max {
+            out.push(Vec::new());
+            used = 0;
+        }
+        used += n;
+        if let Some(last) = out.last_mut() {
+            last.push(*id);
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn claim_chunks_count_each_objects_own_ops() {
+        let ids: Vec<RcId> = (0..100).map(|_| RcId::new()).collect();
+        let guarded: BTreeSet<RcId> = ids.iter().skip(1).step_by(2).copied().collect();
+        let ops_of = |id: RcId| 2 + usize::from(guarded.contains(&id));
+        // Rows: which objects have a guard → every chunk within 64 ops, all kept in order.
+        // (The first object unguarded, the rest mixed: sized by the first, a chunk of 32
+        // objects held 80 ops.)
+        for (name, ops) in [
+            ("mixed, first unguarded", &ops_of as &dyn Fn(RcId) -> usize),
+            ("none guarded", &|_| 2),
+            ("all guarded", &|_| 3),
+        ] {
+            let chunks = chunks_by_ops(&ids, ops, MAX_TXN_OPS);
+            for c in &chunks {
+                let n: usize = c.iter().map(|id| ops(*id)).sum();
+                assert!(n <= MAX_TXN_OPS, "{name}: a chunk of {n} ops");
+                assert!(!c.is_empty(), "{name}");
+            }
+            let flat: Vec<RcId> = chunks.concat();
+            assert_eq!(flat, ids, "{name}: every object once, in order");
+        }
+        assert_eq!(
+            chunks_by_ops(&ids, |_| 2, MAX_TXN_OPS).len(),
+            4,
+            "32 per chunk"
+        );
+        assert!(chunks_by_ops(&[], |_| 2, MAX_TXN_OPS).is_empty());
+    }
+
+    struct TestKind;
+
+    impl Kind for TestKind {
+        type State = ();
+        const NOUN: &'static str = "test object";
+        const PLURAL: &'static str = "test objects";
+        fn lock_key(id: RcId) -> String {
+            format!("lock/test/{id}")
+        }
+        fn claimed_record(&self, id: RcId, _: &Session) -> AuditRecord {
+            AuditRecord::new("TEST_CLAIMED", serde_json::json!({"id": id}))
+        }
+        fn released_record(&self, id: RcId, _: &Session, _: &str) -> AuditRecord {
+            AuditRecord::new("TEST_RELEASED", serde_json::json!({"id": id}))
+        }
+        fn deleted() {}
+        fn forget(&self, _: RcId) {}
+    }
+
+    /// A batched release refused because one lock was taken meanwhile gives the others back
+    /// one by one, each with its record (a regression: the one-by-one fallback wrote none).
+    #[tokio::test]
+    async fn a_failed_batched_release_gives_the_rest_back_with_their_records() {
+        use crate::consul::{ConsulConfig, QueryOptions, SessionConfig};
+        let server = crate::server::EmbeddedServer::start(crate::server::ServerConfig::ephemeral())
+            .await
+            .unwrap();
+        let consul = Consul::new(ConsulConfig::new(server.url())).unwrap();
+        let config = |name: &str| SessionConfig {
+            name: name.into(),
+            ttl: Duration::from_secs(30),
+            lock_delay: Duration::ZERO,
+            behavior: Default::default(),
+        };
+        let ours = Session::create(&consul, &config("ours")).await.unwrap();
+        let theirs = Session::create(&consul, &config("theirs")).await.unwrap();
+        let ids: Vec<RcId> = (0..3).map(|_| RcId::new()).collect();
+        for id in &ids {
+            let key = TestKind::lock_key(*id);
+            assert!(
+                consul
+                    .kv_acquire(&key, b"x", ours.id(), None)
+                    .await
+                    .unwrap()
+            );
+        }
+        // Another session has the second one now (ours was lost and taken over).
+        let stolen = TestKind::lock_key(ids[1]);
+        assert!(consul.release_lock(&stolen, ours.id()).await.unwrap());
+        assert!(
+            consul
+                .kv_acquire(&stolen, b"y", theirs.id(), None)
+                .await
+                .unwrap()
+        );
+
+        let demand = crate::consul::Demand::new(Duration::from_secs(1));
+        let farm = ClaimFarm {
+            consul: &consul,
+            session: &ours,
+            farm_id: "f",
+            lock_demand: &demand,
+            rules: ClaimRules {
+                grace: Duration::ZERO,
+                slack: 0,
+            },
+        };
+        farm.release(&TestKind, &ids, "test").await;
+
+        let holder = |key: String| {
+            let consul = consul.clone();
+            async move {
+                let (e, _) = consul.kv_get(&key, &QueryOptions::default()).await.unwrap();
+                e.and_then(|e| e.session)
+            }
+        };
+        assert_eq!(holder(TestKind::lock_key(ids[0])).await, None);
+        assert_eq!(holder(TestKind::lock_key(ids[2])).await, None);
+        assert_eq!(holder(stolen).await.as_deref(), Some(theirs.id()));
+        let (records, _) = consul
+            .kv_list(crate::audit::AUDIT_PREFIX, &QueryOptions::default())
+            .await
+            .unwrap();
+        let released: BTreeSet<String> = records
+            .iter()
+            .filter_map(|r| {
+                let v: serde_json::Value = serde_json::from_slice(r.value_bytes()).ok()?;
+                (v["event_type"] == "TEST_RELEASED")
+                    .then(|| v["event_details"]["id"].as_str().map(str::to_string))?
+            })
+            .collect();
+        assert_eq!(
+            released,
+            [ids[0].to_string(), ids[2].to_string()].into(),
+            "{records:?}"
+        );
     }
 }

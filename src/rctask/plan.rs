@@ -18,9 +18,32 @@ pub struct Transfer {
     pub old_node: NodeName,
     pub new_node: NodeName,
     pub id: String,
-    /// rcfarm's addition, for the timeout.
-    #[serde(default = "Utc::now")]
-    pub started_at: DateTime<Utc>,
+    /// rcfarm's addition, for the timeout. P2 writes none: see [`Transfer::resumed`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub started_at: Option<DateTime<Utc>>,
+}
+
+impl Transfer {
+    /// The transfer read from Consul, with a start time for the timeout: its own, else the one
+    /// this task gave the same transfer when it first read it, else `now`. Without the second,
+    /// a P2-written transfer (no start time) got a new one at every re-read, and its timeout
+    /// could be put off for ever.
+    pub fn resumed(
+        stored: Option<Transfer>,
+        known: Option<&Transfer>,
+        now: DateTime<Utc>,
+    ) -> Option<Transfer> {
+        let mut t = stored?;
+        if t.started_at.is_none() {
+            t.started_at = Some(
+                known
+                    .filter(|k| k.id == t.id)
+                    .and_then(|k| k.started_at)
+                    .unwrap_or(now),
+            );
+        }
+        Some(t)
+    }
 }
 
 /// Everything the planner looks at.
@@ -133,7 +156,7 @@ pub fn plan(o: &Observed<'_>) -> Plan {
             Some(Err(format!("{} is eligible again", t.old_node)))
         } else if !o.health_in_use || o.health.get(&t.new_node).is_some_and(|h| h.is_passing()) {
             Some(Ok(()))
-        } else if elapsed(o.now, t.started_at) >= o.transfer_timeout {
+        } else if elapsed(o.now, t.started_at.unwrap_or(o.now)) >= o.transfer_timeout {
             Some(Err(format!(
                 "the new pod on {} was not healthy within {}s",
                 t.new_node,
@@ -512,7 +535,7 @@ mod tests {
             old_node: "x".into(),
             new_node: "b".into(),
             id: "t1".into(),
-            started_at: t0(),
+            started_at: Some(t0()),
         });
         o.now = t0() + chrono::Duration::seconds(3600);
         o.transfer_frozen = Some("session s1".into());
@@ -567,7 +590,7 @@ mod tests {
             old_node: "x".into(),
             new_node: "n".into(),
             id: "t1".into(),
-            started_at: t0(),
+            started_at: Some(t0()),
         });
         let p = plan(&o);
         assert!(p.is_idle() && p.waiting.is_some(), "waits for health");
@@ -623,5 +646,57 @@ mod tests {
             plan(&o).actions,
             vec![Action::Schedule(vec!["a".into(), "b".into()])]
         );
+    }
+
+    #[test]
+    fn a_transfer_without_a_start_keeps_the_first_one_it_was_given() {
+        let t = |id: &str, at: Option<DateTime<Utc>>| Transfer {
+            old_node: "a".into(),
+            new_node: "b".into(),
+            id: id.into(),
+            started_at: at,
+        };
+        let (t1, t2) = (t0(), t0() + chrono::Duration::seconds(600));
+        // Rows: what Consul holds, what the task knew, when it reads → the start it uses.
+        let cases = [
+            (
+                t("x", None),
+                None,
+                t1,
+                t1,
+                "first read of a P2 transfer: from now",
+            ),
+            (
+                t("x", None),
+                Some(t("x", Some(t1))),
+                t2,
+                t1,
+                "re-read: the start already given",
+            ),
+            (
+                t("y", None),
+                Some(t("x", Some(t1))),
+                t2,
+                t2,
+                "another transfer: from now",
+            ),
+            (t("x", Some(t1)), None, t2, t1, "its own start wins"),
+            (
+                t("x", Some(t1)),
+                Some(t("x", Some(t2))),
+                t2,
+                t1,
+                "its own start wins over ours",
+            ),
+        ];
+        for (stored, known, now, want, why) in cases {
+            let got = Transfer::resumed(Some(stored), known.as_ref(), now).unwrap();
+            assert_eq!(got.started_at, Some(want), "{why}");
+        }
+        assert_eq!(Transfer::resumed(None, Some(&t("x", Some(t1))), t2), None);
+        // A P2 transfer's JSON has no start; written back, ours has one.
+        let p2: Transfer =
+            serde_json::from_str(r#"{"old_node":"a","new_node":"b","id":"x"}"#).unwrap();
+        assert_eq!(p2.started_at, None);
     }
 }

@@ -27,6 +27,7 @@ impl Worker {
             .transfers
             .transfer(self.id, self.transfer_since)
             .await?;
+        let stored = Transfer::resumed(stored, self.transfer.as_ref(), Utc::now());
         if let Some(t) = &stored
             && self.transfer.as_ref() != Some(t)
         {
@@ -103,7 +104,7 @@ impl Worker {
             old_node: old.clone(),
             new_node: new.clone(),
             id: uuid::Uuid::new_v4().to_string(),
-            started_at: Utc::now(),
+            started_at: Some(Utc::now()),
         };
         let mut nodes: BTreeSet<NodeName> = o.current.keys().cloned().collect();
         nodes.insert(new.clone());
@@ -262,8 +263,11 @@ impl Worker {
         )
         .await?;
         // P2 kept a histogram of transfer durations; a transfer P2 started without a start time
-        // counts from when this farm first saw it.
-        let took = (Utc::now() - t.started_at).to_std().unwrap_or_default();
+        // counts from when this task first read it.
+        let took = t
+            .started_at
+            .and_then(|s| (Utc::now() - s).to_std().ok())
+            .unwrap_or_default();
         metrics::histogram!(
             "rcfarm_transfer_duration_seconds",
             "outcome" => if rollback.is_some() { "rolled_back" } else { "completed" }

@@ -34,6 +34,20 @@ pub struct TaskConfig {
     /// Move pods of static-strategy RCs off ineligible nodes too (P2 moves only dynamic ones').
     pub transfer_static: bool,
     pub error_backoff_max: Duration,
+    /// Actions applied in one pass before the task looks at its inputs again (a new RC
+    /// version, cancellation) and starts another.
+    pub max_actions_per_pass: usize,
+}
+
+/// How a pass ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Pass {
+    /// Nothing left to do.
+    Settled,
+    /// The desires cannot be met now (or removals are held): looked at again within seconds.
+    Unmet,
+    /// The cap on actions was reached with more to do.
+    Again,
 }
 
 impl Default for TaskConfig {
@@ -43,6 +57,7 @@ impl Default for TaskConfig {
             transfer_timeout: Duration::from_secs(300),
             transfer_static: false,
             error_backoff_max: Duration::from_secs(30),
+            max_actions_per_pass: 16,
         }
     }
 }
@@ -241,7 +256,7 @@ impl Worker {
                 outcome = async {
                     match state {
                         RcState::Deleted => None,
-                        RcState::Invalid(inv) => Some(Box::pin(self.report_invalid(&inv)).await.map(|_| false)),
+                        RcState::Invalid(inv) => Some(Box::pin(self.report_invalid(&inv)).await.map(|_| Pass::Settled)),
                         RcState::Valid(rc) => Some(Box::pin(self.pass(&rc)).await),
                     }
                 } => outcome,
@@ -253,7 +268,15 @@ impl Worker {
             };
             let mut paced_for_unmet = false;
             let delay = match outcome {
-                Ok(unmet) => {
+                // Stopped by the cap on actions per pass with more to do: nothing is settled
+                // (its conditions stay as they are) and the next pass comes soon, a little later
+                // each time in a row, so a plan that never settles cannot hammer Consul.
+                Ok(Pass::Again) => self
+                    .backoff
+                    .next_delay()
+                    .min(self.ctx.config.error_backoff_max),
+                Ok(outcome) => {
+                    let unmet = outcome == Pass::Unmet;
                     self.backoff.reset();
                     let resync =
                         jitter_half(self.ctx.config.resync * 2).min(self.ctx.config.resync * 2);
@@ -338,7 +361,7 @@ impl Worker {
 
     /// One convergence pass: plan and apply until there is nothing left to do. Returns whether
     /// the desires are unmet.
-    pub(super) async fn pass(&mut self, rc: &Rc) -> Result<bool, TaskError> {
+    pub(super) async fn pass(&mut self, rc: &Rc) -> Result<Pass, TaskError> {
         let started = Instant::now();
         // Pods another session may have written must be known before planning: a plan from a
         // view without them would schedule more pods than the RC wants.
@@ -374,9 +397,10 @@ impl Worker {
         let mut allocation_exhausted = false;
         let mut mutation_locked_elsewhere = false;
         let mut frozen_by = None;
-        let mut result = Ok(false);
+        // Until the plan is empty or held, there is more to do.
+        let mut result = Ok(Pass::Again);
         let mut held = None;
-        for _ in 0..16 {
+        for _ in 0..self.ctx.config.max_actions_per_pass.max(1) {
             let mut o = self
                 .observe(rc, allocation_exhausted, mutation_locked_elsewhere)
                 .await?;
@@ -390,10 +414,13 @@ impl Worker {
             self.publish_status(rc, &o, &p);
             let Some(action) = p.actions.first().cloned() else {
                 self.settle_held(rc, &o, None).await?;
-                result = self
-                    .settle_unmet(rc, p.unmet)
-                    .await
-                    .map(|_| self.unmet.is_some());
+                result = self.settle_unmet(rc, p.unmet).await.map(|_| {
+                    if self.unmet.is_some() {
+                        Pass::Unmet
+                    } else {
+                        Pass::Settled
+                    }
+                });
                 break;
             };
             let (action, granted) = match self.gate_removals(rc, action) {
@@ -425,7 +452,7 @@ impl Worker {
         if held.is_some() {
             // Paced like unmet desires: looked at again within seconds (the window slides,
             // or an operator releases), and at once when the RC changes.
-            result = Ok(true);
+            result = Ok(Pass::Unmet);
         }
         metrics::counter!("rcfarm_converge_passes_total").increment(1);
         metrics::histogram!("rcfarm_converge_pass_seconds").record(started.elapsed().as_secs_f64());

@@ -113,8 +113,8 @@ mod tests {
         let stale = StaleReads::default();
         assert_eq!(stale.answer(|s| s.index()), None);
         stale.start(Store::new(), 2);
-        assert_eq!(stale.answer(|s| s.index()), Some(0));
-        assert_eq!(stale.answer(|s| s.index()), Some(0));
+        assert_eq!(stale.answer(|s| s.index()), Some(1));
+        assert_eq!(stale.answer(|s| s.index()), Some(1));
         assert_eq!(stale.answer(|s| s.index()), None);
     }
 }

@@ -295,7 +295,11 @@ impl Default for Store {
 impl Store {
     pub fn new() -> Self {
         Store {
-            index: 0,
+            // As Raft's first entry is Consul's own configuration, the first write here gets
+            // index 2. An empty table reports index 1 (Consul never reports 0), and a blocking
+            // query on 1 must be woken by the first write: when that write got index 1 too,
+            // a farm that listed an empty prefix slept through it for a whole wait.
+            index: 1,
             kv: BTreeMap::new(),
             kv_table_index: 0,
             tombstones: BTreeMap::new(),

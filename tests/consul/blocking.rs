@@ -37,6 +37,31 @@ async fn a_change_under_the_prefix_wakes_the_query() {
     assert_eq!(entries.len(), 2);
 }
 
+/// A regression: on a fresh server an empty prefix reports index 1 (Consul never reports 0)
+/// and the first write got index 1 too, so a watch blocked on 1 slept through it for a whole
+/// wait (a farm started on a new server missed the first RC created for 5 minutes).
+#[tokio::test]
+async fn the_first_write_to_a_fresh_server_wakes_a_query_on_an_empty_prefix() {
+    let s = server().await;
+    let c = client(&s);
+    let (entries, meta) = c.kv_list("first/", &QueryOptions::default()).await.unwrap();
+    assert!(entries.is_empty());
+    assert_eq!(meta.index, 1, "an empty table reports 1, as Consul does");
+    let c2 = c.clone();
+    let started = Instant::now();
+    let blocked =
+        tokio::spawn(async move { c2.kv_list("first/", &wait(meta.index, 20_000)).await });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    c.kv_put("first/a", b"1", None).await.unwrap();
+    let (entries, meta2) = blocked.await.unwrap().unwrap();
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "woke on the first write, not the timeout"
+    );
+    assert!(meta2.index > meta.index, "{meta2:?}");
+    assert_eq!(entries.len(), 1);
+}
+
 #[tokio::test]
 async fn timeout_returns_the_same_index() {
     let s = server().await;

@@ -89,7 +89,10 @@ fn thirty_seconds(consul: ChaosConsul, dir: &std::path::Path) -> ChaosConfig {
         rcs: 12,
         session_ttl: TTL,
         seed: 0,
-        settle_margin: Duration::from_secs(10),
+        // Node transfers go one at a time, each waiting for its new pod to be healthy: an RC
+        // whose selector changed late, with its farm killed at the end, needs a failover and
+        // two or three transfers. 10 s was too little for that on a loaded 2-core CI machine.
+        settle_margin: Duration::from_secs(30),
         proxy: None,
         log_dir: dir.to_path_buf(),
         consul,

@@ -287,6 +287,45 @@ async fn unmet_desires_alert_once_when_they_start_and_once_when_they_clear(b: Ba
     assert_eq!(c.placements().await[&id].len(), 3);
 }
 
+/// A pass that reaches its cap of applied actions with more to do goes on soon and settles
+/// what it had not (a regression: it reported "met", kept a stale Unmet and waited for the
+/// resync). One action per pass and an hour's resync make any pass cut short visible.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pass_cut_short_by_its_action_cap_goes_on_and_settles() {
+    let mut c = Cluster::start().await;
+    nodes(&c, 2, 1).await;
+    c.spawn_farm(
+        "f1",
+        &[
+            "--max-actions-per-pass",
+            "1",
+            "--resync-interval",
+            "1h",
+            "--consistency-interval",
+            "1h",
+        ],
+    )
+    .await;
+    let id = RcId::new();
+    c.put_rc(id, "big", "env=prod", 3, "static_strategy").await;
+    let cr = &c;
+    c.wait_for(
+        Duration::from_secs(20),
+        "unmet reported",
+        move || async move { count_events(cr, events::RC_DESIRES_UNMET).await == 1 },
+    )
+    .await;
+    // One more node: one action (schedule on it) fills the RC; the pass that applies it is
+    // cut short there, and the one after it finds the desires met.
+    c.label_node("node-99", &[("env", "prod")]).await;
+    let cr = &c;
+    c.wait_for(Duration::from_secs(20), "met again", move || async move {
+        count_events(cr, events::RC_DESIRES_MET).await == 1
+    })
+    .await;
+    assert_eq!(c.placements().await[&id].len(), 3);
+}
+
 on_both_backends!(an_intent_deleted_by_hand_is_rewritten);
 async fn an_intent_deleted_by_hand_is_rewritten(b: Backend) {
     let mut c = Cluster::start_on(&b).await;

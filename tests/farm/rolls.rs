@@ -189,6 +189,16 @@ async fn a_roll_replaces_pods_in_place_and_never_takes_them_below_the_minimum(ba
     let deleted = c.audit_events("REPLICATION_CONTROLLER_DELETED").await;
     assert_eq!(deleted.len(), 1);
     assert_eq!(deleted[0]["replication_controller_id"], old.to_string());
+    // A roll that completes deletes its own lock: no farm warns it lost it (a regression:
+    // "no longer holding the lock of one of our rolling updates" on every completion).
+    for i in 0..2 {
+        let log = c.farm_log(i);
+        assert!(
+            !log.contains("holds the lock of one of our")
+                && !log.contains("no longer holding the lock"),
+            "farm {i} warned of a lock lost:\n{log}"
+        );
+    }
 }
 
 on_both_backends!(a_roll_that_grows_takes_over_only_what_the_old_rc_gives_up);

@@ -659,8 +659,9 @@ async fn the_dashboard_and_the_rules_name_only_what_a_farm_exports_and_prometheu
         if !pending.is_empty() {
             assert!(
                 tokio::time::Instant::now() < deadline,
-                "queries without series after 60 s: {pending:#?}\n{}",
-                prom.log.lock()
+                "queries without series after 60 s: {pending:#?}\nprometheus:\n{}\nfarm:\n{}",
+                prom.log.lock(),
+                farms[0].2.lock()
             );
             tokio::time::sleep(Duration::from_secs(1)).await;
         }
