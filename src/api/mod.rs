@@ -371,6 +371,10 @@ pub fn describe_metrics() {
             "times an RC's or a roll's removals began to be held (RemovalsHeld)",
         ),
         (
+            "rcfarm_claim_conflicts_total",
+            "claim transactions refused because another session took a lock first",
+        ),
+        (
             "rcfarm_failsafe_trips_total",
             "times the RC tree went empty or all to 0 replicas (FailsafeTripped)",
         ),
@@ -395,11 +399,6 @@ pub fn describe_metrics() {
         "rcfarm_rcs_released_total",
         "RCs and rolling updates this farm gave up (handed over), by kind"
     );
-    describe_counter!(
-        "rcfarm_claim_conflicts_total",
-        "claim transactions refused because another session took a lock first"
-    );
-    metrics::counter!("rcfarm_claim_conflicts_total").absolute(0);
     // Labelled series that alerts and the dashboard read exist at zero from the start, so a
     // rate over them is 0 rather than no data.
     for kind in ["RCs", "rolling updates"] {

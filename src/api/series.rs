@@ -115,27 +115,29 @@ pub fn render_watch_ages(ages: &[(String, f64)]) -> String {
 pub fn render_process() -> String {
     let mut out = String::new();
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    let kib = |key: &str| {
+    // The first number after `key` in /proc/self/status (memory in KiB).
+    let field_of_status = |key: &str| {
         status
             .lines()
             .find_map(|l| l.strip_prefix(key))
             .and_then(|v| v.split_whitespace().next()?.parse::<f64>().ok())
     };
-    if let Some(rss) = kib("VmRSS:") {
-        header(
-            &mut out,
+    for (key, name, help) in [
+        (
+            "VmRSS:",
             "process_resident_memory_bytes",
             "resident memory size in bytes",
-        );
-        let _ = writeln!(out, "process_resident_memory_bytes {}", rss * 1024.0);
-    }
-    if let Some(vm) = kib("VmSize:") {
-        header(
-            &mut out,
+        ),
+        (
+            "VmSize:",
             "process_virtual_memory_bytes",
             "virtual memory size in bytes",
-        );
-        let _ = writeln!(out, "process_virtual_memory_bytes {}", vm * 1024.0);
+        ),
+    ] {
+        if let Some(kib) = field_of_status(key) {
+            header(&mut out, name, help);
+            let _ = writeln!(out, "{name} {}", kib * 1024.0);
+        }
     }
     // utime and stime are fields 14 and 15, counted after the command name, which is in
     // parentheses and may hold spaces; /proc reports them in USER_HZ, 100 on Linux.
@@ -146,21 +148,19 @@ pub fn render_process() -> String {
         .unwrap_or_default();
     let field = |n: usize| fields.get(n - 3).and_then(|v| v.parse::<f64>().ok());
     if let (Some(u), Some(s)) = (field(14), field(15)) {
-        let _ = writeln!(
-            out,
-            "# HELP process_cpu_seconds_total user and system CPU time spent in seconds\n# TYPE process_cpu_seconds_total counter\nprocess_cpu_seconds_total {}",
-            (u + s) / 100.0
+        header_of(
+            &mut out,
+            "process_cpu_seconds_total",
+            "counter",
+            "user and system CPU time spent in seconds",
         );
+        let _ = writeln!(out, "process_cpu_seconds_total {}", (u + s) / 100.0);
     }
     if let Ok(fds) = std::fs::read_dir("/proc/self/fd") {
         header(&mut out, "process_open_fds", "open file descriptors");
         let _ = writeln!(out, "process_open_fds {}", fds.count());
     }
-    if let Some(threads) = status
-        .lines()
-        .find_map(|l| l.strip_prefix("Threads:"))
-        .and_then(|v| v.trim().parse::<u64>().ok())
-    {
+    if let Some(threads) = field_of_status("Threads:") {
         header(&mut out, "process_threads", "OS threads");
         let _ = writeln!(out, "process_threads {threads}");
     }
@@ -182,8 +182,12 @@ fn seconds_since(t: DateTime<Utc>, now: DateTime<Utc>) -> f64 {
 }
 
 fn header(out: &mut String, name: &str, help: &str) {
+    header_of(out, name, "gauge", help);
+}
+
+fn header_of(out: &mut String, name: &str, kind: &str, help: &str) {
     let _ = writeln!(out, "# HELP {name} {help}");
-    let _ = writeln!(out, "# TYPE {name} gauge");
+    let _ = writeln!(out, "# TYPE {name} {kind}");
 }
 
 fn series<K: AsRef<str>, V: AsRef<str>>(out: &mut String, name: &str, labels: &[(K, V)], v: f64) {

@@ -453,6 +453,16 @@ impl ClaimFarm<'_> {
         (got, refused)
     }
 
+    /// One object's release: its lock deleted if still ours, and its audit record.
+    fn release_ops<K: Kind>(&self, kind: &K, id: RcId, reason: &str) -> [TxnOp; 3] {
+        let key = K::lock_key(id);
+        [
+            TxnOp::check_session(key.clone(), self.session.id()),
+            TxnOp::delete(key),
+            kind.released_record(id, self.session, reason).txn_op(),
+        ]
+    }
+
     /// Gives locks up (deleted if still ours, so no lock-delay applies), with an audit record
     /// each.
     pub async fn release<K: Kind>(&self, kind: &K, ids: &[RcId], reason: &str) {
@@ -463,25 +473,16 @@ impl ClaimFarm<'_> {
         use futures::StreamExt;
         futures::stream::iter(ids.chunks(MAX_TXN_OPS / 3))
             .for_each_concurrent(RELEASES_IN_FLIGHT, |chunk| async move {
-                let mut ops = Vec::new();
-                for id in chunk {
-                    let key = K::lock_key(*id);
-                    ops.push(TxnOp::check_session(key.clone(), self.session.id()));
-                    ops.push(TxnOp::delete(key));
-                    ops.push(kind.released_record(*id, self.session, reason).txn_op());
-                }
+                let ops: Vec<TxnOp> = chunk
+                    .iter()
+                    .flat_map(|id| self.release_ops(kind, *id, reason))
+                    .collect();
                 if let Err(e) = self.consul.txn(&ops).await {
                     // Some lock was not ours any more: release one by one, each with its
                     // record, as the batch would have.
                     tracing::debug!(error = %e, "batched release failed; releasing one by one");
                     for id in chunk {
-                        let key = K::lock_key(*id);
-                        let one = [
-                            TxnOp::check_session(key.clone(), self.session.id()),
-                            TxnOp::delete(key),
-                            kind.released_record(*id, self.session, reason).txn_op(),
-                        ];
-                        match self.consul.txn(&one).await {
+                        match self.consul.txn(&self.release_ops(kind, *id, reason)).await {
                             Ok(_) => {}
                             // Not ours any more (another farm took it, or it is gone):
                             // nothing to give back.

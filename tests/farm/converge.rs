@@ -260,13 +260,7 @@ async fn unmet_desires_alert_once_when_they_start_and_once_when_they_clear(b: Ba
     c.spawn_farm("f1", &[]).await;
     let id = RcId::new();
     c.put_rc(id, "big", "env=prod", 3, "static_strategy").await;
-    let cr = &c;
-    c.wait_for(
-        Duration::from_secs(20),
-        "unmet reported",
-        move || async move { count_events(cr, events::RC_DESIRES_UNMET).await == 1 },
-    )
-    .await;
+    wait_events(&c, events::RC_DESIRES_UNMET, "unmet reported").await;
     tokio::time::sleep(Duration::from_secs(4)).await;
     assert_eq!(
         count_events(&c, events::RC_DESIRES_UNMET).await,
@@ -279,11 +273,7 @@ async fn unmet_desires_alert_once_when_they_start_and_once_when_they_clear(b: Ba
         "scheduled what it could"
     );
     c.label_node("node-99", &[("env", "prod")]).await;
-    let cr = &c;
-    c.wait_for(Duration::from_secs(20), "met again", move || async move {
-        count_events(cr, events::RC_DESIRES_MET).await == 1
-    })
-    .await;
+    wait_events(&c, events::RC_DESIRES_MET, "met again").await;
     assert_eq!(c.placements().await[&id].len(), 3);
 }
 
@@ -308,21 +298,11 @@ async fn a_pass_cut_short_by_its_action_cap_goes_on_and_settles() {
     .await;
     let id = RcId::new();
     c.put_rc(id, "big", "env=prod", 3, "static_strategy").await;
-    let cr = &c;
-    c.wait_for(
-        Duration::from_secs(20),
-        "unmet reported",
-        move || async move { count_events(cr, events::RC_DESIRES_UNMET).await == 1 },
-    )
-    .await;
+    wait_events(&c, events::RC_DESIRES_UNMET, "unmet reported").await;
     // One more node: one action (schedule on it) fills the RC; the pass that applies it is
     // cut short there, and the one after it finds the desires met.
     c.label_node("node-99", &[("env", "prod")]).await;
-    let cr = &c;
-    c.wait_for(Duration::from_secs(20), "met again", move || async move {
-        count_events(cr, events::RC_DESIRES_MET).await == 1
-    })
-    .await;
+    wait_events(&c, events::RC_DESIRES_MET, "met again").await;
     assert_eq!(c.placements().await[&id].len(), 3);
 }
 
@@ -379,6 +359,14 @@ async fn placed(c: &Cluster, id: RcId) -> Vec<String> {
 
 async fn count_events(c: &Cluster, event: &str) -> usize {
     c.audit_events(event).await.len()
+}
+
+/// Waits (up to 20 s) for the first audit record of `event`.
+async fn wait_events(c: &Cluster, event: &str, what: &str) {
+    c.wait_for(Duration::from_secs(20), what, || async move {
+        count_events(c, event).await == 1
+    })
+    .await;
 }
 
 on_both_backends!(a_farm_converging_a_burst_of_rcs_stays_within_its_connection_bound);
