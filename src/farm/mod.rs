@@ -507,10 +507,12 @@ impl Farm {
             .await;
         let failed = match registered {
             Ok(true) => None,
-            Ok(false) => Some(ConsulError::Rejected {
-                status: 0,
-                body: format!("could not register {}", info.key()),
-            }),
+            // Another session holds this farm's registry key: a second farm with the same id.
+            Ok(false) => Some(ConsulError::Config(format!(
+                "could not register {}: another live farm holds it (is a second farm running with --farm-id {}? give each farm its own id)",
+                info.key(),
+                cfg.farm_id
+            ))),
             Err(e) => Some(e),
         };
         if let Some(e) = failed {
@@ -847,7 +849,6 @@ impl Farm {
             consul: &self.consul,
             session,
             farm_id: &self.config.farm_id,
-            lock_demand: &self.lock_demand,
             rules: ClaimRules {
                 // The farm an RC is assigned to sees it up to a watch pace late, and the pace
                 // grows with the farms (see `WatchConfig::readers`): so does the grace, or

@@ -11,7 +11,7 @@ use tokio::time::Instant;
 
 use super::claims::Assignment;
 use crate::audit::AuditRecord;
-use crate::consul::{Consul, ConsulError, MAX_TXN_OPS, Session, TxnFailure, TxnOp};
+use crate::consul::{Consul, ConsulError, Demand, MAX_TXN_OPS, Session, TxnFailure, TxnOp};
 use crate::rc::RcId;
 use crate::task::TaskHandle;
 
@@ -52,6 +52,9 @@ pub(crate) struct ClaimView<'a> {
     pub lock_index: u64,
     /// When the lock tree was read: an object is known unheld only up to then.
     pub locks_read_at: Instant,
+    /// The on-demand read of the lock tree behind `holders`, if it is one (`None`: a watch
+    /// that answers every change).
+    pub lock_reads: Option<&'a Demand>,
     /// The objects' tree's index, to tell a lagging view from an object that ended.
     pub listing_index: u64,
     /// An op a claim must carry to be sure the object is still as seen (a roll that has just
@@ -104,10 +107,42 @@ pub(crate) struct Owned<K: Kind> {
     /// Objects whose task finished them (a completed roll) at a commit index: not claimed
     /// or started again until the view of the objects has caught up with that index.
     finished_at: HashMap<RcId, u64>,
-    /// Objects a claim found held by another session, and when: held, as far as this farm
-    /// knows, until a lock tree read after that shows otherwise (the tree is read on demand,
-    /// and a refused claim is no reason to read it all again).
-    refused_at: HashMap<RcId, Instant>,
+    /// Objects a claim found held by another session: held, as far as this farm knows, until
+    /// a lock tree read after the refusal shows otherwise.
+    refused_at: HashMap<RcId, Learnt>,
+    /// Objects this farm gave back: not ours, though the view may show them so until a lock
+    /// tree read after the release (without this, each tick started their tasks from the
+    /// stale view and handed them over again).
+    released_at: HashMap<RcId, Learnt>,
+}
+
+/// Something a write taught the farm about the lock tree (a claim refused, a lock given back)
+/// that its view may not show yet: it stands until the view comes from a read sent after it.
+#[derive(Debug, Clone, Copy)]
+struct Learnt {
+    /// With an on-demand view: a ticket for a read asked for after the write. Not the time of
+    /// the view's last answer: a read answered after the write may have been sent before it,
+    /// and an answer equal to the last leaves the view as it was, so a refusal could stand
+    /// until the tree changed again (seen: a handover stalled for a whole watch wait).
+    ticket: Option<u64>,
+    /// Otherwise the lock tree's index when it was learnt: a later view is a later read.
+    index: u64,
+}
+
+impl Learnt {
+    fn now(view: &ClaimView<'_>) -> Learnt {
+        Learnt {
+            ticket: view.lock_reads.map(Demand::urge),
+            index: view.lock_index,
+        }
+    }
+
+    fn shown(&self, view: &ClaimView<'_>) -> bool {
+        match (self.ticket, view.lock_reads) {
+            (Some(t), Some(d)) => d.is_fresh(t),
+            _ => view.lock_index > self.index,
+        }
+    }
 }
 
 impl<K: Kind> Owned<K> {
@@ -120,6 +155,7 @@ impl<K: Kind> Owned<K> {
             sent: HashMap::new(),
             finished_at: HashMap::new(),
             refused_at: HashMap::new(),
+            released_at: HashMap::new(),
         }
     }
 
@@ -171,9 +207,13 @@ impl<K: Kind> Owned<K> {
         state: impl Fn(RcId) -> Option<(K::State, u64)>,
     ) -> Vec<RcId> {
         let sid = farm.session.id();
-        self.refused_at.retain(|_, at| view.locks_read_at < *at);
+        self.refused_at.retain(|_, l| !l.shown(view));
+        self.released_at.retain(|_, l| !l.shown(view));
         let refused = &self.refused_at;
-        let held_by_us = |id: &RcId| view.holders.get(id).is_some_and(|s| s == sid);
+        let released = &self.released_at;
+        let held_by_us = |id: &RcId| {
+            view.holders.get(id).is_some_and(|s| s == sid) && !released.contains_key(id)
+        };
         let held_by_anyone = |id: &RcId| view.holders.contains_key(id) || refused.contains_key(id);
         self.claimed_at.retain(|_, idx| view.lock_index < *idx);
         self.finished_at.retain(|_, idx| view.listing_index < *idx);
@@ -253,8 +293,8 @@ impl<K: Kind> Owned<K> {
                 unassigned += 1;
             }
         }
-        if stale_for_grace {
-            farm.lock_demand.urge();
+        if stale_for_grace && let Some(d) = view.lock_reads {
+            d.urge();
         }
         if unassigned > 0 {
             tracing::info!(
@@ -267,10 +307,12 @@ impl<K: Kind> Owned<K> {
             Vec::new()
         } else {
             let (claimed, refused) = farm.claim(&self.kind, &to_claim, view.guard).await;
-            let at = Instant::now();
-            for id in refused {
-                self.refused_at.insert(id, at);
-                self.unheld_since.remove(&id);
+            if !refused.is_empty() {
+                let l = Learnt::now(view);
+                for id in refused {
+                    self.refused_at.insert(id, l);
+                    self.unheld_since.remove(&id);
+                }
             }
             claimed
         };
@@ -347,6 +389,11 @@ impl<K: Kind> Owned<K> {
             farm.release(&self.kind, &excess, "handed over for fair share")
                 .await;
         }
+        if !deleted.is_empty() || !excess.is_empty() {
+            let l = Learnt::now(view);
+            self.released_at
+                .extend(deleted.iter().chain(&excess).map(|id| (*id, l)));
+        }
 
         // Hand tasks the versions they have not seen.
         for (id, t) in &self.tasks {
@@ -383,8 +430,6 @@ pub(crate) struct ClaimFarm<'a> {
     pub consul: &'a Consul,
     pub session: &'a Session,
     pub farm_id: &'a str,
-    /// Asked for a read of the lock tree when a claim finds a lock held (the view was old).
-    pub lock_demand: &'a crate::consul::Demand,
     pub rules: ClaimRules,
 }
 
@@ -572,11 +617,9 @@ mod tests {
         fn forget(&self, _: RcId) {}
     }
 
-    /// A batched release refused because one lock was taken meanwhile gives the others back
-    /// one by one, each with its record (a regression: the one-by-one fallback wrote none).
-    #[tokio::test]
-    async fn a_failed_batched_release_gives_the_rest_back_with_their_records() {
-        use crate::consul::{ConsulConfig, QueryOptions, SessionConfig};
+    /// An embedded server, a client, and two sessions on it: ours and another farm's.
+    async fn two_sessions() -> (crate::server::EmbeddedServer, Consul, Session, Session) {
+        use crate::consul::{ConsulConfig, SessionConfig};
         let server = crate::server::EmbeddedServer::start(crate::server::ServerConfig::ephemeral())
             .await
             .unwrap();
@@ -589,6 +632,158 @@ mod tests {
         };
         let ours = Session::create(&consul, &config("ours")).await.unwrap();
         let theirs = Session::create(&consul, &config("theirs")).await.unwrap();
+        (server, consul, ours, theirs)
+    }
+
+    /// Farm `f`, claiming without a grace period.
+    fn test_farm<'a>(consul: &'a Consul, session: &'a Session) -> ClaimFarm<'a> {
+        ClaimFarm {
+            consul,
+            session,
+            farm_id: "f",
+            rules: ClaimRules {
+                grace: Duration::ZERO,
+                slack: 0,
+            },
+        }
+    }
+
+    /// Takes `id`'s lock for `session`; returns the lock's key.
+    async fn hold(consul: &Consul, session: &Session, id: RcId) -> String {
+        let key = TestKind::lock_key(id);
+        let got = consul.kv_acquire(&key, b"x", session.id(), None).await;
+        assert!(got.unwrap(), "{key} taken");
+        key
+    }
+
+    /// A claim refused because another session held the lock stands until a read of the lock
+    /// tree sent after the refusal, and that read is asked for: when the holder lets go and
+    /// nothing else changes, the object is claimed (a regression: the refusal waited for a
+    /// read answered after it, and an on-demand tree that did not change was never read, so a
+    /// SIGTERM handover stalled).
+    #[tokio::test]
+    async fn a_refused_claim_asks_for_a_read_and_claims_once_the_holder_lets_go() {
+        use crate::consul::WatchConfig;
+        let (_server, consul, ours, theirs) = two_sessions().await;
+        let id = RcId::new();
+        let key = hold(&consul, &theirs, id).await;
+        // Read only when asked (the idle read is far away).
+        let demand = Demand::new(Duration::from_secs(3600));
+        let watch = consul.watch_prefix(
+            "lock/test/",
+            WatchConfig::default().on_demand(demand.clone()),
+        );
+        let mut rx = watch.subscribe();
+        while rx.borrow_and_update().is_none() {
+            rx.changed().await.unwrap();
+        }
+        let farm = test_farm(&consul, &ours);
+        let all: BTreeSet<RcId> = [id].into();
+        let assignment = Assignment {
+            owner: [(id, "f".to_string())].into(),
+            cap: [("f".to_string(), 1)].into(),
+        };
+        let cancel = tokio_util::sync::CancellationToken::new();
+        let mut owned = Owned::new(TestKind);
+        let reconcile = async |owned: &mut Owned<TestKind>| {
+            // As the farm builds it: the holders from an older read (the other session's
+            // claim not in it yet), read "now" as far as the last answer goes.
+            let view = ClaimView {
+                all: &all,
+                matching: &all,
+                assignment: &assignment,
+                holders: &BTreeMap::new(),
+                lock_index: 1,
+                locks_read_at: demand.answered_at().unwrap(),
+                lock_reads: Some(&demand),
+                listing_index: 1,
+                guard: &|_| None,
+            };
+            owned
+                .reconcile(
+                    &farm,
+                    &view,
+                    |id| crate::task::spawn(id, (), &cancel, |_| async {}),
+                    |_| None,
+                )
+                .await
+        };
+        assert!(reconcile(&mut owned).await.is_empty(), "refused");
+        assert_eq!(owned.refused().count(), 1);
+        // Still held: the read the refusal asked for shows it, and the claim is not retried
+        // before then.
+        assert!(reconcile(&mut owned).await.is_empty());
+        assert!(consul.release_lock(&key, theirs.id()).await.unwrap());
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if reconcile(&mut owned).await == vec![id] {
+                break;
+            }
+            assert!(Instant::now() < deadline, "never claimed once free");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// What a farm handed over is not its own again because its view, read before the
+    /// release, still shows its lock (a regression: every tick started the object's task from
+    /// the stale view and handed it over again, for as long as the tree was not read).
+    #[tokio::test]
+    async fn a_handed_over_object_is_not_restarted_from_a_view_read_before_the_release() {
+        use crate::consul::QueryOptions;
+        let (_server, consul, ours, _) = two_sessions().await;
+        let id = RcId::new();
+        let key = hold(&consul, &ours, id).await;
+        let farm = test_farm(&consul, &ours);
+        let all: BTreeSet<RcId> = [id].into();
+        // Assigned to another farm, `g`; the view (never read again here) shows our lock.
+        let assignment = Assignment {
+            owner: [(id, "g".to_string())].into(),
+            cap: [("f".to_string(), 0), ("g".to_string(), 1)].into(),
+        };
+        let holders: BTreeMap<RcId, String> = [(id, ours.id().to_string())].into();
+        let cancel = tokio_util::sync::CancellationToken::new();
+        let spawned = std::cell::Cell::new(0);
+        let mut owned = Owned::new(TestKind);
+        for _ in 0..3 {
+            let view = ClaimView {
+                all: &all,
+                matching: &all,
+                assignment: &assignment,
+                holders: &holders,
+                lock_index: 5,
+                locks_read_at: Instant::now(),
+                lock_reads: None,
+                listing_index: 1,
+                guard: &|_| None,
+            };
+            owned
+                .reconcile(
+                    &farm,
+                    &view,
+                    |id| {
+                        spawned.set(spawned.get() + 1);
+                        crate::task::spawn(id, (), &cancel, |_| async {})
+                    },
+                    |_| None,
+                )
+                .await;
+        }
+        assert_eq!(
+            spawned.get(),
+            1,
+            "started once (held after a restart), then handed over"
+        );
+        assert!(owned.tasks.is_empty());
+        let (e, _) = consul.kv_get(&key, &QueryOptions::default()).await.unwrap();
+        assert!(e.is_none(), "given back");
+    }
+
+    /// A batched release refused because one lock was taken meanwhile gives the others back
+    /// one by one, each with its record (a regression: the one-by-one fallback wrote none).
+    #[tokio::test]
+    async fn a_failed_batched_release_gives_the_rest_back_with_their_records() {
+        use crate::consul::QueryOptions;
+        let (_server, consul, ours, theirs) = two_sessions().await;
         let ids: Vec<RcId> = (0..3).map(|_| RcId::new()).collect();
         for id in &ids {
             let key = TestKind::lock_key(*id);
@@ -609,17 +804,7 @@ mod tests {
                 .unwrap()
         );
 
-        let demand = crate::consul::Demand::new(Duration::from_secs(1));
-        let farm = ClaimFarm {
-            consul: &consul,
-            session: &ours,
-            farm_id: "f",
-            lock_demand: &demand,
-            rules: ClaimRules {
-                grace: Duration::ZERO,
-                slack: 0,
-            },
-        };
+        let farm = test_farm(&consul, &ours);
         farm.release(&TestKind, &ids, "test").await;
 
         let holder = |key: String| {

@@ -372,6 +372,7 @@ impl Farm {
                 .lock_demand
                 .answered_at()
                 .unwrap_or_else(tokio::time::Instant::now),
+            lock_reads: Some(&self.lock_demand),
             listing_index: listing.index,
             // A claim of an RC deleted meanwhile is harmless: its task is told, and gives the
             // lock back.

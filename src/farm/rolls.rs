@@ -214,6 +214,7 @@ impl Farm {
             holders: &holders,
             lock_index: lock_snap.index,
             locks_read_at: tokio::time::Instant::now(),
+            lock_reads: None,
             listing_index: rolls.index,
             guard: &|id| {
                 let index = rolls.rolls.get(&id).map(|r| r.modify_index).or_else(|| {
