@@ -1,9 +1,19 @@
 //! rcfarm: a replication-controller farm backed by Consul.
 //!
-//! Layers, lowest first; no module reaches upward:
-//! - [`util`]: durations in Go syntax, backoff.
-//! - [`consul`]: the Consul HTTP client (KV, sessions, transactions, blocking-query watches).
-//! - [`server`]: the embedded Consul-compatible development server.
+//! Layers, lowest first; a module uses only those listed before it (see
+//! `docs/architecture.md` for the data path and a glossary):
+//! - base: [`util`] (Go-syntax durations, backoff, jitter).
+//! - Consul client: [`consul`] (transport, KV, sessions, transactions, watches, on-demand reads).
+//! - Consul server: [`server`], the embedded Consul-compatible server; it uses only the
+//!   client's wire types.
+//! - domain: [`labels`] (sets, selectors, store, cache), [`audit`] (records, outbox, SQL,
+//!   shipper), [`rc`] (model, store, locks), [`health`], [`scheduler`], [`failsafe`], [`task`]
+//!   (the per-object task handle).
+//! - farm: [`rctask`] (the RC task: pure planner, fenced writes), [`roll`] (rolling updates),
+//!   [`farm`] (session, watches, ownership, sweep).
+//! - operator surface: [`api`] (HTTP API, metrics, status page), [`overview`], [`cli`].
+//! - test kit, used by tests and by `rcfarm chaos|bench|simulate-nodes`, never by the product:
+//!   [`chaos`], [`invariants`], [`simulator`].
 
 pub mod api;
 pub mod audit;

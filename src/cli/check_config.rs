@@ -393,8 +393,7 @@ fn serve_accepts(cmd: Command, argv: &[String]) -> Result<(), String> {
     let (config, _http) = super::serve::prepare(&args).map_err(|e| e.to_string())?;
     match crate::consul::Consul::new(config.consul) {
         Ok(_) => Ok(()),
-        // An address that is no URL is refused as if Consul had (HTTP 0): say only why.
-        Err(crate::consul::ConsulError::Rejected { status: 0, body }) => Err(body),
+        Err(crate::consul::ConsulError::Config(why)) => Err(why),
         Err(e) => Err(e.to_string()),
     }
 }

@@ -655,25 +655,24 @@ fn describe_reqwest(e: &reqwest::Error) -> String {
 fn normalize_address(addr: &str) -> Result<String> {
     let addr = addr.trim().trim_end_matches('/');
     if addr.is_empty() {
-        return Err(ConsulError::Rejected {
-            status: 0,
-            body: "empty Consul address; give one like http://127.0.0.1:8500".into(),
-        });
+        return Err(ConsulError::Config(
+            "empty Consul address; give one like http://127.0.0.1:8500".into(),
+        ));
     }
     let with_scheme = if addr.contains("://") {
         addr.to_string()
     } else {
         format!("http://{addr}")
     };
-    let url = reqwest::Url::parse(&with_scheme).map_err(|e| ConsulError::Rejected {
-        status: 0,
-        body: format!("invalid Consul address {addr:?} ({e}); give one like http://127.0.0.1:8500"),
+    let url = reqwest::Url::parse(&with_scheme).map_err(|e| {
+        ConsulError::Config(format!(
+            "invalid Consul address {addr:?} ({e}); give one like http://127.0.0.1:8500"
+        ))
     })?;
     if !matches!(url.scheme(), "http" | "https") {
-        return Err(ConsulError::Rejected {
-            status: 0,
-            body: format!("invalid Consul address {addr:?}: the scheme must be http or https"),
-        });
+        return Err(ConsulError::Config(format!(
+            "invalid Consul address {addr:?}: the scheme must be http or https"
+        )));
     }
     Ok(with_scheme)
 }
@@ -1116,6 +1115,16 @@ impl Consul {
 
     // ---- Transactions -----------------------------------------------------------------------
 
+    /// Commits `ops` all or nothing, as [`Consul::txn`] does, possibly in one transaction with
+    /// other callers' ops (see [`super::coalesce`]). Returns the index it committed at (0 if
+    /// nothing in it yields a result, as for `txn`).
+    ///
+    /// A caller dropped before its ops were sent never sends them; once sent, they may apply
+    /// whatever becomes of the caller, like any request in flight.
+    pub async fn txn_coalesced(&self, ops: Vec<TxnOp>) -> Result<u64> {
+        super::coalesce::txn(self, ops).await
+    }
+
     /// `PUT /v1/txn`: all ops or none. A rollback is [`ConsulError::Conflict`] naming each
     /// failed op. More than [`MAX_TXN_OPS`] ops is refused before anything is sent.
     pub async fn txn(&self, ops: &[TxnOp]) -> Result<TxnResponse> {
@@ -1242,6 +1251,26 @@ fn flags_query(flags: Option<u64>) -> Vec<(&'static str, String)> {
     flags
         .map(|f| vec![("flags", f.to_string())])
         .unwrap_or_default()
+}
+
+impl super::coalesce::Sender for Consul {
+    type Permit = Permit;
+
+    fn queue(&self) -> &super::coalesce::TxnQueue {
+        &self.inner.txn_queue
+    }
+
+    fn address(&self) -> &str {
+        Consul::address(self)
+    }
+
+    async fn permit(&self) -> Result<Permit> {
+        Consul::permit(self).await
+    }
+
+    async fn send(&self, ops: &[TxnOp], held: Option<Permit>) -> Result<u64> {
+        Ok(self.txn_held(ops, held).await?.commit_index())
+    }
 }
 
 #[cfg(test)]

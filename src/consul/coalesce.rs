@@ -16,7 +16,6 @@ use std::ops::Range;
 
 use tokio::sync::oneshot;
 
-use super::client::{Consul, Permit};
 use super::error::{ConsulError, Result};
 use super::txn::{MAX_TXN_OPS, TxnOp};
 
@@ -37,136 +36,146 @@ struct Pending {
     done: oneshot::Sender<Result<u64>>,
 }
 
-impl Consul {
-    /// Commits `ops` all or nothing, as [`Consul::txn`] does, possibly in one transaction with
-    /// other callers' ops (see the module's comment). Returns the index it committed at (0 if
-    /// nothing in it yields a result, as for `txn`).
-    ///
-    /// A caller dropped before its ops were sent never sends them; once sent, they may apply
-    /// whatever becomes of the caller, like any request in flight.
-    pub async fn txn_coalesced(&self, ops: Vec<TxnOp>) -> Result<u64> {
-        super::txn::check_op_count(ops.len())?;
-        let (done, mut answer) = oneshot::channel();
-        let bytes = super::txn::encoded_len(&ops);
-        self.inner
-            .txn_queue
-            .waiting
-            .lock()
-            .push_back(Pending { ops, bytes, done });
-        let lost = || {
-            Err(ConsulError::Unavailable {
-                addr: self.address().to_string(),
-                reason: "the transaction's batch was abandoned (the client is shutting down)"
-                    .into(),
-            })
+/// What the queue needs of a client: a connection, and a transaction sent on it. The client
+/// implements it; this module knows nothing else of the client.
+pub(crate) trait Sender: Clone + Send + Sync + 'static {
+    /// A connection held (one of the client's few).
+    type Permit: Send + 'static;
+    fn queue(&self) -> &TxnQueue;
+    /// For errors: the Consul this client talks to.
+    fn address(&self) -> &str;
+    fn permit(&self) -> impl Future<Output = Result<Self::Permit>> + Send;
+    /// Sends `ops` as one transaction (on `held` if given); the index it committed at (0 if
+    /// nothing in it yields a result).
+    fn send(
+        &self,
+        ops: &[TxnOp],
+        held: Option<Self::Permit>,
+    ) -> impl Future<Output = Result<u64>> + Send;
+}
+
+/// Commits `ops` all or nothing through `client`, possibly in one transaction with other
+/// callers' ops (see the module's comment). Returns the index it committed at (0 if nothing in
+/// it yields a result, as for a transaction sent alone).
+///
+/// A caller dropped before its ops were sent never sends them; once sent, they may apply
+/// whatever becomes of the caller, like any request in flight.
+pub(crate) async fn txn<S: Sender>(client: &S, ops: Vec<TxnOp>) -> Result<u64> {
+    super::txn::check_op_count(ops.len())?;
+    let (done, mut answer) = oneshot::channel();
+    let bytes = super::txn::encoded_len(&ops);
+    client
+        .queue()
+        .waiting
+        .lock()
+        .push_back(Pending { ops, bytes, done });
+    let lost = || {
+        Err(ConsulError::Unavailable {
+            addr: client.address().to_string(),
+            reason: "the transaction's batch was abandoned (the client is shutting down)".into(),
+        })
+    };
+    loop {
+        let permit = tokio::select! {
+            biased;
+            r = &mut answer => return r.unwrap_or_else(|_| lost()),
+            p = client.permit() => p?,
         };
-        loop {
-            let permit = tokio::select! {
-                biased;
-                r = &mut answer => return r.unwrap_or_else(|_| lost()),
-                p = self.permit() => p?,
-            };
-            let batch = self.take_batch();
-            if batch.is_empty() {
-                // Ours is in a batch another caller is sending.
-                drop(permit);
-                return answer.await.unwrap_or_else(|_| lost());
-            }
-            // Sent from a task of its own: the batch carries other callers' writes, which must
-            // not be abandoned because this caller is (an RC task stopped mid-write).
-            let consul = self.clone();
-            tokio::spawn(async move { consul.send_batch(batch, permit).await });
+        let batch = take_fitting(&mut client.queue().waiting.lock());
+        if batch.is_empty() {
+            // Ours is in a batch another caller is sending.
+            drop(permit);
+            return answer.await.unwrap_or_else(|_| lost());
         }
+        // Sent from a task of its own: the batch carries other callers' writes, which must
+        // not be abandoned because this caller is (an RC task stopped mid-write).
+        let client = client.clone();
+        tokio::spawn(async move { send_batch(&client, batch, permit).await });
     }
+}
 
-    /// Takes the oldest waiting transactions that fit in one, skipping those whose callers are
-    /// gone.
-    fn take_batch(&self) -> Vec<Pending> {
-        take_fitting(&mut self.inner.txn_queue.waiting.lock())
-    }
-
-    async fn send_batch(&self, mut batch: Vec<Pending>, permit: Permit) {
-        let mut permit = Some(permit);
-        metrics::histogram!("rcfarm_consul_txn_batch_size").record(batch.len() as f64);
-        while !batch.is_empty() {
-            let mut ops = Vec::with_capacity(batch.iter().map(|p| p.ops.len()).sum());
-            let mut ranges: Vec<Range<usize>> = Vec::with_capacity(batch.len());
-            for p in &mut batch {
-                let start = ops.len();
-                ops.append(&mut p.ops);
-                ranges.push(start..ops.len());
-            }
-            let held = match permit.take() {
-                Some(p) => p,
-                None => match self.permit().await {
-                    Ok(p) => p,
-                    Err(e) => return fail_all(batch, &e),
-                },
-            };
-            let result = self.txn_held(&ops, Some(held)).await;
-            // Give every caller its ops back, for a resend.
-            for (p, r) in batch.iter_mut().zip(&ranges).rev() {
-                p.ops = ops.drain(r.clone()).collect();
-            }
-            match result {
-                Ok(resp) => {
-                    let index = resp.commit_index();
-                    for p in batch {
-                        // What `txn` would have answered this caller alone: callers wait for
-                        // their caches to reach a write's index, and a tree that only lost
-                        // keys (deletes yield no result) may not show that index until it
-                        // next changes.
-                        let own = if p.ops.iter().any(|op| op.verb.yields_result()) {
-                            index
-                        } else {
-                            0
-                        };
-                        let _ = p.done.send(Ok(own));
-                    }
-                    return;
-                }
-                Err(ConsulError::Conflict(errors)) => {
-                    // Nothing was applied. The callers whose ops failed get their failures; the
-                    // others go again without them.
-                    let mut kept = Vec::with_capacity(batch.len());
-                    let mut failed_any = false;
-                    for (p, r) in batch.into_iter().zip(&ranges) {
-                        let own: Vec<_> = errors
-                            .iter()
-                            .filter(|e| r.contains(&e.op_index))
-                            .map(|e| super::TxnOpError {
-                                op_index: e.op_index - r.start,
-                                what: e.what.clone(),
-                            })
-                            .collect();
-                        if own.is_empty() {
-                            kept.push(p);
-                        } else {
-                            failed_any = true;
-                            let _ = p.done.send(Err(ConsulError::Conflict(own)));
-                        }
-                    }
-                    if !failed_any {
-                        // Failures naming no op of ours: nothing to take out, so no resend
-                        // could fare better.
-                        return fail_all(kept, &ConsulError::Conflict(errors));
-                    }
-                    batch = kept;
-                }
-                Err(e @ (ConsulError::Rejected { .. } | ConsulError::TooManyOps { .. }))
-                    if batch.len() > 1 =>
-                {
-                    // Refused as a whole (too big, or malformed): whose ops it was shows only
-                    // when each goes alone.
-                    tracing::debug!(error = %e, callers = batch.len(), "batched transaction refused; sending its parts alone");
-                    for p in batch {
-                        let r = self.txn(&p.ops).await.map(|resp| resp.commit_index());
-                        let _ = p.done.send(r);
-                    }
-                    return;
-                }
+/// Sends `batch` as one transaction; on a rollback, tells the callers whose ops failed and
+/// sends the others again.
+async fn send_batch<S: Sender>(client: &S, mut batch: Vec<Pending>, permit: S::Permit) {
+    let mut permit = Some(permit);
+    metrics::histogram!("rcfarm_consul_txn_batch_size").record(batch.len() as f64);
+    while !batch.is_empty() {
+        let mut ops = Vec::with_capacity(batch.iter().map(|p| p.ops.len()).sum());
+        let mut ranges: Vec<Range<usize>> = Vec::with_capacity(batch.len());
+        for p in &mut batch {
+            let start = ops.len();
+            ops.append(&mut p.ops);
+            ranges.push(start..ops.len());
+        }
+        let held = match permit.take() {
+            Some(p) => p,
+            None => match client.permit().await {
+                Ok(p) => p,
                 Err(e) => return fail_all(batch, &e),
+            },
+        };
+        let result = client.send(&ops, Some(held)).await;
+        // Give every caller its ops back, for a resend.
+        for (p, r) in batch.iter_mut().zip(&ranges).rev() {
+            p.ops = ops.drain(r.clone()).collect();
+        }
+        match result {
+            Ok(index) => {
+                for p in batch {
+                    // What `txn` would have answered this caller alone: callers wait for
+                    // their caches to reach a write's index, and a tree that only lost
+                    // keys (deletes yield no result) may not show that index until it
+                    // next changes.
+                    let own = if p.ops.iter().any(|op| op.verb.yields_result()) {
+                        index
+                    } else {
+                        0
+                    };
+                    let _ = p.done.send(Ok(own));
+                }
+                return;
             }
+            Err(ConsulError::Conflict(errors)) => {
+                // Nothing was applied. The callers whose ops failed get their failures; the
+                // others go again without them.
+                let mut kept = Vec::with_capacity(batch.len());
+                let mut failed_any = false;
+                for (p, r) in batch.into_iter().zip(&ranges) {
+                    let own: Vec<_> = errors
+                        .iter()
+                        .filter(|e| r.contains(&e.op_index))
+                        .map(|e| super::TxnOpError {
+                            op_index: e.op_index - r.start,
+                            what: e.what.clone(),
+                        })
+                        .collect();
+                    if own.is_empty() {
+                        kept.push(p);
+                    } else {
+                        failed_any = true;
+                        let _ = p.done.send(Err(ConsulError::Conflict(own)));
+                    }
+                }
+                if !failed_any {
+                    // Failures naming no op of ours: nothing to take out, so no resend
+                    // could fare better.
+                    return fail_all(kept, &ConsulError::Conflict(errors));
+                }
+                batch = kept;
+            }
+            Err(e @ (ConsulError::Rejected { .. } | ConsulError::TooManyOps { .. }))
+                if batch.len() > 1 =>
+            {
+                // Refused as a whole (too big, or malformed): whose ops it was shows only
+                // when each goes alone.
+                tracing::debug!(error = %e, callers = batch.len(), "batched transaction refused; sending its parts alone");
+                for p in batch {
+                    let r = client.send(&p.ops, None).await;
+                    let _ = p.done.send(r);
+                }
+                return;
+            }
+            Err(e) => return fail_all(batch, &e),
         }
     }
 }

@@ -7,6 +7,7 @@
 
 mod access;
 pub mod claims;
+mod decide;
 mod failsafe;
 mod ownership;
 mod rcs;
@@ -39,7 +40,7 @@ use crate::roll::{
 };
 use crate::scheduler::{LabelScheduler, PoolConfig, PoolScheduler, Scheduler};
 use crate::util::{Backoff, jitter_half};
-use ownership::{ClaimFarm, ClaimRules};
+use ownership::{ClaimFarm, Rules as ClaimRules};
 use rcs::{LocksTx, OwnedRcs, RcKind};
 use registry::{FARMS_PREFIX, FarmInfo};
 use rolls::{OwnedRolls, RollDispatch, RollKind};

@@ -10,6 +10,8 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::claims::Assignment;
+pub(crate) use super::decide::Rules;
+use super::decide::{self, Situation, Stop};
 use crate::audit::AuditRecord;
 use crate::consul::{Consul, ConsulError, Demand, MAX_TXN_OPS, Session, TxnFailure, TxnOp};
 use crate::rc::RcId;
@@ -60,15 +62,6 @@ pub(crate) struct ClaimView<'a> {
     /// An op a claim must carry to be sure the object is still as seen (a roll that has just
     /// completed may still show in a lagging view after its lock went), if the kind wants one.
     pub guard: &'a dyn Fn(RcId) -> Option<TxnOp>,
-}
-
-/// Tunables shared by the kinds.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct ClaimRules {
-    /// How long an unheld object waits for its assigned farm before a farm with room takes it.
-    pub grace: Duration,
-    /// How far over its fair share a farm may go for objects nobody else takes.
-    pub slack: usize,
 }
 
 /// A claim or release record: the object (under `id_field`), the farm, its session, and for
@@ -206,128 +199,115 @@ impl<K: Kind> Owned<K> {
         mut spawn: impl FnMut(RcId) -> TaskHandle<K::State>,
         state: impl Fn(RcId) -> Option<(K::State, u64)>,
     ) -> Vec<RcId> {
-        let sid = farm.session.id();
         self.refused_at.retain(|_, l| !l.shown(view));
         self.released_at.retain(|_, l| !l.shown(view));
-        let refused = &self.refused_at;
-        let released = &self.released_at;
-        let held_by_us = |id: &RcId| {
-            view.holders.get(id).is_some_and(|s| s == sid) && !released.contains_key(id)
-        };
-        let held_by_anyone = |id: &RcId| view.holders.contains_key(id) || refused.contains_key(id);
         self.claimed_at.retain(|_, idx| view.lock_index < *idx);
         self.finished_at.retain(|_, idx| view.listing_index < *idx);
-        let finished = &self.finished_at;
+        let (claimed_at, released_at, refused_at, finished_at) = (
+            &self.claimed_at,
+            &self.released_at,
+            &self.refused_at,
+            &self.finished_at,
+        );
+        let situation = Situation {
+            farm_id: farm.farm_id,
+            session: farm.session.id(),
+            all: view.all,
+            matching: view.matching,
+            assignment: view.assignment,
+            holders: view.holders,
+            locks_read_at: view.locks_read_at,
+            claimed: &|id| claimed_at.contains_key(id),
+            released: &|id| released_at.contains_key(id),
+            refused: &|id| refused_at.contains_key(id),
+            finished: &|id| finished_at.contains_key(id),
+        };
+        let s = &situation;
 
-        // Tasks whose object we no longer hold, that ended, or whose object is gone: stop them.
-        let gone: Vec<RcId> = self
-            .tasks
-            .iter()
-            .filter(|(id, t)| {
-                t.is_finished()
-                    || (!held_by_us(id) && !self.claimed_at.contains_key(*id))
-                    || !view.all.contains(*id)
-            })
-            .map(|(id, _)| *id)
-            .collect();
         let mut deleted = Vec::new();
-        for id in gone {
-            if let Some(t) = self.tasks.remove(&id) {
-                if !view.all.contains(&id) {
+        for (id, why) in decide::stops(s, &self.tasks, |t| t.is_finished()) {
+            let Some(t) = self.tasks.remove(&id) else {
+                continue;
+            };
+            match why {
+                Stop::Deleted { release } => {
                     t.update(K::deleted());
-                    deleted.push(id);
-                } else if !t.is_finished() {
-                    match view.holders.get(&id) {
-                        Some(other) => {
-                            tracing::warn!(id = %id, holder = %other, "another session holds the lock of one of our {}; stopping its task", K::PLURAL)
-                        }
-                        // Nobody holds it: a rolling update deletes its lock with its record
-                        // when it completes, and the lock tree may show that before the task
-                        // has ended and the roll tree shows the record gone. Not news.
-                        None => {
-                            tracing::info!(id = %id, "the lock of one of our {} is gone (completed, or deleted by hand); stopping its task", K::PLURAL)
-                        }
+                    if release {
+                        deleted.push(id);
                     }
                 }
-                t.stop().await;
-                self.kind.forget(id);
+                Stop::Ended => {}
+                Stop::HeldElsewhere(other) => {
+                    tracing::warn!(id = %id, holder = %other, "another session holds the lock of one of our {}; stopping its task", K::PLURAL)
+                }
+                // A rolling update deletes its lock with its record when it completes, and the
+                // lock tree may show that before the task has ended and the roll tree shows
+                // the record gone. Not news.
+                Stop::LockGone => {
+                    tracing::info!(id = %id, "the lock of one of our {} is gone (completed, or deleted by hand); stopping its task", K::PLURAL)
+                }
             }
+            t.stop().await;
+            self.kind.forget(id);
             self.sent.remove(&id);
         }
         // A deleted object's lock is given back.
-        let deleted: Vec<RcId> = deleted.into_iter().filter(|id| held_by_us(id)).collect();
         if !deleted.is_empty() {
             farm.release(&self.kind, &deleted, &format!("{} deleted", K::NOUN))
                 .await;
         }
 
-        // Claim: what is assigned to us and free; and, after a grace period, what nobody takes.
-        let mine = view.assignment.of(farm.farm_id);
-        let cap = view.assignment.cap.get(farm.farm_id).copied().unwrap_or(0);
-        let now = Instant::now();
-        self.unheld_since
-            .retain(|id, _| view.all.contains(id) && !held_by_anyone(id));
-        let held_count = self.tasks.len();
-        let mut to_claim = Vec::new();
-        let mut stale_for_grace = false;
-        let mut unassigned = 0usize;
-        for id in view.matching {
-            if held_by_anyone(id) || self.tasks.contains_key(id) || finished.contains_key(id) {
-                continue;
-            }
-            let since = *self.unheld_since.entry(*id).or_insert(now);
-            // Unheld for as long as the view shows: an object first seen a while after the
-            // lock tree was read may have been claimed since by the farm it is assigned to.
-            let waited = view.locks_read_at.min(now).saturating_duration_since(since);
-            if waited < farm.rules.grace && now.duration_since(since) >= farm.rules.grace {
-                // The grace is over unless the tree changed meanwhile: read it to know.
-                stale_for_grace = true;
-            }
-            let room = held_count + to_claim.len() < cap + farm.rules.slack;
-            // What is assigned to us is within our share (the assignment keeps each farm
-            // under its cap, counting what it holds).
-            if mine.contains(id) {
-                to_claim.push(*id);
-            } else if (waited >= farm.rules.grace && room) || waited >= farm.rules.grace * 3 {
-                to_claim.push(*id);
-                unassigned += 1;
-            }
-        }
-        if stale_for_grace && let Some(d) = view.lock_reads {
+        let plan = decide::claims(
+            s,
+            &self.tasks,
+            &mut self.unheld_since,
+            Instant::now(),
+            farm.rules,
+        );
+        if plan.read_locks
+            && let Some(d) = view.lock_reads
+        {
             d.urge();
         }
-        if unassigned > 0 {
+        if plan.unassigned > 0 {
             tracing::info!(
-                count = unassigned,
+                count = plan.unassigned,
                 "claiming {} assigned elsewhere that nobody took within the grace",
                 K::PLURAL
             );
         }
-        let claimed = if to_claim.is_empty() {
-            Vec::new()
+        let (claimed, refused) = if plan.claim.is_empty() {
+            (Vec::new(), Vec::new())
         } else {
-            let (claimed, refused) = farm.claim(&self.kind, &to_claim, view.guard).await;
-            if !refused.is_empty() {
-                let l = Learnt::now(view);
-                for id in refused {
-                    self.refused_at.insert(id, l);
-                    self.unheld_since.remove(&id);
-                }
-            }
-            claimed
+            farm.claim(&self.kind, &plan.claim, view.guard).await
         };
+        let mut learnt_refusals = Vec::new();
+        for id in refused {
+            self.unheld_since.remove(&id);
+            learnt_refusals.push(id);
+        }
+        let mut new_claims = Vec::new();
         for (id, index) in &claimed {
-            self.claimed_at.insert(*id, *index);
+            new_claims.push((*id, *index));
             self.unheld_since.remove(id);
         }
+
+        // The situation again, with what was just claimed.
+        let just_claimed: HashMap<RcId, u64> = new_claims.iter().copied().collect();
+        let claimed_now = |id: &RcId| claimed_at.contains_key(id) || just_claimed.contains_key(id);
+        let situation = Situation {
+            claimed: &claimed_now,
+            ..situation
+        };
+        let s = &situation;
 
         // Start tasks for what we hold and have no task for (claimed now, or held after a
         // restart of the loop).
         for id in view
             .all
             .iter()
-            .filter(|id| held_by_us(id) || self.claimed_at.contains_key(id))
-            .filter(|id| !self.finished_at.contains_key(id))
+            .filter(|id| s.held_by_us(id) || (s.claimed)(id))
+            .filter(|id| !(s.finished)(id))
         {
             if !self.tasks.contains_key(id) {
                 self.tasks.insert(*id, spawn(*id));
@@ -338,41 +318,7 @@ impl<K: Kind> Owned<K> {
             }
         }
 
-        // Hand over what we may not serve, and as many objects assigned to other live farms
-        // as we hold over our share (the assignment keeps what each farm holds up to its cap,
-        // so only those are assigned elsewhere): growth or a new farm moves few objects, and
-        // no farm claims something only to hand it back. Only objects we hold per the view
-        // (never one just claimed).
-        let handable =
-            |id: &&RcId| !mine.contains(id) && held_by_us(id) && !self.claimed_at.contains_key(id);
-        let mut excess: Vec<RcId> = self
-            .tasks
-            .keys()
-            .filter(handable)
-            .filter(|id| !view.matching.contains(id))
-            .copied()
-            .collect();
-        let over = self
-            .tasks
-            .len()
-            .saturating_sub(excess.len())
-            .saturating_sub(cap);
-        if over > 0 {
-            excess.extend(
-                self.tasks
-                    .keys()
-                    .filter(handable)
-                    .filter(|id| view.matching.contains(id))
-                    .filter(|id| {
-                        view.assignment
-                            .owner
-                            .get(id)
-                            .is_some_and(|f| f != farm.farm_id)
-                    })
-                    .take(over)
-                    .copied(),
-            );
-        }
+        let excess = decide::handovers(s, &self.tasks);
         if !excess.is_empty() {
             tracing::info!(
                 count = excess.len(),
@@ -388,6 +334,12 @@ impl<K: Kind> Owned<K> {
             }
             farm.release(&self.kind, &excess, "handed over for fair share")
                 .await;
+        }
+        self.claimed_at.extend(new_claims);
+        if !learnt_refusals.is_empty() {
+            let l = Learnt::now(view);
+            self.refused_at
+                .extend(learnt_refusals.into_iter().map(|id| (id, l)));
         }
         if !deleted.is_empty() || !excess.is_empty() {
             let l = Learnt::now(view);
@@ -430,7 +382,7 @@ pub(crate) struct ClaimFarm<'a> {
     pub consul: &'a Consul,
     pub session: &'a Session,
     pub farm_id: &'a str,
-    pub rules: ClaimRules,
+    pub rules: Rules,
 }
 
 impl ClaimFarm<'_> {
@@ -641,7 +593,7 @@ mod tests {
             consul,
             session,
             farm_id: "f",
-            rules: ClaimRules {
+            rules: Rules {
                 grace: Duration::ZERO,
                 slack: 0,
             },

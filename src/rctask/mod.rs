@@ -3,6 +3,7 @@
 //! applies plans in fenced transactions.
 
 pub mod intents;
+mod outcome;
 pub mod plan;
 mod removals;
 mod reports;

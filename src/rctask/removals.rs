@@ -7,19 +7,12 @@
 
 use serde_json::json;
 
+use super::outcome::{Gated, TaskError};
 use super::plan::{Action, Observed};
-use super::worker::{TaskError, Worker};
+use super::worker::Worker;
 use crate::audit::{AuditRecord, events};
 use crate::rc::Rc;
 use crate::scheduler::NodeName;
-
-/// What the budget let an action do.
-pub(super) enum Gated {
-    /// Apply this (perhaps fewer nodes than planned), having been granted `granted` removals.
-    Go { action: Action, granted: u64 },
-    /// Nothing of it may be done now: why.
-    Held(String),
-}
 
 impl Worker {
     /// How many pods `action` would remove, and which nodes it may touch for free.

@@ -3,7 +3,8 @@
 
 use serde_json::{Value, json};
 
-use super::worker::{TaskError, Worker};
+use super::outcome::TaskError;
+use super::worker::Worker;
 use crate::audit::{AuditRecord, events};
 use crate::rc::{CHANGE_MARKER, InvalidRc, Rc};
 

@@ -8,10 +8,10 @@ use chrono::Utc;
 use serde_json::{Value, json};
 
 use super::intents::IntentState;
+use super::outcome::{Applied, TaskError};
 use super::plan::{Observed, Transfer};
 use super::transfers::status_key;
-use super::worker::{TaskError, Worker};
-use super::writes::Applied;
+use super::worker::Worker;
 use crate::audit::{AuditRecord, events};
 use crate::consul::TxnOp;
 use crate::rc::{Rc, RcStore};
@@ -92,8 +92,7 @@ impl Worker {
         let store = RcStore::new(self.ctx.consul.clone());
         if !store
             .acquire_mutation(self.id, &self.session, &self.id.node_transfer_holder())
-            .await
-            .map_err(|e| TaskError::Other(e.to_string()))?
+            .await?
         {
             if allocated {
                 self.deallocate(rc, std::slice::from_ref(&new)).await;
@@ -229,8 +228,7 @@ impl Worker {
         if !self.holds_mutation_lock()
             && !store
                 .acquire_mutation(self.id, &self.session, &self.id.node_transfer_holder())
-                .await
-                .map_err(|e| TaskError::Other(e.to_string()))?
+                .await?
         {
             return Ok(Applied::MutationLocked);
         }

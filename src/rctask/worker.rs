@@ -13,15 +13,14 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use super::intents::IntentView;
+use super::outcome::{Applied, Gated, TaskError};
 use super::plan::{Observed, Transfer, plan};
-use super::removals::Gated;
 use super::status::StatusRegistry;
-use super::writes::Applied;
 use crate::consul::{Consul, ConsulError};
 use crate::health::HealthCache;
 use crate::labels::{LabelCache, Selector, split_pod_label_id};
 use crate::rc::{DesiredState, InvalidRc, LockView, POD_ID_LABEL, RC_ID_LABEL, Rc, RcId, RcStore};
-use crate::scheduler::{NodeName, NodeSet, Scheduler, SchedulerError};
+use crate::scheduler::{NodeName, NodeSet, Scheduler};
 use crate::util::{Backoff, jitter_half};
 
 /// Tunables of RC tasks.
@@ -116,28 +115,6 @@ pub enum RcState {
 pub enum TaskEvent {
     /// A write failed its fencing check: the farm no longer holds the RC's lock.
     Fenced(RcId),
-}
-
-#[derive(Debug, thiserror::Error)]
-pub(super) enum TaskError {
-    #[error("fenced: this farm no longer holds the ownership lock")]
-    Fenced,
-    /// The RC changed since the plan was made (the write was refused; plan again).
-    #[error("the RC changed while planning; planning again")]
-    Stale,
-    #[error(transparent)]
-    Consul(#[from] ConsulError),
-    #[error("scheduler: {0}")]
-    Scheduler(#[from] SchedulerError),
-    #[error("{0}")]
-    Other(String),
-}
-
-impl TaskError {
-    /// A write that may or may not have been applied (Consul unreachable, or the answer lost).
-    pub(super) fn outcome_unknown(&self) -> bool {
-        matches!(self, TaskError::Consul(e) if e.is_retryable())
-    }
 }
 
 /// The farm's handle on an RC task.
@@ -389,8 +366,7 @@ impl Worker {
             // Left over from a transfer whose release was lost: it would block rolling updates.
             RcStore::new(self.ctx.consul.clone())
                 .release_mutation(self.id, &self.session, &self.id.node_transfer_holder())
-                .await
-                .map_err(|e| TaskError::Other(e.to_string()))?;
+                .await?;
         }
         self.retry_deallocations(rc).await;
         self.settle_frozen(rc).await?;

@@ -6,8 +6,9 @@ use std::collections::BTreeSet;
 use serde_json::json;
 
 use super::intents::{IntentState, intent_key};
+use super::outcome::{Applied, TaskError};
 use super::plan::{Action, Observed};
-use super::worker::{TaskError, Worker};
+use super::worker::Worker;
 use crate::audit::{AuditRecord, events};
 use crate::consul::{TxnBudget, TxnFailure, TxnOp};
 use crate::labels::{LabelSet, LabelStore, LabelType, pod_label_id};
@@ -309,15 +310,4 @@ impl Worker {
         }
         Ok(Applied::Done)
     }
-}
-
-/// What applying one action led to, beyond success.
-pub(super) enum Applied {
-    Done,
-    /// The scheduler has no more nodes to give in this pass.
-    AllocationExhausted,
-    /// Another session holds the mutation lock.
-    MutationLocked,
-    /// A session (named) holds P2's node-transfer lock: transfers are frozen.
-    Frozen(String),
 }

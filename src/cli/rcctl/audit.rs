@@ -177,7 +177,7 @@ async fn query(ctx: &Ctx, a: QueryArgs) -> Result<(), CliError> {
             r.rc_id.clone().unwrap_or_else(|| "-".into()),
             r.pod_id.clone().unwrap_or_else(|| "-".into()),
             r.farm_id.clone().unwrap_or_else(|| "-".into()),
-            super::rc::summarize(&r.details),
+            summarize(&r.details),
         ]);
     }
     if t.is_empty() {
@@ -189,4 +189,28 @@ async fn query(ctx: &Ctx, a: QueryArgs) -> Result<(), CliError> {
         eprintln!("more: repeat with --cursor {c}");
     }
     Ok(())
+}
+
+/// A one-line summary of event details.
+pub fn summarize(d: &serde_json::Value) -> String {
+    let mut parts = Vec::new();
+    for k in [
+        "farm_id",
+        "actor",
+        "node",
+        "set",
+        "removed",
+        "nodes",
+        "old_node",
+        "new_node",
+        "reason",
+        "rollback_reason",
+        "problem",
+        "changes",
+    ] {
+        if let Some(v) = d.get(k).filter(|v| !v.is_null()) {
+            parts.push(format!("{k}={}", v));
+        }
+    }
+    parts.join(" ")
 }

@@ -256,6 +256,28 @@ impl Ctx {
     }
 }
 
+/// A manifest file's text (`-`: standard input), refused unless it parses.
+pub(crate) fn read_manifest(path: &std::path::Path) -> Result<String, CliError> {
+    let mut text = String::new();
+    if path.as_os_str() == "-" {
+        std::io::Read::read_to_string(&mut std::io::stdin(), &mut text).map_err(|e| {
+            CliError::Usage(format!("cannot read the manifest from standard input: {e}"))
+        })?;
+    } else {
+        text = std::fs::read_to_string(path).map_err(|e| {
+            CliError::Usage(format!("cannot read the manifest {}: {e}", path.display()))
+        })?;
+    }
+    crate::rc::Manifest::parse(&text)
+        .map_err(|e| CliError::Usage(format!("{}: {e}", path.display())))?;
+    Ok(text)
+}
+
+pub(crate) fn parse_id(id: &str) -> Result<crate::rc::RcId, CliError> {
+    crate::rc::RcId::parse(id)
+        .map_err(|e| CliError::Usage(format!("RC id {e}; list them with `rcctl rc list`")))
+}
+
 /// Who rcctl says made a change, in audit records.
 pub(crate) fn rc_actor() -> String {
     let user = std::env::var("USER")

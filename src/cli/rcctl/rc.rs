@@ -1,15 +1,14 @@
 //! `rcctl rc …` and `rcctl farms`.
 
-use std::io::Read;
-use std::path::Path;
 use std::time::{Duration, Instant};
 
+use super::audit::summarize;
 use super::output::{Table, json, parse_pairs, print_txn};
-use super::{Ctx, RcCommand, consul_failed};
+use super::{Ctx, RcCommand, consul_failed, parse_id, read_manifest};
 use crate::cli::CliError;
 use crate::labels::Selector;
 use crate::overview::RcOverview;
-use crate::rc::{AllocationStrategy, Mutation, NewRc, RcId, RcStore, RcStoreError, Written};
+use crate::rc::{AllocationStrategy, Mutation, NewRc, RcStore, RcStoreError, Written};
 
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
 pub enum StrategyArg {
@@ -31,27 +30,6 @@ impl From<StrategyArg> for AllocationStrategy {
 }
 
 use super::rc_actor as actor;
-
-pub(super) fn read_manifest(path: &Path) -> Result<String, CliError> {
-    let mut text = String::new();
-    if path.as_os_str() == "-" {
-        std::io::stdin().read_to_string(&mut text).map_err(|e| {
-            CliError::Usage(format!("cannot read the manifest from standard input: {e}"))
-        })?;
-    } else {
-        text = std::fs::read_to_string(path).map_err(|e| {
-            CliError::Usage(format!("cannot read the manifest {}: {e}", path.display()))
-        })?;
-    }
-    crate::rc::Manifest::parse(&text)
-        .map_err(|e| CliError::Usage(format!("{}: {e}", path.display())))?;
-    Ok(text)
-}
-
-pub(super) fn parse_id(id: &str) -> Result<RcId, CliError> {
-    RcId::parse(id)
-        .map_err(|e| CliError::Usage(format!("RC id {e}; list them with `rcctl rc list`")))
-}
 
 fn store_failed(e: RcStoreError) -> CliError {
     match e {
@@ -392,30 +370,6 @@ fn fmt_labels(l: &crate::labels::LabelSet) -> String {
         .map(|(k, v)| format!("{k}={v}"))
         .collect::<Vec<_>>()
         .join(",")
-}
-
-/// A one-line summary of event details.
-pub fn summarize(d: &serde_json::Value) -> String {
-    let mut parts = Vec::new();
-    for k in [
-        "farm_id",
-        "actor",
-        "node",
-        "set",
-        "removed",
-        "nodes",
-        "old_node",
-        "new_node",
-        "reason",
-        "rollback_reason",
-        "problem",
-        "changes",
-    ] {
-        if let Some(v) = d.get(k).filter(|v| !v.is_null()) {
-            parts.push(format!("{k}={}", v));
-        }
-    }
-    parts.join(" ")
 }
 
 /// The RC's latest audit events: from SQL if `audit_db` is given, and from the Consul outbox

@@ -6,8 +6,8 @@ use std::time::{Duration, Instant};
 use clap::Subcommand;
 
 use super::output::{Table, json, print_txn};
-use super::rc::{parse_id, read_manifest};
 use super::{Ctx, DryRun, consul_failed, rc_actor};
+use super::{parse_id, read_manifest};
 use crate::cli::{CliError, parse_duration_flag};
 use crate::labels::LabelSet;
 use crate::overview::{CANARY_CONDITION, RollOverview};

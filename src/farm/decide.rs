@@ -1,0 +1,431 @@
+//! The ownership decisions, as pure functions of what the farm sees: which tasks to stop, what
+//! to claim, what to hand over. [`super::ownership::Owned::reconcile`] gathers the situation,
+//! asks these, and carries the answers out (the writes, the tasks, the logs); the tests below
+//! read as the rules, one row per case.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::claims::Assignment;
+use crate::rc::RcId;
+
+/// What the farm sees of one kind of claimed object at a reconcile.
+pub(crate) struct Situation<'a> {
+    pub farm_id: &'a str,
+    /// This farm's session.
+    pub session: &'a str,
+    /// Every object that exists.
+    pub all: &'a BTreeSet<RcId>,
+    /// The objects this farm may serve.
+    pub matching: &'a BTreeSet<RcId>,
+    pub assignment: &'a Assignment,
+    /// The session holding each object's lock, as last read.
+    pub holders: &'a BTreeMap<RcId, String>,
+    /// When the lock tree was last known current.
+    pub locks_read_at: Instant,
+    /// Claimed by this farm since the lock tree was read (ours, whatever it shows).
+    pub claimed: &'a dyn Fn(&RcId) -> bool,
+    /// Given back by this farm since the lock tree was read (not ours, whatever it shows).
+    pub released: &'a dyn Fn(&RcId) -> bool,
+    /// Refused to this farm since the lock tree was read (held, whatever it shows).
+    pub refused: &'a dyn Fn(&RcId) -> bool,
+    /// Finished by their task (a completed roll) and not yet gone from the view.
+    pub finished: &'a dyn Fn(&RcId) -> bool,
+}
+
+impl Situation<'_> {
+    /// Held by this farm's session.
+    pub fn held_by_us(&self, id: &RcId) -> bool {
+        self.holders.get(id).is_some_and(|s| s == self.session) && !(self.released)(id)
+    }
+
+    /// Held by some session, as far as this farm knows.
+    pub fn held_by_anyone(&self, id: &RcId) -> bool {
+        self.holders.contains_key(id) || (self.refused)(id)
+    }
+
+    /// This farm's fair share.
+    pub fn cap(&self) -> usize {
+        self.assignment.cap.get(self.farm_id).copied().unwrap_or(0)
+    }
+}
+
+/// Why a task is stopped.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Stop {
+    /// It ended on its own.
+    Ended,
+    /// Its object is gone; `release`: its lock is ours, to give back.
+    Deleted { release: bool },
+    /// Another session holds its object's lock.
+    HeldElsewhere(String),
+    /// Nobody holds its object's lock (a roll deletes its lock as it completes, or a hand did).
+    LockGone,
+}
+
+/// The tasks to stop (`ended` tells a task that ended on its own), in id order.
+pub(crate) fn stops<T>(
+    s: &Situation<'_>,
+    tasks: &BTreeMap<RcId, T>,
+    ended: impl Fn(&T) -> bool,
+) -> Vec<(RcId, Stop)> {
+    tasks
+        .iter()
+        .filter_map(|(id, t)| {
+            let why = if !s.all.contains(id) {
+                Stop::Deleted {
+                    release: s.held_by_us(id),
+                }
+            } else if ended(t) {
+                Stop::Ended
+            } else if !s.held_by_us(id) && !(s.claimed)(id) {
+                match s.holders.get(id) {
+                    Some(other) if other != s.session => Stop::HeldElsewhere(other.clone()),
+                    _ => Stop::LockGone,
+                }
+            } else {
+                return None;
+            };
+            Some((*id, why))
+        })
+        .collect()
+}
+
+/// The rules for taking objects assigned elsewhere.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Rules {
+    /// How long an unheld object waits for its assigned farm before a farm with room takes it.
+    pub grace: Duration,
+    /// How far over its fair share a farm may go for objects nobody else takes.
+    pub slack: usize,
+}
+
+/// What to claim.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub(crate) struct Claims {
+    pub claim: Vec<RcId>,
+    /// Of those, how many are assigned to another farm (taken past the grace).
+    pub unassigned: usize,
+    /// An object's grace is over unless the lock tree changed since it was read: read it.
+    pub read_locks: bool,
+}
+
+/// What to claim, given the tasks running (after [`stops`]): what is assigned to us and free,
+/// and, past the grace, what nobody takes. `unheld_since` is when each unheld object was first
+/// seen unheld; it is kept up to date here.
+pub(crate) fn claims<T>(
+    s: &Situation<'_>,
+    tasks: &BTreeMap<RcId, T>,
+    unheld_since: &mut HashMap<RcId, Instant>,
+    now: Instant,
+    rules: Rules,
+) -> Claims {
+    let mine = s.assignment.of(s.farm_id);
+    let cap = s.cap();
+    unheld_since.retain(|id, _| s.all.contains(id) && !s.held_by_anyone(id));
+    let mut out = Claims::default();
+    for id in s.matching {
+        if s.held_by_anyone(id) || tasks.contains_key(id) || (s.finished)(id) {
+            continue;
+        }
+        let since = *unheld_since.entry(*id).or_insert(now);
+        // Unheld for as long as the view shows: an object first seen a while after the lock
+        // tree was read may have been claimed since by the farm it is assigned to.
+        let waited = s.locks_read_at.min(now).saturating_duration_since(since);
+        if waited < rules.grace && now.duration_since(since) >= rules.grace {
+            out.read_locks = true;
+        }
+        let room = tasks.len() + out.claim.len() < cap + rules.slack;
+        // What is assigned to us is within our share (the assignment keeps each farm under its
+        // cap, counting what it holds).
+        if mine.contains(id) {
+            out.claim.push(*id);
+        } else if (waited >= rules.grace && room) || waited >= rules.grace * 3 {
+            out.claim.push(*id);
+            out.unassigned += 1;
+        }
+    }
+    out
+}
+
+/// What to hand over, given the tasks running (after claims): what we may not serve, and as
+/// many objects assigned to other farms as we hold over our share. Only objects held per the
+/// view (never one just claimed), so no farm claims something only to hand it back.
+pub(crate) fn handovers<T>(s: &Situation<'_>, tasks: &BTreeMap<RcId, T>) -> Vec<RcId> {
+    let mine = s.assignment.of(s.farm_id);
+    let handable = |id: &&RcId| !mine.contains(id) && s.held_by_us(id) && !(s.claimed)(id);
+    let mut out: Vec<RcId> = tasks
+        .keys()
+        .filter(handable)
+        .filter(|id| !s.matching.contains(id))
+        .copied()
+        .collect();
+    let over = tasks
+        .len()
+        .saturating_sub(out.len())
+        .saturating_sub(s.cap());
+    if over > 0 {
+        out.extend(
+            tasks
+                .keys()
+                .filter(handable)
+                .filter(|id| s.matching.contains(id))
+                .filter(|id| s.assignment.owner.get(id).is_some_and(|f| f != s.farm_id))
+                .take(over)
+                .copied(),
+        );
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    //! The rules, one row each. Farm `f` with session `S`; another farm `g` with session `G`.
+    //! Objects are named by a small number.
+
+    use std::collections::HashSet;
+
+    use super::*;
+
+    fn rc(n: u8) -> RcId {
+        RcId::parse(&format!("00000000-0000-4000-8000-0000000000{n:02}")).unwrap()
+    }
+
+    /// One situation, written as a table row would say it.
+    #[derive(Default, Clone)]
+    struct Row {
+        /// Objects that exist (all matching `f`'s selector unless in `foreign`).
+        exist: Vec<u8>,
+        /// Objects `f` may not serve.
+        foreign: Vec<u8>,
+        /// Object → farm it is assigned to.
+        assigned: Vec<(u8, &'static str)>,
+        cap_f: usize,
+        /// Object → session holding its lock per the view.
+        held: Vec<(u8, &'static str)>,
+        claimed: Vec<u8>,
+        released: Vec<u8>,
+        refused: Vec<u8>,
+        finished: Vec<u8>,
+        /// Objects `f` runs a task for, and whether it ended.
+        tasks: Vec<(u8, bool)>,
+        /// How long each unheld object has been seen unheld (and the view as old as now).
+        unheld_for: Vec<(u8, u64)>,
+    }
+
+    struct Built {
+        all: BTreeSet<RcId>,
+        matching: BTreeSet<RcId>,
+        assignment: Assignment,
+        holders: BTreeMap<RcId, String>,
+        claimed: HashSet<RcId>,
+        released: HashSet<RcId>,
+        refused: HashSet<RcId>,
+        finished: HashSet<RcId>,
+        tasks: BTreeMap<RcId, bool>,
+    }
+
+    fn set(v: &[u8]) -> HashSet<RcId> {
+        v.iter().map(|n| rc(*n)).collect()
+    }
+
+    impl Row {
+        fn build(&self) -> Built {
+            let all: BTreeSet<RcId> = self.exist.iter().map(|n| rc(*n)).collect();
+            let foreign = set(&self.foreign);
+            Built {
+                matching: all
+                    .iter()
+                    .filter(|id| !foreign.contains(id))
+                    .copied()
+                    .collect(),
+                all,
+                assignment: Assignment {
+                    owner: self
+                        .assigned
+                        .iter()
+                        .map(|(n, f)| (rc(*n), f.to_string()))
+                        .collect(),
+                    cap: [("f".to_string(), self.cap_f), ("g".to_string(), 100)].into(),
+                },
+                holders: self
+                    .held
+                    .iter()
+                    .map(|(n, s)| (rc(*n), s.to_string()))
+                    .collect(),
+                claimed: set(&self.claimed),
+                released: set(&self.released),
+                refused: set(&self.refused),
+                finished: set(&self.finished),
+                tasks: self.tasks.iter().map(|(n, e)| (rc(*n), *e)).collect(),
+            }
+        }
+    }
+
+    const GRACE: Duration = Duration::from_secs(10);
+
+    /// Object → why its task stops.
+    type Stops = Vec<(u8, Stop)>;
+
+    fn with<R>(b: &Built, now: Instant, f: impl FnOnce(&Situation<'_>) -> R) -> R {
+        let s = Situation {
+            farm_id: "f",
+            session: "S",
+            all: &b.all,
+            matching: &b.matching,
+            assignment: &b.assignment,
+            holders: &b.holders,
+            locks_read_at: now,
+            claimed: &|id| b.claimed.contains(id),
+            released: &|id| b.released.contains(id),
+            refused: &|id| b.refused.contains(id),
+            finished: &|id| b.finished.contains(id),
+        };
+        f(&s)
+    }
+
+    fn names(ids: &[RcId]) -> Vec<u8> {
+        ids.iter()
+            .map(|id| (id.as_u128() & 0xff) as u8)
+            .map(|x| x / 16 * 10 + x % 16)
+            .collect()
+    }
+
+    #[test]
+    fn what_is_claimed() {
+        let base = Row {
+            exist: vec![1],
+            cap_f: 1,
+            ..Row::default()
+        };
+        #[rustfmt::skip]
+        let rows: Vec<(&str, Row, Vec<u8>)> = vec![
+            ("assigned to us and free: claimed",
+             Row { assigned: vec![(1, "f")], ..base.clone() }, vec![1]),
+            ("assigned to us, another session holds it: not claimed",
+             Row { assigned: vec![(1, "f")], held: vec![(1, "G")], ..base.clone() }, vec![]),
+            ("assigned to us, a claim was refused and the tree not read since: not claimed",
+             Row { assigned: vec![(1, "f")], refused: vec![1], ..base.clone() }, vec![]),
+            ("assigned to us, its task finished it and the view still shows it: not claimed",
+             Row { assigned: vec![(1, "f")], finished: vec![1], ..base.clone() }, vec![]),
+            ("assigned to us, we gave it back and the view still shows our lock: not claimed again",
+             Row { assigned: vec![(1, "f")], held: vec![(1, "S")], released: vec![1], ..base.clone() }, vec![]),
+            ("assigned to us, a task runs for it: nothing to claim",
+             Row { assigned: vec![(1, "f")], tasks: vec![(1, false)], ..base.clone() }, vec![]),
+            ("not ours to serve (selector): never claimed, even past the grace",
+             Row { foreign: vec![1], unheld_for: vec![(1, 100)], ..base.clone() }, vec![]),
+            ("assigned elsewhere, unheld within the grace: left to its farm",
+             Row { assigned: vec![(1, "g")], unheld_for: vec![(1, 5)], ..base.clone() }, vec![]),
+            ("assigned elsewhere, unheld past the grace, we have room: claimed",
+             Row { assigned: vec![(1, "g")], unheld_for: vec![(1, 11)], ..base.clone() }, vec![1]),
+            ("assigned elsewhere, unheld past the grace, we are full: left",
+             Row { exist: vec![1, 2], assigned: vec![(1, "g")], tasks: vec![(2, false)], unheld_for: vec![(1, 11)], ..base.clone() }, vec![]),
+            ("assigned elsewhere, unheld past three graces: claimed even when full",
+             Row { exist: vec![1, 2], assigned: vec![(1, "g")], tasks: vec![(2, false)], unheld_for: vec![(1, 31)], ..base.clone() }, vec![1]),
+            ("assigned to nobody (no farm may serve it but us, past the grace): claimed",
+             Row { unheld_for: vec![(1, 11)], ..base.clone() }, vec![1]),
+        ];
+        for (rule, row, want) in rows {
+            let b = row.build();
+            let now = Instant::now() + Duration::from_secs(1000);
+            let mut since: HashMap<RcId, Instant> = row
+                .unheld_for
+                .iter()
+                .map(|(n, secs)| (rc(*n), now - Duration::from_secs(*secs)))
+                .collect();
+            let rules = Rules {
+                grace: GRACE,
+                slack: 0,
+            };
+            let got = with(&b, now, |s| claims(s, &b.tasks, &mut since, now, rules));
+            assert_eq!(names(&got.claim), want, "{rule}");
+        }
+    }
+
+    /// A grace period runs out on a view read before it ran out: the tree is read first, and
+    /// nothing assigned elsewhere is taken on the old view.
+    #[test]
+    fn a_grace_over_on_an_old_view_asks_for_a_read_first() {
+        let row = Row {
+            exist: vec![1],
+            cap_f: 1,
+            assigned: vec![(1, "g")],
+            ..Row::default()
+        };
+        let b = row.build();
+        let now = Instant::now() + Duration::from_secs(1000);
+        let mut since: HashMap<RcId, Instant> = [(rc(1), now - Duration::from_secs(11))].into();
+        let rules = Rules {
+            grace: GRACE,
+            slack: 0,
+        };
+        // The view was read 5 s after the object was first seen unheld.
+        let got = with(&b, now - Duration::from_secs(6), |s| {
+            claims(s, &b.tasks, &mut since, now, rules)
+        });
+        assert_eq!(
+            got,
+            Claims {
+                claim: vec![],
+                unassigned: 0,
+                read_locks: true
+            }
+        );
+    }
+
+    #[test]
+    fn which_tasks_stop() {
+        #[rustfmt::skip]
+        let rows: Vec<(&str, Row, Stops)> = vec![
+            ("held by us: runs on",
+             Row { exist: vec![1], held: vec![(1, "S")], tasks: vec![(1, false)], ..Row::default() }, vec![]),
+            ("claimed since the view was read (the view lags): runs on",
+             Row { exist: vec![1], claimed: vec![1], tasks: vec![(1, false)], ..Row::default() }, vec![]),
+            ("ended on its own: stopped",
+             Row { exist: vec![1], held: vec![(1, "S")], tasks: vec![(1, true)], ..Row::default() }, vec![(1, Stop::Ended)]),
+            ("its object was deleted while we hold it: stopped, the lock given back",
+             Row { held: vec![(1, "S")], tasks: vec![(1, false)], ..Row::default() }, vec![(1, Stop::Deleted { release: true })]),
+            ("its object was deleted and the lock is gone too: stopped, nothing to give back",
+             Row { tasks: vec![(1, false)], ..Row::default() }, vec![(1, Stop::Deleted { release: false })]),
+            ("another session holds its lock: stopped",
+             Row { exist: vec![1], held: vec![(1, "G")], tasks: vec![(1, false)], ..Row::default() }, vec![(1, Stop::HeldElsewhere("G".into()))]),
+            ("nobody holds its lock (a roll completed, or a hand deleted it): stopped",
+             Row { exist: vec![1], tasks: vec![(1, false)], ..Row::default() }, vec![(1, Stop::LockGone)]),
+        ];
+        for (rule, row, want) in rows {
+            let b = row.build();
+            let got = with(&b, Instant::now(), |s| stops(s, &b.tasks, |e| *e));
+            let got: Vec<(u8, Stop)> = got
+                .into_iter()
+                .map(|(id, why)| (names(&[id])[0], why))
+                .collect();
+            assert_eq!(got, want, "{rule}");
+        }
+    }
+
+    #[test]
+    fn what_is_handed_over() {
+        #[rustfmt::skip]
+        let rows: Vec<(&str, Row, Vec<u8>)> = vec![
+            ("within our share: nothing",
+             Row { exist: vec![1, 2], cap_f: 2, assigned: vec![(1, "f"), (2, "f")], held: vec![(1, "S"), (2, "S")], tasks: vec![(1, false), (2, false)], ..Row::default() }, vec![]),
+            ("over our share: as many as we are over, of those assigned elsewhere",
+             Row { exist: vec![1, 2, 3], cap_f: 1, assigned: vec![(1, "f"), (2, "g"), (3, "g")], held: vec![(1, "S"), (2, "S"), (3, "S")], tasks: vec![(1, false), (2, false), (3, false)], ..Row::default() }, vec![2, 3]),
+            ("over our share by one: one goes",
+             Row { exist: vec![1, 2, 3], cap_f: 2, assigned: vec![(1, "f"), (2, "g"), (3, "g")], held: vec![(1, "S"), (2, "S"), (3, "S")], tasks: vec![(1, false), (2, false), (3, false)], ..Row::default() }, vec![2]),
+            ("our selector no longer admits it: handed over whatever our share",
+             Row { exist: vec![1], foreign: vec![1], cap_f: 5, assigned: vec![(1, "g")], held: vec![(1, "S")], tasks: vec![(1, false)], ..Row::default() }, vec![1]),
+            ("just claimed (the view does not show it yet): kept",
+             Row { exist: vec![1], foreign: vec![1], assigned: vec![(1, "g")], claimed: vec![1], tasks: vec![(1, false)], ..Row::default() }, vec![]),
+            ("already given back (the view still shows our lock): not again",
+             Row { exist: vec![1], foreign: vec![1], assigned: vec![(1, "g")], held: vec![(1, "S")], released: vec![1], tasks: vec![(1, false)], ..Row::default() }, vec![]),
+        ];
+        for (rule, row, want) in rows {
+            let b = row.build();
+            let got = with(&b, Instant::now(), |s| handovers(s, &b.tasks));
+            assert_eq!(names(&got), want, "{rule}");
+        }
+    }
+}
