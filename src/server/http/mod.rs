@@ -1,0 +1,633 @@
+//! HTTP layer of the embedded server, answering as Consul's `agent/*_endpoint.go` do: the same
+//! statuses, plain-text error bodies, `X-Consul-*` headers and JSON shapes.
+//!
+//! This module holds what every endpoint family shares: the router (path, method and ACL checks
+//! in Consul's order), error and JSON answers, query parameters, request bodies and the blocking
+//! query loop. Each family's handlers live in their own file, so one family's Consul quirks can
+//! be read and changed without the others'.
+
+mod kv;
+mod session;
+mod status;
+mod txn;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::http::{HeaderMap, HeaderValue, Method, Request, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use futures::StreamExt as _;
+use percent_encoding::percent_decode_str;
+use serde::Serialize;
+use serde_json::{Map, Value};
+use tokio::time::Instant;
+
+use super::Shared;
+use super::compat::Compat;
+use super::waiters::WatchTarget;
+use crate::util::parse_go_duration;
+use kv::{kv_delete, kv_get, kv_put};
+use session::{SessionQuery, session_create, session_destroy, session_read, session_renew};
+use status::status;
+use txn::{txn, txn_anonymous_0_7};
+
+const DEFAULT_WAIT: Duration = Duration::from_secs(300);
+const MAX_WAIT: Duration = Duration::from_secs(600);
+/// Consul 0.7's fixed limit on a KV value, and on the sum of a transaction's values.
+const MAX_KV_SIZE_0_7: usize = 512 * 1024;
+
+/// An error answer: Consul's errors are a status and a plain-text body.
+#[derive(Debug)]
+pub(crate) struct ApiError {
+    status: StatusCode,
+    body: String,
+}
+
+impl ApiError {
+    pub(crate) fn new(status: StatusCode, body: impl Into<String>) -> Self {
+        Self {
+            status,
+            body: body.into(),
+        }
+    }
+
+    #[cfg(test)]
+    fn status(&self) -> StatusCode {
+        self.status
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        text(self.status, self.body)
+    }
+}
+
+type Answer = ApiError;
+
+fn text(status: StatusCode, body: impl Into<String>) -> Response {
+    let mut r = (status, body.into()).into_response();
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    r
+}
+
+fn err(status: StatusCode, body: impl Into<String>) -> ApiError {
+    ApiError::new(status, body)
+}
+
+fn bad_request(body: impl Into<String>) -> ApiError {
+    err(StatusCode::BAD_REQUEST, body)
+}
+
+fn too_large(body: impl Into<String>) -> ApiError {
+    err(StatusCode::PAYLOAD_TOO_LARGE, body)
+}
+
+fn internal(body: impl Into<String>) -> ApiError {
+    err(StatusCode::INTERNAL_SERVER_ERROR, body)
+}
+
+/// Query parameters; flags count by presence, values by their first occurrence (Go's `Get`).
+struct Params {
+    pairs: Vec<(String, String)>,
+}
+
+impl Params {
+    fn parse(raw: Option<&str>) -> Params {
+        let pairs = form_urlencoded::parse(raw.unwrap_or("").as_bytes())
+            .into_owned()
+            .collect();
+        Params { pairs }
+    }
+
+    fn has(&self, name: &str) -> bool {
+        self.pairs.iter().any(|(k, _)| k == name)
+    }
+
+    fn get(&self, name: &str) -> Option<&str> {
+        self.pairs
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+    }
+
+    /// Go's `url.Values.Encode`: every parameter, sorted by key.
+    fn encode_sorted(&self) -> String {
+        let mut pairs = self.pairs.clone();
+        pairs.sort_by(|a, b| a.0.cmp(&b.0));
+        form_urlencoded::Serializer::new(String::new())
+            .extend_pairs(pairs)
+            .finish()
+    }
+}
+
+/// The blocking and consistency options every read parses first (Consul's `s.parse`).
+struct ReadOpts {
+    index: u64,
+    wait: Duration,
+    pretty: bool,
+}
+
+fn parse_read_opts(p: &Params) -> Result<ReadOpts, Answer> {
+    if p.has("stale") && p.has("consistent") {
+        return Err(bad_request(
+            "Cannot specify ?stale with ?consistent, conflicting semantics.",
+        ));
+    }
+    let mut wait = DEFAULT_WAIT;
+    if let Some(w) = p.get("wait").filter(|w| !w.is_empty()) {
+        let d = parse_go_duration(w).map_err(|_| bad_request("Invalid wait time"))?;
+        if let Some(d) = d.positive() {
+            wait = d.min(MAX_WAIT);
+        }
+    }
+    let mut index = 0;
+    if let Some(i) = p.get("index").filter(|i| !i.is_empty()) {
+        index = i.parse::<u64>().map_err(|_| bad_request("Invalid index"))?;
+    }
+    Ok(ReadOpts {
+        index,
+        wait,
+        pretty: p.has("pretty"),
+    })
+}
+
+fn json_body<T: Serialize + ?Sized>(status: StatusCode, value: &T, pretty: bool) -> Response {
+    let body = if pretty {
+        serde_json::to_vec_pretty(value)
+    } else {
+        serde_json::to_vec(value)
+    };
+    match body {
+        Ok(mut b) => {
+            if pretty {
+                b.push(b'\n');
+            }
+            let mut r = (status, b).into_response();
+            r.headers_mut().insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            );
+            r
+        }
+        Err(e) => text(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("failed to encode response: {e}"),
+        ),
+    }
+}
+
+fn set_meta(headers: &mut HeaderMap, index: u64) {
+    headers.insert("X-Consul-Index", HeaderValue::from(index.max(1)));
+    headers.insert("X-Consul-KnownLeader", HeaderValue::from_static("true"));
+    headers.insert("X-Consul-LastContact", HeaderValue::from_static("0"));
+    headers.insert(
+        "X-Consul-Query-Backend",
+        HeaderValue::from_static("blocking-query"),
+    );
+}
+
+fn with_meta(mut r: Response, index: u64) -> Response {
+    set_meta(r.headers_mut(), index);
+    r
+}
+
+fn not_found_with_meta(index: u64) -> Response {
+    with_meta(StatusCode::NOT_FOUND.into_response(), index)
+}
+
+fn request_token(req: &Request<Body>, p: &Params) -> Option<String> {
+    if let Some(t) = p.get("token").filter(|t| !t.is_empty()) {
+        return Some(t.to_string());
+    }
+    let h = req.headers();
+    if let Some(t) = h
+        .get("X-Consul-Token")
+        .and_then(|v| v.to_str().ok())
+        .filter(|t| !t.is_empty())
+    {
+        return Some(t.to_string());
+    }
+    let auth = h.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok())?;
+    let mut parts = auth.splitn(2, ' ');
+    let scheme = parts.next()?;
+    let rest = parts.next()?.trim();
+    (scheme.eq_ignore_ascii_case("bearer") && !rest.is_empty())
+        .then(|| rest.split(' ').next().unwrap_or("").to_string())
+}
+
+/// Go's `path.Clean` as its `ServeMux` applies it: one slash for many, no `.` elements, `..`
+/// removing the element before it, and a trailing slash kept. (HTTP clients usually resolve
+/// `.` and `..` themselves; `//` reaches the server.)
+pub(super) fn clean_path(p: &str) -> String {
+    let mut parts: Vec<&str> = Vec::new();
+    for seg in p.split('/') {
+        match seg {
+            "" | "." => {}
+            ".." => {
+                parts.pop();
+            }
+            s => parts.push(s),
+        }
+    }
+    let mut out = format!("/{}", parts.join("/"));
+    if p.ends_with('/') && out != "/" {
+        out.push('/');
+    }
+    out
+}
+
+/// Characters Go escapes in a URL path.
+const GO_PATH: &percent_encoding::AsciiSet = &percent_encoding::CONTROLS
+    .add(b' ')
+    .add(b'"')
+    .add(b'#')
+    .add(b'%')
+    .add(b'<')
+    .add(b'>')
+    .add(b'?')
+    .add(b'[')
+    .add(b'\\')
+    .add(b']')
+    .add(b'^')
+    .add(b'`')
+    .add(b'{')
+    .add(b'|')
+    .add(b'}');
+
+/// Go's `http.Redirect` with 301: an HTML body for GET and HEAD only.
+fn moved_permanently(path: &str, query: Option<&str>, method: &Method) -> Response {
+    let mut location = percent_encoding::utf8_percent_encode(path, GO_PATH).to_string();
+    if let Some(q) = query {
+        location.push('?');
+        location.push_str(q);
+    }
+    let mut r = if method == Method::GET || method == Method::HEAD {
+        let mut r = format!("<a href=\"{location}\">Moved Permanently</a>.\n\n").into_response();
+        r.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("text/html; charset=utf-8"),
+        );
+        r
+    } else {
+        ().into_response()
+    };
+    *r.status_mut() = StatusCode::MOVED_PERMANENTLY;
+    if let Ok(v) = HeaderValue::from_str(&location) {
+        r.headers_mut().insert(header::LOCATION, v);
+    }
+    r
+}
+
+/// Entry point: routes by path and method like Consul's HTTP mux.
+pub(super) async fn handle(shared: Arc<Shared>, req: Request<Body>) -> Response {
+    shared
+        .requests
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    if req.uri().path() == "/v1/txn" {
+        shared
+            .txns
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+    let mut resp = route(shared.clone(), req).await;
+    let too_large = resp.status() == StatusCode::PAYLOAD_TOO_LARGE;
+    let h = resp.headers_mut();
+    if too_large {
+        // The rest of the body may be unread (past what `read_body` discards), so the connection
+        // cannot carry another request; say so, or a client may reuse it and see its next
+        // request fail (as Go's server does).
+        h.insert(header::CONNECTION, HeaderValue::from_static("close"));
+    }
+    if shared.config.compat == Compat::V0_7 {
+        h.remove("X-Consul-Query-Backend");
+    } else {
+        // Consul 0.7 neither compresses (no `Vary`) nor says its ACL policy.
+        h.insert(header::VARY, HeaderValue::from_static("Accept-Encoding"));
+        let policy = if shared.config.acl_token.is_some() {
+            "deny"
+        } else {
+            "allow"
+        };
+        h.insert(
+            "X-Consul-Default-Acl-Policy",
+            HeaderValue::from_static(policy),
+        );
+    }
+    resp
+}
+
+async fn route(shared: Arc<Shared>, req: Request<Body>) -> Response {
+    let raw_path = req.uri().path().to_string();
+    let path = match percent_decode_str(&raw_path).decode_utf8() {
+        Ok(p) if !p.chars().any(|c| c.is_control()) => p.into_owned(),
+        // Go's http server refuses unprintable paths with an empty 400.
+        _ => return StatusCode::BAD_REQUEST.into_response(),
+    };
+    // Go's ServeMux answers a path that is not clean (`a//b`, `a/./b`, `a/../b`) with a 301 to
+    // the cleaned one, which clients follow: `health/web//` lists `health/web/`.
+    let clean = clean_path(&path);
+    if clean != path {
+        return moved_permanently(&clean, req.uri().query(), req.method());
+    }
+    let params = Params::parse(req.uri().query());
+
+    let (allowed, endpoint): (&[&str], Endpoint) = if let Some(key) = path.strip_prefix("/v1/kv/") {
+        (&["GET", "PUT", "DELETE"], Endpoint::Kv(key.to_string()))
+    } else if path == "/v1/kv" {
+        let mut r = StatusCode::MOVED_PERMANENTLY.into_response();
+        r.headers_mut()
+            .insert(header::LOCATION, HeaderValue::from_static("/v1/kv/"));
+        return r;
+    } else if path == "/v1/txn" {
+        (&["PUT"], Endpoint::Txn)
+    } else if path == "/v1/session/create" {
+        (&["PUT"], Endpoint::SessionCreate)
+    } else if let Some(id) = path.strip_prefix("/v1/session/destroy/") {
+        (&["PUT"], Endpoint::SessionDestroy(id.to_string()))
+    } else if let Some(id) = path.strip_prefix("/v1/session/renew/") {
+        (&["PUT"], Endpoint::SessionRenew(id.to_string()))
+    } else if let Some(id) = path.strip_prefix("/v1/session/info/") {
+        (&["GET"], Endpoint::SessionInfo(id.to_string()))
+    } else if let Some(node) = path.strip_prefix("/v1/session/node/") {
+        (&["GET"], Endpoint::SessionNode(node.to_string()))
+    } else if path == "/v1/session/list" {
+        (&["GET"], Endpoint::SessionList)
+    } else if path == "/v1/status/leader" {
+        (&["GET"], Endpoint::StatusLeader)
+    } else if path == "/v1/status/peers" {
+        (&["GET"], Endpoint::StatusPeers)
+    } else if path == "/" {
+        return text(
+            StatusCode::OK,
+            "rcfarm consul-dev: a Consul-compatible development server (KV, sessions, txn, status)",
+        );
+    } else if path.contains("/v1/") {
+        return text(
+            StatusCode::NOT_FOUND,
+            "Invalid URL path: not a recognized HTTP API endpoint\n",
+        );
+    } else {
+        return text(
+            StatusCode::NOT_FOUND,
+            "Invalid URL path: if attempting to use the HTTP API, ensure the path starts with '/v1/'\n",
+        );
+    };
+
+    let method = req.method().clone();
+    let compat = shared.config.compat;
+    if compat == Compat::V0_7 && !allowed.contains(&method.as_str()) {
+        // Consul 0.7: an empty 405 without `Allow`, for OPTIONS too.
+        return StatusCode::METHOD_NOT_ALLOWED.into_response();
+    }
+    let allow = std::iter::once("OPTIONS")
+        .chain(allowed.iter().copied())
+        .collect::<Vec<_>>()
+        .join(",");
+    if method == Method::OPTIONS {
+        let mut r = StatusCode::OK.into_response();
+        if let Ok(v) = HeaderValue::from_str(&allow) {
+            r.headers_mut().insert(header::ALLOW, v);
+        }
+        return r;
+    }
+    if !allowed.contains(&method.as_str()) {
+        let mut r = text(
+            StatusCode::METHOD_NOT_ALLOWED,
+            format!("method {method} not allowed"),
+        );
+        if let Ok(v) = HeaderValue::from_str(&allow) {
+            r.headers_mut().insert(header::ALLOW, v);
+        }
+        return r;
+    }
+
+    let mut anonymous = false;
+    if let Some(required) = &shared.config.acl_token
+        && !matches!(endpoint, Endpoint::StatusLeader | Endpoint::StatusPeers)
+        && !(compat == Compat::V0_7 && endpoint.is_session())
+    {
+        match request_token(&req, &params) {
+            Some(t) if &t == required => {}
+            Some(_) => return text(StatusCode::FORBIDDEN, "ACL not found"),
+            // Consul 0.7's anonymous token under a deny policy: reads are filtered (the
+            // endpoints below answer as if nothing matched), writes refused.
+            None if compat == Compat::V0_7 => anonymous = true,
+            None => {
+                return text(
+                    StatusCode::FORBIDDEN,
+                    "Permission denied: anonymous token lacks permission",
+                );
+            }
+        }
+    }
+    if anonymous && let Endpoint::Kv(_) = endpoint {
+        if method == Method::GET {
+            let index = shared.state.lock().store.index();
+            return not_found_with_meta(index);
+        }
+        return text(StatusCode::FORBIDDEN, "Permission denied");
+    }
+
+    let result = match endpoint {
+        Endpoint::Txn if anonymous => txn_anonymous_0_7(&shared, &params, req).await,
+        Endpoint::Kv(key) => match method {
+            Method::GET => kv_get(&shared, &key, &params).await,
+            Method::PUT => kv_put(&shared, &key, &params, req).await,
+            _ => kv_delete(&shared, &key, &params).await,
+        },
+        Endpoint::Txn => txn(&shared, &params, req).await,
+        Endpoint::SessionCreate => session_create(&shared, req).await,
+        Endpoint::SessionDestroy(id) => session_destroy(&shared, &id).await,
+        Endpoint::SessionRenew(id) => session_renew(&shared, &id, &params),
+        Endpoint::SessionInfo(id) => session_read(&shared, &params, SessionQuery::Info(id)).await,
+        Endpoint::SessionNode(node) => {
+            session_read(&shared, &params, SessionQuery::Node(node)).await
+        }
+        Endpoint::SessionList => session_read(&shared, &params, SessionQuery::List).await,
+        Endpoint::StatusLeader => status(&shared, &params, true),
+        Endpoint::StatusPeers => status(&shared, &params, false),
+    };
+    result.unwrap_or_else(IntoResponse::into_response)
+}
+
+impl Endpoint {
+    /// Consul 0.7 has no ACLs on sessions.
+    fn is_session(&self) -> bool {
+        matches!(
+            self,
+            Endpoint::SessionCreate
+                | Endpoint::SessionDestroy(_)
+                | Endpoint::SessionRenew(_)
+                | Endpoint::SessionInfo(_)
+                | Endpoint::SessionNode(_)
+                | Endpoint::SessionList
+        )
+    }
+}
+
+enum Endpoint {
+    Kv(String),
+    Txn,
+    SessionCreate,
+    SessionDestroy(String),
+    SessionRenew(String),
+    SessionInfo(String),
+    SessionNode(String),
+    SessionList,
+    StatusLeader,
+    StatusPeers,
+}
+
+/// Runs `eval` until its index passes the requested one, the wait runs out, or the server
+/// stops; then waits until what it read is durable.
+async fn blocking<T>(
+    shared: &Shared,
+    opts: &ReadOpts,
+    target: WatchTarget,
+    eval: impl Fn(&super::store::Store) -> (T, u64),
+) -> Result<(T, u64), Answer> {
+    let deadline = (opts.index > 0).then(|| {
+        let jitter = crate::util::jitter_up_to(opts.wait / 16);
+        Instant::now() + opts.wait + jitter
+    });
+    loop {
+        if let Some(stale) = shared.stale.answer(&eval) {
+            // A Consul 0.7 leader replaying its log answers at once from what it has replayed.
+            return Ok(stale);
+        }
+        let timed_out = deadline.is_some_and(|d| Instant::now() >= d);
+        let (value, index, applied, waiter) = {
+            let mut st = shared.state.lock();
+            let (value, index) = eval(&st.store);
+            let applied = st.store.index();
+            let waiter = if deadline.is_some()
+                && index <= opts.index
+                && !timed_out
+                && !shared.shutdown.is_cancelled()
+            {
+                Some(st.waiters.register(&target))
+            } else {
+                None
+            };
+            (value, index, applied, waiter)
+        };
+        let Some((id, rx)) = waiter else {
+            shared.wait_durable(applied).await?;
+            return Ok((value, index));
+        };
+        drop(value);
+        // Deregisters the waiter if this request ends (timeout, shutdown, or the client hanging
+        // up) before a change fires it, so abandoned queries leave nothing behind.
+        let mut guard = WaiterGuard {
+            shared,
+            target: &target,
+            id,
+            fired: false,
+        };
+        let deadline = deadline.unwrap_or_else(Instant::now);
+        guard.fired = tokio::select! {
+            r = rx => r.is_ok(),
+            _ = tokio::time::sleep_until(deadline) => false,
+            _ = shared.shutdown.cancelled() => false,
+        };
+    }
+}
+
+struct WaiterGuard<'a> {
+    shared: &'a Shared,
+    target: &'a WatchTarget,
+    id: u64,
+    fired: bool,
+}
+
+impl Drop for WaiterGuard<'_> {
+    fn drop(&mut self) {
+        if !self.fired {
+            self.shared
+                .state
+                .lock()
+                .waiters
+                .deregister(self.target, self.id);
+        }
+    }
+}
+
+async fn read_body(
+    req: Request<Body>,
+    limit: usize,
+    too_large: impl Fn(Option<u64>) -> String,
+) -> Result<Bytes, Answer> {
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    let mut body = req.into_body().into_data_stream();
+    if let Some(len) = declared
+        && len > limit as u64
+    {
+        if len <= DISCARD_MAX as u64 {
+            discard(&mut body, 0).await;
+        }
+        return Err(err(StatusCode::PAYLOAD_TOO_LARGE, too_large(Some(len))));
+    }
+    let mut buf = bytes::BytesMut::new();
+    while let Some(chunk) = body.next().await {
+        // A body that breaks off: the client is gone, and the answer only has to be an error.
+        let chunk = chunk.map_err(|_| err(StatusCode::PAYLOAD_TOO_LARGE, too_large(None)))?;
+        if buf.len() + chunk.len() > limit {
+            discard(&mut body, buf.len() + chunk.len()).await;
+            return Err(err(StatusCode::PAYLOAD_TOO_LARGE, too_large(None)));
+        }
+        buf.extend_from_slice(&chunk);
+    }
+    Ok(buf.freeze())
+}
+
+/// How much of a refused body the server reads before answering.
+const DISCARD_MAX: usize = 8 << 20;
+
+/// Reads and drops the rest of a refused body, up to [`DISCARD_MAX`] in all, before the 413 is
+/// sent: a client still writing a large body would otherwise see a broken pipe instead of the
+/// answer (Go's server, in front of real Consul, likewise reads some of an unread body).
+async fn discard(body: &mut axum::body::BodyDataStream, mut read: usize) {
+    while read <= DISCARD_MAX {
+        match body.next().await {
+            Some(Ok(chunk)) => read += chunk.len(),
+            _ => return,
+        }
+    }
+}
+
+/// Finds a field by case-insensitive name, as Go's encoding/json matches them.
+fn field<'a>(m: &'a Map<String, Value>, name: &str) -> Option<&'a Value> {
+    m.iter()
+        .find(|(k, _)| k.eq_ignore_ascii_case(name))
+        .map(|(_, v)| v)
+}
+
+#[cfg(test)]
+mod path_tests {
+    use super::clean_path;
+
+    #[test]
+    fn cleans_as_go_does() {
+        for (p, want) in [
+            ("/v1/kv/a", "/v1/kv/a"),
+            ("/v1/kv/a/", "/v1/kv/a/"),
+            ("/v1/kv/a//b", "/v1/kv/a/b"),
+            ("/v1/kv/health/web//", "/v1/kv/health/web/"),
+            ("/v1/kv/a/./b", "/v1/kv/a/b"),
+            ("/v1/kv/a/../b", "/v1/kv/b"),
+            ("/../x", "/x"),
+            ("/", "/"),
+            ("//", "/"),
+        ] {
+            assert_eq!(clean_path(p), want, "{p}");
+        }
+    }
+}
