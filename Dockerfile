@@ -3,6 +3,7 @@ FROM rust:1.95-bookworm AS build
 WORKDIR /src
 COPY Cargo.toml Cargo.lock ./
 COPY src src
+COPY crates crates
 COPY bin bin
 COPY migrations migrations
 RUN cargo build --release --locked --bin rcfarm --bin rcctl

@@ -1,36 +1,23 @@
 //! rcfarm: a replication-controller farm backed by Consul.
 //!
-//! Layers, lowest first; a module uses only those listed before it (see
-//! `docs/architecture.md` for the data path and a glossary):
-//! - base: [`util`] (Go-syntax durations, backoff, jitter).
-//! - Consul client: [`consul`] (transport, KV, sessions, transactions, watches, on-demand reads).
-//! - Consul server: [`server`], the embedded Consul-compatible server; it uses only the
-//!   client's wire types.
-//! - domain: [`labels`] (sets, selectors, store, cache), [`audit`] (records, outbox, SQL,
-//!   shipper), [`rc`] (model, store, locks), [`health`], [`scheduler`], [`failsafe`], [`task`]
-//!   (the per-object task handle).
-//! - farm: [`rctask`] (the RC task: pure planner, fenced writes), [`roll`] (rolling updates),
-//!   [`farm`] (session, watches, ownership, sweep).
-//! - operator surface: [`api`] (HTTP API, metrics, status page), [`overview`], [`cli`].
-//! - test kit, used by tests and by `rcfarm chaos|bench|simulate-nodes`, never by the product:
-//!   [`chaos`], [`invariants`], [`simulator`].
+//! The workspace's crates are its layers, lowest first (see `docs/architecture.md` for the
+//! data path and a glossary); a crate uses only those before it:
+//! - `rcfarm-consul`: the Consul client ([`consul`]: transport, KV, sessions, transactions,
+//!   watches, on-demand reads) and [`util`].
+//! - `rcfarm-server`: the embedded Consul-compatible server ([`server`]); the client's wire
+//!   types only.
+//! - `rcfarm-core`: the domain ([`labels`], [`audit`], [`rc`], [`health`], [`scheduler`],
+//!   [`failsafe`], [`task`]) and the farm ([`rctask`], [`roll`], [`farm`]).
+//! - `rcfarm-testkit`: [`chaos`], [`invariants`], [`simulator`]; used by tests and by
+//!   `rcfarm chaos|bench|simulate-nodes`, never by the product.
+//! - `rcfarm-ops`: [`api`], [`overview`], [`cli`].
+//!
+//! This crate is the facade: it names each module where it always was (`rcfarm::consul`,
+//! `rcfarm::farm`, …) for the binaries, the integration tests and the fuzz targets.
 
-pub mod api;
-pub mod audit;
-pub mod chaos;
-pub mod cli;
-pub mod consul;
-pub mod failsafe;
-pub mod farm;
-pub mod health;
-pub mod invariants;
-pub mod labels;
-pub mod overview;
-pub mod rc;
-pub mod rctask;
-pub mod roll;
-pub mod scheduler;
-pub mod server;
-pub mod simulator;
-pub mod task;
-pub mod util;
+pub use rcfarm_consul as consul;
+pub use rcfarm_consul::util;
+pub use rcfarm_core::{audit, failsafe, farm, health, labels, rc, rctask, roll, scheduler, task};
+pub use rcfarm_ops::{api, cli, overview};
+pub use rcfarm_server as server;
+pub use rcfarm_testkit::{chaos, invariants, simulator};

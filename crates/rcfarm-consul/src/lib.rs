@@ -3,6 +3,11 @@
 //! Hand-rolled over `reqwest` because no crate on crates.io supports `/v1/txn`. It follows
 //! `shared/CONSUL_API.md` and never depends on anything only the embedded server does, so it
 //! works against real Consul clusters.
+//!
+//! The lowest crate of the workspace: it depends on no other rcfarm crate. [`util`] (Go-syntax
+//! durations, backoff, jitter) lives here because everything above uses it too.
+
+pub mod util;
 
 mod answers;
 mod client;
@@ -24,7 +29,7 @@ pub use client::{
 pub use error::{ConsulError, Result};
 pub use session::{Session, SessionConfig};
 pub use tls::{TlsConfig, tls_advice};
-pub(crate) use tree_cache::CacheSignals;
+pub use tree_cache::CacheSignals;
 pub use tree_cache::{ParseFn, TreeCache};
 pub use txn::{
     KvVerb, MAX_TXN_BYTES, MAX_TXN_OPS, TxnBudget, TxnFailure, TxnOp, TxnOpError, TxnResponse,

@@ -210,7 +210,7 @@ fn fail_all(batch: Vec<Pending>, e: &ConsulError) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::consul::txn::MAX_TXN_BYTES;
+    use crate::txn::MAX_TXN_BYTES;
 
     fn queue(txns: Vec<Vec<TxnOp>>) -> (VecDeque<Pending>, Vec<oneshot::Receiver<Result<u64>>>) {
         let mut rxs = Vec::new();

@@ -4,6 +4,12 @@
 //! status), with Consul's exact semantics, so rcfarm runs and is tested without a Consul binary.
 //! Memory-only by default, like `consul agent -dev`; with a data directory every acknowledged
 //! write survives `kill -9`.
+//!
+//! Depends on the Consul client crate's wire types only (`KvPair`, `SessionEntry`,
+//! `ServiceCheck`) and its `util`; never on the farm.
+
+use rcfarm_consul as consul;
+use rcfarm_consul::util;
 
 mod compat;
 mod connlimit;

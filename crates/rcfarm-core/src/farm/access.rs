@@ -178,7 +178,7 @@ mod tests {
 
     /// The rights a policy file grants: its uncommented key rules.
     fn policy_rights(file: &str, rule: &str) -> Vec<(String, Access)> {
-        let path = format!("{}/deploy/consul/{file}", env!("CARGO_MANIFEST_DIR"));
+        let path = format!("{}/../../deploy/consul/{file}", env!("CARGO_MANIFEST_DIR"));
         let text = std::fs::read_to_string(&path).unwrap();
         text.lines()
             .map(str::trim)

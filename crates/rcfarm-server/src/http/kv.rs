@@ -11,10 +11,10 @@ use super::{
     Answer, MAX_KV_SIZE_0_7, Params, bad_request, blocking, internal, json_body,
     not_found_with_meta, parse_read_opts, read_body, with_meta,
 };
-use crate::server::Shared;
-use crate::server::compat::Compat;
-use crate::server::store::{KvOp, KvWriteOutcome};
-use crate::server::waiters::WatchTarget;
+use crate::Shared;
+use crate::compat::Compat;
+use crate::store::{KvOp, KvWriteOutcome};
+use crate::waiters::WatchTarget;
 
 const KV_SIZE_DOC: &str = "https://www.consul.io/docs/agent/config/config-files#kv_max_value_size";
 

@@ -14,10 +14,10 @@ use super::{
     Answer, MAX_KV_SIZE_0_7, Params, bad_request, field, json_body, parse_read_opts, read_body,
     too_large,
 };
+use crate::Shared;
+use crate::compat::Compat;
 use crate::consul::KvPair;
-use crate::server::Shared;
-use crate::server::compat::Compat;
-use crate::server::store::{KvOp, TxnErrors};
+use crate::store::{KvOp, TxnErrors};
 
 const TXN_SIZE_DOC: &str = "https://www.consul.io/docs/agent/config/config-files#txn_max_req_len";
 /// Consul 0.7 reads a transaction's body whatever its size; this server stops somewhere.

@@ -28,21 +28,21 @@ struct State<T> {
 /// answer and on every change, and the index it holds. Only waiters for an index wake when
 /// nothing changed: a subscriber of the version (the farm's claim loop) would redo its work for
 /// every answer.
-pub(crate) struct CacheSignals {
+pub struct CacheSignals {
     version: watch::Sender<u64>,
     applied: watch::Sender<u64>,
 }
 
 impl CacheSignals {
     /// The signals, and receivers of the version and of the index applied.
-    pub(crate) fn new() -> (CacheSignals, watch::Receiver<u64>, watch::Receiver<u64>) {
+    pub fn new() -> (CacheSignals, watch::Receiver<u64>, watch::Receiver<u64>) {
         let (version, version_rx) = watch::channel(0);
         let (applied, applied_rx) = watch::channel(0);
         (CacheSignals { version, applied }, version_rx, applied_rx)
     }
 
     /// After an answer at `index` was applied; `changed` if it changed the cache's content.
-    pub(crate) fn applied(&self, index: u64, changed: bool) {
+    pub fn applied(&self, index: u64, changed: bool) {
         if changed || *self.version.borrow() == 0 {
             self.version.send_modify(|n| *n += 1);
         }
@@ -51,7 +51,7 @@ impl CacheSignals {
     }
 
     /// After a change that came from no answer (the process's own write, applied directly).
-    pub(crate) fn changed(&self) {
+    pub fn changed(&self) {
         self.version.send_modify(|n| *n += 1);
     }
 }

@@ -440,7 +440,7 @@ fn find_word(hay: &str, needle: &str) -> Option<usize> {
 mod tests {
     use super::*;
 
-    const DEPLOYED: &str = include_str!("../../deploy/rcfarm.toml");
+    const DEPLOYED: &str = include_str!("../../../../deploy/rcfarm.toml");
 
     /// (line, key, what the message must say) of each problem.
     fn found(text: &str) -> Vec<(Option<usize>, Option<String>, String)> {

@@ -15,12 +15,12 @@ use super::{
     Answer, Params, bad_request, blocking, err, field, internal, json_body, parse_read_opts,
     read_body, with_meta,
 };
+use crate::Shared;
+use crate::compat::Compat;
 use crate::consul::SessionEntry;
-use crate::server::Shared;
-use crate::server::compat::Compat;
-use crate::server::store::{Behavior, SessionRecord};
-use crate::server::waiters::WatchTarget;
+use crate::store::{Behavior, SessionRecord};
 use crate::util::parse_go_duration;
+use crate::waiters::WatchTarget;
 
 const SESSION_TTL_MAX: Duration = Duration::from_secs(24 * 3600);
 

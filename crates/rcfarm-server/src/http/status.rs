@@ -6,7 +6,7 @@ use axum::http::StatusCode;
 use axum::response::Response;
 
 use super::{Answer, Params, json_body, parse_read_opts};
-use crate::server::Shared;
+use crate::Shared;
 
 pub(super) fn status(shared: &Shared, p: &Params, leader: bool) -> Result<Response, Answer> {
     let opts = parse_read_opts(p)?;

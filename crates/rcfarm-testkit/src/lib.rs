@@ -1,0 +1,12 @@
+//! rcfarm's test kit: fault injection ([`chaos`]), the invariant checker ([`invariants`]) and
+//! the node simulator ([`simulator`]). Used by the tests and by `rcfarm chaos|bench|
+//! simulate-nodes`; nothing in the product depends on it.
+
+use rcfarm_consul as consul;
+use rcfarm_consul::util;
+use rcfarm_core::{audit, farm, health, labels, rc, roll};
+use rcfarm_server as server;
+
+pub mod chaos;
+pub mod invariants;
+pub mod simulator;
