@@ -317,7 +317,11 @@ fn elapsed(now: DateTime<Utc>, since: DateTime<Utc>) -> Duration {
 }
 
 #[cfg(test)]
+mod rules;
+
+#[cfg(test)]
 mod tests {
+    use super::rules::{observed, t0};
     use super::*;
     use crate::rc::{Rc, RcId};
 
@@ -331,38 +335,6 @@ mod tests {
 
     fn nodes(ns: &[&str]) -> BTreeSet<NodeName> {
         ns.iter().map(|s| NodeName::from(*s)).collect()
-    }
-
-    fn current(ns: &[&str]) -> BTreeMap<NodeName, String> {
-        ns.iter()
-            .map(|s| (NodeName::from(*s), "web".to_string()))
-            .collect()
-    }
-
-    fn t0() -> DateTime<Utc> {
-        DateTime::parse_from_rfc3339("2026-01-01T00:00:00Z")
-            .unwrap()
-            .with_timezone(&Utc)
-    }
-
-    fn observed<'a>(rc: &'a Rc, cur: &[&str], elig: &[&str]) -> Observed<'a> {
-        Observed {
-            rc,
-            current: current(cur),
-            eligible: nodes(elig).into_iter().collect(),
-            health: BTreeMap::new(),
-            health_in_use: false,
-            bad_intents: BTreeSet::new(),
-            transfer: None,
-            takeover: Vec::new(),
-            occupied: BTreeSet::new(),
-            allocation_exhausted: false,
-            mutation_locked_elsewhere: false,
-            transfer_static: false,
-            transfer_frozen: None,
-            now: t0(),
-            transfer_timeout: Duration::from_secs(300),
-        }
     }
 
     fn s(v: &[&str]) -> Vec<NodeName> {
