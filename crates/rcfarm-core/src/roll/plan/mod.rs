@@ -458,7 +458,11 @@ pub fn roll_algorithm(
 }
 
 #[cfg(test)]
+mod rules;
+
+#[cfg(test)]
 mod tests {
+    use super::rules::{observe, rc as counts};
     use super::*;
     use crate::rc::RcId;
 
@@ -509,37 +513,6 @@ mod tests {
             minimum_replicas: minimum,
             leave_old: false,
             roll_delay: Duration::ZERO,
-        }
-    }
-
-    fn counts(desired: u64, current: u64, healthy: u64, disabled: bool) -> RcCounts {
-        RcCounts {
-            desired,
-            disabled,
-            current,
-            real: healthy,
-            healthy,
-            unknown: desired.saturating_sub(current),
-        }
-    }
-
-    fn observe(u: &Update, old: RcCounts, new: RcCounts) -> RollObserved<'_> {
-        RollObserved {
-            update: u,
-            old: Ok(old),
-            new: Ok(new),
-            old_lock: LockState::Ours,
-            new_lock: LockState::Ours,
-            conflict: None,
-            now: Utc::now(),
-            ready_since: None,
-            started: old.disabled,
-            old_missing: false,
-            paused: None,
-            max_parallel: None,
-            failed: None,
-            canary: None,
-            removal_room: None,
         }
     }
 

@@ -1,0 +1,236 @@
+//! The roll planner's rules, one row each: the situation (the roll's target and minimum, the
+//! old and new RCs' pods, locks, and what operators did) → the next step, or why the roll
+//! waits. Read top to bottom, this is what a rolling update does; the replica arithmetic is
+//! P2's `rollAlgorithm` (its own cases are in the unit tests beside this file).
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+
+use super::{LockState, RcCounts, RollAction, RollObserved, WaitKind, plan};
+use crate::rc::RcId;
+use crate::roll::Update;
+
+fn t0() -> DateTime<Utc> {
+    DateTime::parse_from_rfc3339("2026-01-01T00:00:00Z")
+        .unwrap()
+        .with_timezone(&Utc)
+}
+
+/// An RC of the roll: `desired`, `current` pods of which `healthy` run its manifest and pass.
+pub(super) fn rc(desired: u64, current: u64, healthy: u64, disabled: bool) -> RcCounts {
+    RcCounts {
+        desired,
+        disabled,
+        current,
+        real: healthy,
+        healthy,
+        unknown: desired.saturating_sub(current),
+    }
+}
+
+/// The roll `u` with these RCs, both mutation locks ours, started if its old RC is disabled,
+/// and nothing else of note.
+pub(super) fn observe(u: &Update, old: RcCounts, new: RcCounts) -> RollObserved<'_> {
+    RollObserved {
+        update: u,
+        old: Ok(old),
+        new: Ok(new),
+        old_lock: LockState::Ours,
+        new_lock: LockState::Ours,
+        conflict: None,
+        now: Utc::now(),
+        ready_since: None,
+        started: old.disabled,
+        old_missing: false,
+        paused: None,
+        max_parallel: None,
+        failed: None,
+        canary: None,
+        removal_room: None,
+    }
+}
+
+#[derive(Debug)]
+enum Want {
+    Act(RollAction),
+    Wait(WaitKind, &'static str),
+}
+
+struct Row {
+    rule: &'static str,
+    /// The roll's target replicas, minimum healthy, and whether it leaves the old RC.
+    roll: (u64, u64, bool),
+    /// Old and new RC.
+    old: RcCounts,
+    new: RcCounts,
+    /// The rest of the situation (the roll as `update`, started, both locks ours).
+    and: fn(&mut RollObserved<'_>),
+    want: Want,
+}
+
+fn nothing(_: &mut RollObserved<'_>) {}
+
+fn step(add: u64, remove: u64, old_to: u64) -> Want {
+    Want::Act(RollAction::Step {
+        add,
+        remove,
+        old_to,
+    })
+}
+
+const ON: bool = false;
+const OFF: bool = true;
+
+#[rustfmt::skip]
+fn rows() -> Vec<Row> {
+    use WaitKind::*;
+    vec![
+        // Before anything: what stops a roll.
+        Row { rule: "its old RC is gone and its new RC exists: the roll is deleted (P2), paused or not",
+              roll: (4, 3, false), old: rc(4, 4, 4, OFF), new: rc(0, 0, 0, ON),
+              and: |o| { o.old_missing = true; o.paused = Some("paused".into()) },
+              want: Want::Act(RollAction::DeleteOrphan) },
+        Row { rule: "failed: no step until an operator resumes or aborts it",
+              roll: (4, 3, false), old: rc(4, 4, 4, OFF), new: rc(0, 0, 0, ON), and: |o| o.failed = Some("deadline".into()),
+              want: Want::Wait(Failed, "deadline") },
+        Row { rule: "paused: no step, not even a lock",
+              roll: (4, 3, false), old: rc(4, 4, 4, OFF), new: rc(0, 0, 0, ON),
+              and: |o| { o.paused = Some("paused by alice".into()); o.old_lock = LockState::Free },
+              want: Want::Wait(Paused, "alice") },
+        Row { rule: "another roll shares an RC and goes first: blocked",
+              roll: (4, 3, false), old: rc(4, 4, 4, OFF), new: rc(0, 0, 0, ON), and: |o| o.conflict = Some("roll X goes first".into()),
+              want: Want::Wait(Blocked, "roll X goes first") },
+        Row { rule: "its old RC cannot be read: blocked",
+              roll: (4, 3, false), old: rc(4, 4, 4, OFF), new: rc(0, 0, 0, ON), and: |o| o.old = Err("invalid JSON".into()),
+              want: Want::Wait(Blocked, "invalid JSON") },
+        Row { rule: "its new RC is missing: blocked (P2 leaves such a roll alone)",
+              roll: (4, 3, false), old: rc(4, 4, 4, OFF), new: rc(0, 0, 0, ON), and: |o| o.new = Err("missing".into()),
+              want: Want::Wait(Blocked, "new RC") },
+        Row { rule: "another session holds an RC's mutation lock: wait",
+              roll: (4, 3, false), old: rc(4, 4, 4, OFF), new: rc(0, 0, 0, ON), and: |o| o.new_lock = LockState::Elsewhere("s2".into()),
+              want: Want::Wait(Lock, "held by s2") },
+        Row { rule: "the mutation locks are free: take them first",
+              roll: (4, 3, false), old: rc(4, 4, 4, OFF), new: rc(0, 0, 0, ON), and: |o| o.old_lock = LockState::Free,
+              want: Want::Act(RollAction::Lock) },
+
+        // Starting.
+        Row { rule: "not started: disable the old RC and enable the new one",
+              roll: (4, 3, false), old: rc(4, 4, 4, ON), new: rc(0, 0, 0, OFF), and: |o| o.started = false,
+              want: Want::Act(RollAction::Start { disable_old: true, enable_new: true }) },
+        Row { rule: "not started, the new RC disabled with other pods than it wants: wait (enabling it would remove one)",
+              roll: (4, 3, false), old: rc(4, 4, 4, ON), new: rc(0, 1, 1, OFF), and: |o| o.started = false,
+              want: Want::Wait(Pods, "waiting for them to match") },
+        Row { rule: "started, and someone enabled the old RC again: the roll does not fight them",
+              roll: (4, 3, false), old: rc(4, 4, 4, ON), new: rc(0, 0, 0, ON), and: nothing,
+              want: Want::Wait(Blocked, "the old RC was enabled again") },
+        Row { rule: "started, and someone disabled the new RC: the roll does not fight them",
+              roll: (4, 3, false), old: rc(4, 4, 4, OFF), new: rc(0, 0, 0, OFF), and: nothing,
+              want: Want::Wait(Blocked, "the new RC was disabled") },
+
+        // Steps.
+        Row { rule: "a step moves as many replicas as the healthy pods above the minimum allow",
+              roll: (4, 3, false), old: rc(4, 4, 4, OFF), new: rc(0, 0, 0, ON), and: nothing,
+              want: step(1, 1, 3) },
+        Row { rule: "no minimum: everything at once",
+              roll: (4, 0, false), old: rc(4, 4, 4, OFF), new: rc(0, 0, 0, ON), and: nothing,
+              want: step(4, 4, 0) },
+        Row { rule: "max parallel caps a step below what the minimum allows",
+              roll: (4, 0, false), old: rc(4, 4, 4, OFF), new: rc(0, 0, 0, ON), and: |o| o.max_parallel = Some(2),
+              want: step(2, 2, 2) },
+        Row { rule: "a disabled old RC counts the pods it has, not those it wants: the missing one is added, nothing taken down",
+              roll: (4, 3, false), old: rc(4, 3, 3, OFF), new: rc(0, 0, 0, ON), and: nothing,
+              want: step(1, 0, 3) },
+        Row { rule: "the minimum cannot be kept with the pods as they are, all settled: say so",
+              roll: (4, 5, false), old: rc(4, 4, 4, OFF), new: rc(0, 0, 0, ON), and: nothing,
+              want: Want::Wait(MinimumUnreachable, "lower the roll's minimum or add capacity") },
+        Row { rule: "the last step's new pods are not healthy yet: wait for health",
+              roll: (4, 3, false), old: rc(3, 3, 3, OFF), new: rc(1, 1, 0, ON), and: nothing,
+              want: Want::Wait(Health, "waiting for health") },
+        Row { rule: "the roll delay counts from when a step became safe",
+              roll: (4, 3, false), old: rc(3, 3, 3, OFF), new: rc(1, 1, 1, ON),
+              and: |o| { o.ready_since = Some(t0() - chrono::Duration::seconds(5)) },
+              want: Want::Wait(Delay, "roll delay") },
+        Row { rule: "the roll delay over: the step",
+              roll: (4, 3, false), old: rc(3, 3, 3, OFF), new: rc(1, 1, 1, ON),
+              and: |o| { o.ready_since = Some(t0() - chrono::Duration::seconds(60)) },
+              want: step(1, 1, 2) },
+
+        // Canaries and the farm's removal budget.
+        Row { rule: "a canary of 2: no more new pods than the canary, whatever the minimum allows",
+              roll: (4, 0, false), old: rc(4, 4, 4, OFF), new: rc(0, 0, 0, ON), and: |o| o.canary = Some(2),
+              want: step(2, 2, 2) },
+        Row { rule: "the canary's pods scheduled, not all up: wait for them",
+              roll: (4, 0, false), old: rc(2, 2, 2, OFF), new: rc(2, 2, 1, ON), and: |o| o.canary = Some(2),
+              want: Want::Wait(Health, "canary: 1 of 2") },
+        Row { rule: "the canary's pods all up: pause until an operator promotes the roll",
+              roll: (4, 0, false), old: rc(2, 2, 2, OFF), new: rc(2, 2, 2, ON), and: |o| o.canary = Some(2),
+              want: Want::Act(RollAction::CanaryPause { up: 2 }) },
+        Row { rule: "a canary as big as the roll is no canary",
+              roll: (4, 0, false), old: rc(4, 4, 4, OFF), new: rc(0, 0, 0, ON), and: |o| o.canary = Some(4),
+              want: step(4, 4, 0) },
+        Row { rule: "the removal budget is spent: wait, not a stall",
+              roll: (4, 0, false), old: rc(4, 4, 4, OFF), new: rc(0, 0, 0, ON), and: |o| o.removal_room = Some((0, "budget spent".into())),
+              want: Want::Wait(RemovalsHeld, "budget spent") },
+        Row { rule: "the removal budget allows one: a step of one",
+              roll: (4, 0, false), old: rc(4, 4, 4, OFF), new: rc(0, 0, 0, ON), and: |o| o.removal_room = Some((1, "budget".into())),
+              want: step(1, 1, 3) },
+
+        // The end.
+        Row { rule: "the new RC has its target, not all healthy: wait for them",
+              roll: (4, 3, false), old: rc(0, 0, 0, OFF), new: rc(4, 4, 3, ON), and: nothing,
+              want: Want::Wait(Health, "3 of 4 new pods healthy") },
+        Row { rule: "the new RC has its target, all healthy, the old RC has no pods: complete",
+              roll: (4, 3, false), old: rc(0, 0, 0, OFF), new: rc(4, 4, 4, ON), and: nothing,
+              want: Want::Act(RollAction::Complete) },
+        Row { rule: "the new RC done, the old still has pods it did not hand over: retire it",
+              roll: (4, 3, false), old: rc(1, 1, 1, OFF), new: rc(4, 4, 4, ON), and: nothing,
+              want: Want::Act(RollAction::RetireOld) },
+        Row { rule: "the new RC done, the old retired and removing its pods: wait for it",
+              roll: (4, 3, false), old: rc(0, 1, 1, ON), new: rc(4, 4, 4, ON), and: nothing,
+              want: Want::Wait(Pods, "remove its 1 remaining pods") },
+        Row { rule: "leave_old: complete with the old RC's pods left where they are",
+              roll: (4, 3, true), old: rc(1, 1, 1, OFF), new: rc(4, 4, 4, ON), and: nothing,
+              want: Want::Act(RollAction::Complete) },
+        Row { rule: "resumed at its end with the new RC never enabled: enable it, and only it",
+              roll: (4, 3, false), old: rc(0, 0, 0, ON), new: rc(4, 4, 4, OFF), and: |o| o.started = false,
+              want: Want::Act(RollAction::Start { disable_old: false, enable_new: true }) },
+    ]
+}
+
+#[test]
+fn the_rules() {
+    for row in rows() {
+        let (desired, minimum, leave_old) = row.roll;
+        let update = Update {
+            old_rc: RcId::new(),
+            new_rc: RcId::new(),
+            desired_replicas: desired,
+            minimum_replicas: minimum,
+            leave_old,
+            roll_delay: Duration::from_secs(30),
+        };
+        let mut o = observe(&update, row.old, row.new);
+        o.now = t0();
+        // Ready long enough for the roll delay unless a row says otherwise.
+        o.ready_since = Some(t0() - chrono::Duration::seconds(3600));
+        o.started = true;
+        (row.and)(&mut o);
+        let p = plan(&o);
+        match &row.want {
+            Want::Act(a) => {
+                assert_eq!(p.action.as_ref(), Some(a), "{}: {p:?}", row.rule);
+                assert_eq!(p.waiting, None, "{}", row.rule);
+            }
+            Want::Wait(kind, why) => {
+                assert_eq!(p.action, None, "{}: {p:?}", row.rule);
+                let (k, w) = p
+                    .waiting
+                    .clone()
+                    .unwrap_or((WaitKind::Blocked, String::new()));
+                assert_eq!(k, *kind, "{}: {w}", row.rule);
+                assert!(w.contains(why), "{}: {w:?} lacks {why:?}", row.rule);
+            }
+        }
+    }
+}
