@@ -141,39 +141,12 @@ pub fn plan(o: &Observed<'_>) -> Plan {
             push_repairs(o, &mut p, &BTreeSet::new());
             return p;
         }
-        let verdict = if !o.current.contains_key(&t.new_node) {
-            Some(Err(format!("the new pod on {} is gone", t.new_node)))
-        } else if !o.current.contains_key(&t.old_node) {
-            // Someone removed the old pod already: the transfer is as good as done.
-            Some(Ok(()))
-        } else if n != desired + 1 {
-            Some(Err(format!(
-                "replicas changed to {desired} during the transfer"
-            )))
-        } else if !o.eligible.contains(&t.new_node) {
-            Some(Err(format!("{} is no longer eligible", t.new_node)))
-        } else if o.eligible.contains(&t.old_node) {
-            Some(Err(format!("{} is eligible again", t.old_node)))
-        } else if !o.health_in_use || o.health.get(&t.new_node).is_some_and(|h| h.is_passing()) {
-            Some(Ok(()))
-        } else if elapsed(o.now, t.started_at.unwrap_or(o.now)) >= o.transfer_timeout {
-            Some(Err(format!(
-                "the new pod on {} was not healthy within {}s",
-                t.new_node,
-                o.transfer_timeout.as_secs()
-            )))
-        } else {
-            None
-        };
-        match verdict {
-            Some(Ok(())) => p.actions.push(Action::CompleteTransfer),
-            Some(Err(reason)) => p.actions.push(Action::RollbackTransfer(reason)),
-            None => {
-                p.waiting = Some(format!(
-                    "transferring {} → {}: waiting for the new pod to pass its health check",
-                    t.old_node, t.new_node
-                ))
+        match transfer::in_flight(o, t) {
+            transfer::InFlight::Complete => p.actions.push(Action::CompleteTransfer),
+            transfer::InFlight::RollBack(reason) => {
+                p.actions.push(Action::RollbackTransfer(reason))
             }
+            transfer::InFlight::Wait(why) => p.waiting = Some(why),
         }
         push_repairs(o, &mut p, &BTreeSet::new());
         return p;
@@ -243,46 +216,9 @@ pub fn plan(o: &Observed<'_>) -> Plan {
             }
         }
     } else if let Some(old) = ineligible.first() {
-        // Move one pod off a node it should not be on, when the rest of the RC is healthy.
-        let old_ok = o.health.get(*old).is_none_or(|h| !h.is_passing());
-        let others_healthy = !o.health_in_use
-            || current
-                .iter()
-                .filter(|n| *n != old)
-                .all(|n| o.health.get(*n).is_some_and(|h| h.is_passing()));
-        let target = o
-            .eligible
-            .iter()
-            .find(|e| !o.current.contains_key(*e) && !o.occupied.contains(*e))
-            .cloned();
-        if rc.strategy != AllocationStrategy::Dynamic && !o.transfer_static {
-            // P2 moves only dynamic RCs' pods: a static RC's stays, and nothing is written.
-            p.waiting = Some(format!(
-                "{old} is not eligible; a static RC leaves its pod there, as P2 does (a farm with --transfer-static moves it)"
-            ));
-        } else if let Some(holder) = &o.transfer_frozen {
-            p.waiting = Some(format!(
-                "{old} is not eligible, but node transfers are frozen while {holder} holds the node-transfer lock"
-            ));
-        } else if o.mutation_locked_elsewhere {
-            p.waiting = Some(format!(
-                "{old} is not eligible, but another session holds the mutation lock"
-            ));
-        } else if !(old_ok || others_healthy) {
-            p.waiting = Some(format!(
-                "{old} is not eligible; waiting for the other pods to be healthy before moving it"
-            ));
-        } else if target.is_none()
-            && (rc.strategy != AllocationStrategy::Dynamic || o.allocation_exhausted)
-        {
-            p.waiting = Some(format!(
-                "{old} is not eligible and there is no eligible node to move its pod to"
-            ));
-        } else {
-            p.actions.push(Action::StartTransfer {
-                old: (*old).clone(),
-                new: target,
-            });
+        match transfer::start(o, old, &current) {
+            Ok(action) => p.actions.push(action),
+            Err(why) => p.waiting = Some(why),
         }
     }
 
@@ -315,6 +251,8 @@ fn push_repairs(o: &Observed<'_>, p: &mut Plan, skip: &BTreeSet<NodeName>) {
 fn elapsed(now: DateTime<Utc>, since: DateTime<Utc>) -> Duration {
     (now - since).to_std().unwrap_or(Duration::ZERO)
 }
+
+mod transfer;
 
 #[cfg(test)]
 mod rules;
