@@ -16,9 +16,11 @@ mod error;
 mod session;
 mod tls;
 mod token;
+mod transport;
 mod tree_cache;
 mod txn;
 mod types;
+mod verbs;
 mod watch;
 
 pub use answers::watch_answer_ages;
