@@ -281,19 +281,12 @@ impl<K: Kind> Owned<K> {
         } else {
             farm.claim(&self.kind, &plan.claim, view.guard).await
         };
-        let mut learnt_refusals = Vec::new();
-        for id in refused {
-            self.unheld_since.remove(&id);
-            learnt_refusals.push(id);
-        }
-        let mut new_claims = Vec::new();
-        for (id, index) in &claimed {
-            new_claims.push((*id, *index));
+        for id in refused.iter().chain(claimed.iter().map(|(id, _)| id)) {
             self.unheld_since.remove(id);
         }
 
         // The situation again, with what was just claimed.
-        let just_claimed: HashMap<RcId, u64> = new_claims.iter().copied().collect();
+        let just_claimed: HashMap<RcId, u64> = claimed.iter().copied().collect();
         let claimed_now = |id: &RcId| claimed_at.contains_key(id) || just_claimed.contains_key(id);
         let situation = Situation {
             claimed: &claimed_now,
@@ -335,11 +328,11 @@ impl<K: Kind> Owned<K> {
             farm.release(&self.kind, &excess, "handed over for fair share")
                 .await;
         }
-        self.claimed_at.extend(new_claims);
-        if !learnt_refusals.is_empty() {
+        self.claimed_at.extend(just_claimed);
+        if !refused.is_empty() {
             let l = Learnt::now(view);
             self.refused_at
-                .extend(learnt_refusals.into_iter().map(|id| (id, l)));
+                .extend(refused.into_iter().map(|id| (id, l)));
         }
         if !deleted.is_empty() || !excess.is_empty() {
             let l = Learnt::now(view);
