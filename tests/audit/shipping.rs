@@ -57,8 +57,9 @@ fn shipper(c: &Consul, store: &Arc<AuditStore>, session: &str, farm: &str) -> Sh
     Shipper {
         consul: c.clone(),
         store: store.clone(),
-        session: session.to_string(),
+        session: session.into(),
         farm_id: farm.to_string(),
+        clock: rcfarm::clock::Clock::system(),
         config: ShipperConfig {
             batch: 500,
             wait: Duration::from_secs(5),

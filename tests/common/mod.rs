@@ -57,6 +57,17 @@ where
     }
 }
 
+/// Waits until at least `n` blocking queries are parked on `s`. A test of what wakes a
+/// query (or what does not) acts once its query waits on the server, not after a fixed sleep.
+pub async fn parked(s: &EmbeddedServer, n: usize) {
+    eventually(
+        Duration::from_secs(10),
+        &format!("{n} blocking queries parked on the server"),
+        || async { (s.stats().blocked_queries >= n).then_some(()) },
+    )
+    .await
+}
+
 /// A raw HTTP client, for checking exact statuses, headers and bodies.
 pub fn http() -> reqwest::Client {
     rcfarm::consul::init_tls();

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use rcfarm::consul::{QueryOptions, WatchConfig};
 use rcfarm::server::{EmbeddedServer, ServerConfig};
 
-use crate::common::{client, client_for, eventually, server, server_with};
+use crate::common::{client, client_for, eventually, parked, server, server_with};
 
 fn wait(index: u64, ms: u64) -> QueryOptions {
     QueryOptions::blocking(index, Duration::from_millis(ms))
@@ -22,7 +22,7 @@ async fn a_change_under_the_prefix_wakes_the_query() {
     let c2 = c.clone();
     let started = Instant::now();
     let blocked = tokio::spawn(async move { c2.kv_list("w/", &wait(meta.index, 20_000)).await });
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    parked(&s, 1).await;
     assert!(
         !blocked.is_finished(),
         "the query blocks while nothing changes"
@@ -51,7 +51,7 @@ async fn the_first_write_to_a_fresh_server_wakes_a_query_on_an_empty_prefix() {
     let started = Instant::now();
     let blocked =
         tokio::spawn(async move { c2.kv_list("first/", &wait(meta.index, 20_000)).await });
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    parked(&s, 1).await;
     c.kv_put("first/a", b"1", None).await.unwrap();
     let (entries, meta2) = blocked.await.unwrap().unwrap();
     assert!(
@@ -116,7 +116,7 @@ async fn an_identical_write_wakes_nobody() {
     let c2 = c.clone();
     let started = Instant::now();
     let blocked = tokio::spawn(async move { c2.kv_get("same/k", &wait(meta.index, 600)).await });
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    parked(&s, 1).await;
     c.kv_put("same/k", b"v", None).await.unwrap();
     let (_, meta2) = blocked.await.unwrap().unwrap();
     assert!(started.elapsed() >= Duration::from_millis(600));
@@ -135,7 +135,7 @@ async fn deletes_leave_tombstones_so_prefix_indexes_never_go_back() {
     let c2 = c.clone();
     let blocked =
         tokio::spawn(async move { c2.kv_list("tomb/", &wait(before.index, 20_000)).await });
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    parked(&s, 1).await;
     c.kv_delete("tomb/b").await.unwrap();
     let (entries, after) = blocked.await.unwrap().unwrap();
     assert_eq!(entries.len(), 1, "woken by the delete");
@@ -161,11 +161,12 @@ async fn a_missing_key_keeps_blocking_until_it_appears() {
     let c2 = c.clone();
     let started = Instant::now();
     let blocked = tokio::spawn(async move { c2.kv_get("later", &wait(meta.index, 20_000)).await });
-    tokio::time::sleep(Duration::from_millis(150)).await;
+    parked(&s, 1).await;
     for i in 0..5 {
         c.kv_put(&format!("noise/{i}"), b"x", None).await.unwrap();
     }
-    tokio::time::sleep(Duration::from_millis(150)).await;
+    // A write wakes its waiters as it commits: one still parked was not woken.
+    assert_eq!(s.stats().blocked_queries, 1, "still parked");
     assert!(
         !blocked.is_finished(),
         "other keys do not wake a missing key's query"
@@ -195,11 +196,11 @@ async fn session_list_blocks_until_a_session_changes() {
     let (_, meta) = c.session_list(&QueryOptions::default()).await.unwrap();
     let c2 = c.clone();
     let blocked = tokio::spawn(async move { c2.session_list(&wait(meta.index, 20_000)).await });
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    parked(&s, 1).await;
     c.kv_put("kv-does-not-wake-sessions", b"x", None)
         .await
         .unwrap();
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(s.stats().blocked_queries, 1, "still parked");
     assert!(!blocked.is_finished());
     c.session_create(&Default::default()).await.unwrap();
     let (list, meta2) = blocked.await.unwrap().unwrap();

@@ -232,7 +232,11 @@ async fn renewer_keeps_the_session_and_signals_loss_promptly() {
         behavior: SessionBehavior::Delete,
     };
     let session = Session::create(&c, &cfg).await.unwrap();
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    // Six renewals: three TTLs, each of which would have expired it unrenewed.
+    eventually(Duration::from_secs(10), "six renewals", || async {
+        (session.renewals() >= 6 || session.is_lost()).then_some(())
+    })
+    .await;
     assert!(
         !session.is_lost(),
         "renewed every TTL/2: {:?}",

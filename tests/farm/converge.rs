@@ -117,11 +117,11 @@ async fn every_kind_of_desired_state_change(b: Backend) {
 
     // Scale down removes ineligible pods first: make node-06 ineligible, then scale to 2.
     c.patch_rc(id, "disabled", json!(true)).await;
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    c.passes(&[id], 2).await;
     c.label_node("node-06", &[("env", "prod"), ("zone", "z8")])
         .await;
     c.patch_rc(id, "replicas_desired", json!(2)).await;
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    c.passes(&[id], 3).await;
     assert!(
         on(&["node-00", "node-04", "node-06"]).await,
         "disabled: no scheduling changes"
@@ -261,7 +261,7 @@ async fn unmet_desires_alert_once_when_they_start_and_once_when_they_clear(b: Ba
     let id = RcId::new();
     c.put_rc(id, "big", "env=prod", 3, "static_strategy").await;
     wait_events(&c, events::RC_DESIRES_UNMET, "unmet reported").await;
-    tokio::time::sleep(Duration::from_secs(4)).await;
+    c.passes(&[id], 3).await;
     assert_eq!(
         count_events(&c, events::RC_DESIRES_UNMET).await,
         1,

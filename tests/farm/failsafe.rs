@@ -147,7 +147,7 @@ async fn max_removals_holds_until_released(backend: Backend) {
     )
     .await;
     // Two removed, no more (the window is 10 minutes).
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    c.passes(&[id], 3).await;
     assert_eq!(placed(&c, id).await, 4);
     let held = c.audit_events("REMOVALS_HELD").await;
     assert_eq!(held.len(), 1, "once per episode: {held:?}");
@@ -192,7 +192,7 @@ async fn max_removals_holds_until_released(backend: Backend) {
             .as_str()
             .is_some_and(|a| a.starts_with("rcctl:"))
     );
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    c.passes(&[id], 3).await;
     assert_eq!(placed(&c, id).await, 2, "the new window's budget is 2");
 
     // Without a farm id: every live farm.
@@ -304,7 +304,7 @@ async fn a_release_ends_a_pending_confirmation(backend: Backend) {
         move || async move { this_farm(apir).await["failsafe"]["tripped"].is_string() },
     )
     .await;
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    c.passes(&ids, 3).await;
     assert_eq!(placed(&c, ids[0]).await + placed(&c, ids[1]).await, 2);
     // The operator meant it: no need to wait ten minutes.
     let (code, _, err) = c.rcctl(&["farm", "release-removals", "f1"]).await;

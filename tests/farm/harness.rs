@@ -518,6 +518,45 @@ impl Cluster {
             .collect()
     }
 
+    /// How many passes the farm serving each of `rcs` has made over it (its `/v1/rcs/<id>`).
+    pub async fn pass_counts(&self, rcs: &[RcId]) -> BTreeMap<RcId, u64> {
+        rcfarm::consul::init_tls();
+        let owners = self.owner_farms().await;
+        let mut out = BTreeMap::new();
+        for id in rcs {
+            let Some(farm) = owners.get(id) else { continue };
+            let base = self.farm_http(farm).await;
+            let Ok(resp) = reqwest::get(format!("{base}/v1/rcs/{id}")).await else {
+                continue;
+            };
+            let v: Value = resp.json().await.unwrap_or_default();
+            if let Some(n) = v["local_status"]["passes"].as_u64() {
+                out.insert(*id, n);
+            }
+        }
+        out
+    }
+
+    /// Waits until the farm serving each of `rcs` has made `n` more passes over it than when
+    /// called. A test that asserts nothing happened after a change waits for this: the farm
+    /// has looked again (on the change, and at least every resync interval: 1 s here), rather
+    /// than for a fixed time. Three passes leave one that began after the change was seen.
+    pub async fn passes(&self, rcs: &[RcId], n: u64) {
+        let start = self.pass_counts(rcs).await;
+        let start = &start;
+        self.wait_for(
+            Duration::from_secs(30),
+            &format!("{n} more passes over {rcs:?}"),
+            move || async move {
+                let now = self.pass_counts(rcs).await;
+                rcs.iter().all(|id| {
+                    now.get(id).copied().unwrap_or(0) >= start.get(id).copied().unwrap_or(0) + n
+                })
+            },
+        )
+        .await;
+    }
+
     /// Every RC of `ids` owned and placed on `replicas` nodes, and owned by exactly `farms`
     /// distinct farms: farms that start together hand RCs over until each has its share, so a
     /// test that picks a farm's RCs waits for this first.

@@ -139,8 +139,8 @@ async fn a_static_rcs_pod_stays_on_a_node_that_stops_matching_unless_transfer_st
     let api = farm_api(&c, "p2-like").await;
     let before = pod_writes(&c).await;
     c.label_node("node-a", &[("env", "drained")]).await;
-    // Several resync passes (1 s each): P2 writes nothing for a static RC here.
-    tokio::time::sleep(Duration::from_secs(4)).await;
+    // Several passes: P2 writes nothing for a static RC here.
+    c.passes(&[id], 3).await;
     assert_eq!(
         pod_writes(&c).await,
         before,
@@ -199,7 +199,7 @@ async fn a_held_node_transfer_lock_freezes_a_dynamic_rcs_transfers(b: Backend) {
     println!("FIGURE TransferFrozen shown {frozen:?} after the lock was taken");
     let before = pod_writes(&c).await;
     c.label_node("node-a", &[("env", "drained")]).await;
-    tokio::time::sleep(Duration::from_secs(4)).await;
+    c.passes(&[id], 3).await;
     assert_eq!(pod_writes(&c).await, before, "frozen: nothing moves");
     // rcctl shows it too (from Consul's lock tree).
     let (_, out, _) = c.rcctl(&["--json", "rc", "list"]).await;

@@ -13,6 +13,7 @@ mod answers;
 mod client;
 mod coalesce;
 mod error;
+mod fenced;
 mod session;
 mod tls;
 mod token;
@@ -29,6 +30,7 @@ pub use client::{
     parse_go_bool, with_https,
 };
 pub use error::{ConsulError, Result};
+pub use fenced::{BatchError, Fence, FenceError, FencedBatch, FencedTxn};
 pub use session::{Session, SessionConfig};
 pub use tls::{TlsConfig, tls_advice};
 pub use tree_cache::CacheSignals;
@@ -38,7 +40,8 @@ pub use txn::{
     encoded_len, split_to_fit,
 };
 pub use types::{
-    KvPair, QueryMeta, QueryOptions, ServiceCheck, SessionBehavior, SessionEntry, SessionRequest,
+    KvPair, QueryMeta, QueryOptions, ServiceCheck, SessionBehavior, SessionEntry, SessionId,
+    SessionRequest,
 };
 pub use watch::{
     Demand, DerivedWatch, FastGuard, REFERENCE_READERS, SinkWatch, Snapshot, SnapshotRx, Watch,

@@ -21,7 +21,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::client::Consul;
 use super::error::{ConsulError, Result};
-use super::types::{SessionBehavior, SessionRequest};
+use super::types::{SessionBehavior, SessionId, SessionRequest};
 use crate::util::jitter_half;
 
 /// What to create.
@@ -35,7 +35,7 @@ pub struct SessionConfig {
 
 /// A live session and its renewer.
 pub struct Session {
-    id: String,
+    id: SessionId,
     name: String,
     ttl: Duration,
     consul: Consul,
@@ -60,7 +60,7 @@ impl Session {
     /// Creates the session and starts renewing it every TTL/2.
     pub async fn create(consul: &Consul, config: &SessionConfig) -> Result<Session> {
         let sent_at = Instant::now();
-        let id = consul
+        let id: SessionId = consul
             .session_create(&SessionRequest {
                 name: Some(config.name.clone()),
                 ttl: Some(config.ttl),
@@ -68,7 +68,8 @@ impl Session {
                 behavior: Some(config.behavior),
                 ..Default::default()
             })
-            .await?;
+            .await?
+            .into();
         let lost = CancellationToken::new();
         let stop = CancellationToken::new();
         let reason = Arc::new(Mutex::new(None));
@@ -76,7 +77,7 @@ impl Session {
         let (doubt_tx, doubt) = tokio::sync::watch::channel(false);
         let task = tokio::spawn(renew_loop(RenewLoop {
             consul: consul.clone(),
-            id: id.clone(),
+            id: id.to_string(),
             ttl: config.ttl,
             last_ok: sent_at,
             lost: lost.clone(),
@@ -101,7 +102,7 @@ impl Session {
         })
     }
 
-    pub fn id(&self) -> &str {
+    pub fn id(&self) -> &SessionId {
         &self.id
     }
 

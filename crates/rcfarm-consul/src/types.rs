@@ -246,3 +246,83 @@ mod tests {
         assert!(v.get("Node").is_none());
     }
 }
+
+/// A Consul session's id, as `/v1/session/create` returns it: what a lock is held by and what
+/// every fenced write checks. A type of its own so a session id is never mistaken for a farm
+/// id, a key or a lock's value.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Default, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct SessionId(String);
+
+impl SessionId {
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl From<String> for SessionId {
+    fn from(s: String) -> SessionId {
+        SessionId(s)
+    }
+}
+
+impl From<&str> for SessionId {
+    fn from(s: &str) -> SessionId {
+        SessionId(s.to_string())
+    }
+}
+
+impl From<SessionId> for String {
+    fn from(s: SessionId) -> String {
+        s.0
+    }
+}
+
+impl std::ops::Deref for SessionId {
+    type Target = str;
+    fn deref(&self) -> &str {
+        &self.0
+    }
+}
+
+impl AsRef<str> for SessionId {
+    fn as_ref(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::borrow::Borrow<str> for SessionId {
+    fn borrow(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Display for SessionId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl PartialEq<str> for SessionId {
+    fn eq(&self, other: &str) -> bool {
+        self.0 == other
+    }
+}
+
+impl PartialEq<String> for SessionId {
+    fn eq(&self, other: &String) -> bool {
+        &self.0 == other
+    }
+}
+
+impl PartialEq<SessionId> for String {
+    fn eq(&self, other: &SessionId) -> bool {
+        *self == other.0
+    }
+}
+
+impl PartialEq<SessionId> for str {
+    fn eq(&self, other: &SessionId) -> bool {
+        *self == other.0
+    }
+}

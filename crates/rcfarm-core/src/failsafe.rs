@@ -17,12 +17,14 @@
 use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::fmt;
 use std::str::FromStr;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
+use tokio::time::Instant;
 
+use crate::clock::Clock;
 use crate::rc::RcId;
 use crate::util::format_go_duration;
 
@@ -313,6 +315,7 @@ impl Tripwire {
     pub fn observe(
         &mut self,
         now: Instant,
+        wall: DateTime<Utc>,
         rcs: impl IntoIterator<Item = (RcId, u64)>,
         invalid: usize,
         removable: bool,
@@ -394,7 +397,7 @@ impl Tripwire {
         self.trip = Some(Trip {
             shape,
             since: now,
-            since_utc: Utc::now(),
+            since_utc: wall,
             why: why.clone(),
         });
         Some(TripEvent::Tripped(why))
@@ -459,6 +462,7 @@ pub struct Failsafe {
     farm_id: String,
     config: FailsafeConfig,
     state: Mutex<State>,
+    clock: Clock,
 }
 
 impl Failsafe {
@@ -467,7 +471,13 @@ impl Failsafe {
             farm_id: farm_id.into(),
             config,
             state: Mutex::default(),
+            clock: Clock::system(),
         }
+    }
+
+    pub fn with_clock(mut self, clock: Clock) -> Failsafe {
+        self.clock = clock;
+        self
     }
 
     pub fn config(&self) -> FailsafeConfig {
@@ -478,7 +488,7 @@ impl Failsafe {
     /// the window: a farm scaling down must not see its own limit shrink with every pod it
     /// removes.
     pub fn set_served(&self, pods: u64) {
-        let now = Instant::now();
+        let now = self.clock.now();
         let mut s = self.state.lock();
         let expired = s
             .served_at
@@ -518,7 +528,7 @@ impl Failsafe {
 
     /// How many removals could be granted now, and why not more if none (a planner's cap).
     pub fn room(&self) -> (u64, Option<String>) {
-        let now = Instant::now();
+        let now = self.clock.now();
         let mut s = self.state.lock();
         if s.tripwire.trip().is_some() {
             let why = self.held_reason(&mut s, now);
@@ -538,7 +548,7 @@ impl Failsafe {
                 held: None,
             };
         }
-        let now = Instant::now();
+        let now = self.clock.now();
         let mut s = self.state.lock();
         let granted = if s.tripwire.trip().is_some() {
             0
@@ -589,9 +599,14 @@ impl Failsafe {
         removable: bool,
     ) -> Option<TripEvent> {
         let mut s = self.state.lock();
-        let ev = s
-            .tripwire
-            .observe(Instant::now(), rcs, invalid, removable, self.config.confirm);
+        let ev = s.tripwire.observe(
+            self.clock.now(),
+            self.clock.wall(),
+            rcs,
+            invalid,
+            removable,
+            self.config.confirm,
+        );
         metrics::gauge!("rcfarm_failsafe_tripped").set(if s.tripwire.trip().is_some() {
             1.0
         } else {
@@ -611,7 +626,7 @@ impl Failsafe {
     }
 
     pub fn status(&self) -> FailsafeStatus {
-        let now = Instant::now();
+        let now = self.clock.now();
         let mut s = self.state.lock();
         let trip = s.tripwire.trip().cloned();
         FailsafeStatus {
@@ -725,6 +740,7 @@ mod tests {
     ) -> Option<TripEvent> {
         w.observe(
             t,
+            Utc::now(),
             ids.iter().copied().zip(replicas.iter().copied()),
             0,
             removable,
@@ -850,6 +866,50 @@ mod tests {
         // An unreadable record is never taken for 0.
         assert_eq!(Tree::of([0], 1).shape(), TreeShape::Serving);
         assert_eq!(Tree::of([], 1).shape(), TreeShape::Serving);
+    }
+
+    /// The farm's failsafe on a paused clock: its window and confirmation are timers, driven
+    /// here by `tokio::time::advance` instead of waited for.
+    #[tokio::test(start_paused = true)]
+    async fn on_a_paused_clock_the_window_slides_and_a_trip_is_confirmed() {
+        let start: DateTime<Utc> = "2026-01-01T00:00:00Z".parse().unwrap();
+        let f = Failsafe::new(
+            "farm-a",
+            FailsafeConfig {
+                max_removals: MaxRemovals::Pods(2),
+                window: Duration::from_secs(300),
+                confirm: Duration::from_secs(120),
+            },
+        )
+        .with_clock(crate::clock::Clock::paused_at(start));
+        assert_eq!(f.take(3).granted, 2);
+        tokio::time::advance(Duration::from_secs(299)).await;
+        assert_eq!(f.take(1).granted, 0, "still within the window");
+        tokio::time::advance(Duration::from_secs(2)).await;
+        assert_eq!(
+            f.take(3).granted,
+            2,
+            "the window slid past the first grants"
+        );
+
+        let ids = ids();
+        assert!(
+            f.observe_tree(ids.iter().map(|id| (*id, 3)), 0, true)
+                .is_none()
+        );
+        assert!(f.observe_tree([], 0, true).is_some(), "emptied: tripped");
+        let tripped = f.status();
+        assert_eq!(
+            tripped.tripped_since,
+            Some(start + chrono::Duration::seconds(301)),
+            "stamped from the clock"
+        );
+        tokio::time::advance(Duration::from_secs(119)).await;
+        f.observe_tree([], 0, true);
+        assert!(f.status().tripped.is_some(), "not confirmed before 120 s");
+        tokio::time::advance(Duration::from_secs(1)).await;
+        f.observe_tree([], 0, true);
+        assert!(f.status().tripped.is_none(), "confirmed after 120 s");
     }
 
     #[test]

@@ -241,7 +241,7 @@ impl Overview {
                 FarmOverview {
                     farm_id: f.farm_id.clone(),
                     hostname: f.hostname.clone(),
-                    session: f.session.clone(),
+                    session: f.session.to_string(),
                     rc_selector: f.rc_selector.clone(),
                     http: f.http.clone(),
                     started_at: f.started_at,

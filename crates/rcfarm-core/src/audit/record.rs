@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use uuid::Uuid;
 
-use crate::consul::{ConsulError, TxnFailure, TxnOp};
+use crate::consul::TxnOp;
 
 /// The audit outbox tree.
 pub const AUDIT_PREFIX: &str = "audit_logs/";
@@ -154,12 +154,11 @@ impl AuditRecord {
         }
     }
 
-    /// Whether a transaction failed only because its create-only record at `op` exists: a
-    /// [`AuditRecord::deterministic`] report that another farm (or an earlier owner) made.
-    pub fn recorded_already(e: &ConsulError, op: usize) -> bool {
-        e.txn_failures().next().is_some()
-            && e.txn_failures()
-                .all(|(i, f)| i == op && matches!(f, TxnFailure::IndexStale))
+    /// The record stamped at `t`: writers stamp each record from their clock when they commit
+    /// it, so the log says when it was written.
+    pub fn at(mut self, t: DateTime<Utc>) -> Self {
+        self.timestamp = t;
+        self
     }
 
     /// `audit_logs/<uuid>`.

@@ -11,12 +11,15 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use chrono::Utc;
 use tokio_util::sync::CancellationToken;
 
 use super::record::{AUDIT_PREFIX, AuditRecord};
 use super::store::AuditStore;
-use crate::consul::{Consul, ConsulError, KvPair, MAX_TXN_OPS, QueryOptions, TxnFailure, TxnOp};
+use crate::clock::Clock;
+use crate::consul::{
+    Consul, ConsulError, Fence, FenceError, FencedTxn, KvPair, MAX_TXN_OPS, QueryOptions,
+    SessionId, TxnOp,
+};
 use crate::util::Backoff;
 
 pub const SHIPPER_LOCK: &str = "rcfarm/audit-shipper";
@@ -68,18 +71,26 @@ enum ShipError {
     Consul(#[from] ConsulError),
     #[error(transparent)]
     Store(#[from] super::store::AuditError),
+    #[error("{0}")]
+    Other(String),
 }
 
 pub struct Shipper {
     pub consul: Consul,
     pub store: Arc<AuditStore>,
-    pub session: String,
+    pub session: SessionId,
     pub farm_id: String,
     pub config: ShipperConfig,
     pub stats: Arc<ShipperStats>,
+    pub clock: Clock,
 }
 
 impl Shipper {
+    /// A transaction fenced by the shipper lock: only its holder deletes from the outbox.
+    fn fenced(&self) -> FencedTxn {
+        FencedTxn::fenced(Fence::new(SHIPPER_LOCK, &self.session))
+    }
+
     /// Runs until `cancel` (the farm stops or loses its session).
     pub async fn run(self, cancel: CancellationToken) {
         let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(30));
@@ -129,11 +140,9 @@ impl Shipper {
         }
         // Give the lock back so another farm takes over at once.
         let _ = self
-            .consul
-            .txn(&[
-                TxnOp::check_session(SHIPPER_LOCK, &self.session),
-                TxnOp::delete(SHIPPER_LOCK),
-            ])
+            .fenced()
+            .op(TxnOp::delete(SHIPPER_LOCK))
+            .commit(&self.consul)
             .await;
     }
 
@@ -240,7 +249,7 @@ impl Shipper {
             }
         }
         if let Some(oldest) = records.iter().map(|r| r.timestamp).min() {
-            let age = (Utc::now() - oldest).num_seconds().max(0) as u64;
+            let age = self.clock.wall_since(oldest).as_secs();
             self.stats.oldest_age_secs.store(age, Ordering::Relaxed);
             metrics::gauge!("rcfarm_audit_backlog_oldest_seconds").set(age as f64);
         }
@@ -260,22 +269,18 @@ impl Shipper {
         }
         // Only what is stored is deleted, and only by the holder of the shipper lock.
         for chunk in entries.chunks(MAX_TXN_OPS - 1) {
-            let mut ops = vec![TxnOp::check_session(SHIPPER_LOCK, &self.session)];
-            ops.extend(
+            let txn = self.fenced().ops(
                 chunk
                     .iter()
                     .map(|e| TxnOp::delete_cas(e.key.clone(), e.modify_index)),
             );
-            match self.consul.txn(&ops).await {
+            match txn.commit(&self.consul).await {
                 Ok(_) => {}
-                Err(e)
-                    if e.txn_failures().any(|(i, f)| {
-                        i == 0 && matches!(f, TxnFailure::SessionMismatch | TxnFailure::KeyMissing)
-                    }) =>
-                {
-                    return Err(ShipError::Fenced);
+                Err(FenceError::Fenced { .. }) => return Err(ShipError::Fenced),
+                Err(FenceError::Conflict { source, .. } | FenceError::Consul(source)) => {
+                    return Err(source.into());
                 }
-                Err(e) => return Err(e.into()),
+                Err(e) => return Err(ShipError::Other(e.to_string())),
             }
         }
         self.stats

@@ -21,12 +21,12 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
-use chrono::Utc;
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::audit::{AuditStore, ShipperConfig, ShipperStats};
+use crate::clock::Clock;
 use crate::consul::{
     Consul, ConsulConfig, ConsulError, Demand, FastGuard, KvPair, Session, SessionBehavior,
     SessionConfig, TxnOp, Watch, WatchConfig,
@@ -83,6 +83,8 @@ pub struct FarmConfig {
     pub roll: RollConfig,
     /// The removal budget and the RC tree tripwire (`--max-removals`, `--failsafe-confirm`).
     pub failsafe: crate::failsafe::FailsafeConfig,
+    /// What time it is, for everything the farm runs.
+    pub clock: Clock,
 }
 
 impl FarmConfig {
@@ -105,6 +107,7 @@ impl FarmConfig {
             shipper: ShipperConfig::default(),
             roll: RollConfig::default(),
             failsafe: crate::failsafe::FailsafeConfig::default(),
+            clock: Clock::system(),
         }
     }
 
@@ -254,10 +257,10 @@ impl Farm {
         });
         let (ready, _) = watch::channel(false);
         let (audit, _) = watch::channel(None);
-        let failsafe = Arc::new(crate::failsafe::Failsafe::new(
-            config.farm_id.clone(),
-            config.failsafe,
-        ));
+        let failsafe = Arc::new(
+            crate::failsafe::Failsafe::new(config.farm_id.clone(), config.failsafe)
+                .with_clock(config.clock),
+        );
         let readers = Arc::new(std::sync::atomic::AtomicUsize::new(1));
         Ok(Farm {
             failsafe,
@@ -362,13 +365,16 @@ impl Farm {
         };
         let scheduler: Arc<dyn Scheduler> = match &cfg.scheduler {
             SchedulerKind::Label => Arc::new(LabelScheduler::new(views.nodes.clone())),
-            SchedulerKind::Pool(pc) => Arc::new(PoolScheduler::new(
-                &self.consul,
-                views.nodes.clone(),
-                views.pods.clone(),
-                pc.clone(),
-                w.clone(),
-            )),
+            SchedulerKind::Pool(pc) => Arc::new(
+                PoolScheduler::new(
+                    &self.consul,
+                    views.nodes.clone(),
+                    views.pods.clone(),
+                    pc.clone(),
+                    w.clone(),
+                )
+                .with_clock(cfg.clock),
+            ),
         };
         tracing::info!(farm_id = %cfg.farm_id, scheduler = scheduler.name(), rc_selector = %cfg.rc_selector, "farm starting");
         let mut backoff = Backoff::new(Duration::from_millis(500), Duration::from_secs(30));
@@ -409,6 +415,7 @@ impl Farm {
                 status: self.roll_status.clone(),
                 failsafe: self.failsafe.clone(),
                 config: cfg.roll.clone(),
+                clock: cfg.clock,
             });
             let ctx = Arc::new(TaskContext {
                 consul: self.consul.clone(),
@@ -424,6 +431,7 @@ impl Farm {
                 failsafe: self.failsafe.clone(),
                 pod_tickets: Default::default(),
                 config: cfg.task.clone(),
+                clock: cfg.clock,
             });
             let shipper_stop = session.lost().child_token();
             let shipper = self.spawn_shipper(&session, shipper_stop.clone());
@@ -492,11 +500,11 @@ impl Farm {
         let info = FarmInfo {
             farm_id: cfg.farm_id.clone(),
             hostname: hostname(),
-            session: session.id().to_string(),
+            session: session.id().clone(),
             session_name: cfg.session_name(),
             rc_selector: cfg.rc_selector.to_string(),
             pid: std::process::id(),
-            started_at: Utc::now(),
+            started_at: cfg.clock.wall(),
             http: cfg.http.clone(),
             version: env!("CARGO_PKG_VERSION").to_string(),
             audit_shipping: cfg.audit_shipping,
@@ -601,7 +609,7 @@ impl Farm {
         let mut release_rx = views.release.subscribe();
         let mut tick = tokio::time::interval(Duration::from_millis(500));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut next_sweep = Instant::now() + Duration::from_secs(1);
+        let mut next_sweep = self.config.clock.now() + Duration::from_secs(1);
         // RCs taken over from another session, whose intents are swept soon (once the read of
         // the pod labels their claim asked for is in).
         let mut taken_over: BTreeSet<RcId> = BTreeSet::new();
@@ -637,7 +645,7 @@ impl Farm {
             let in_doubt = *doubt_rx.borrow_and_update();
             if handover_fast
                 .as_ref()
-                .is_some_and(|(_, until)| Instant::now() >= *until)
+                .is_some_and(|(_, until)| self.config.clock.now() >= *until)
             {
                 handover_fast = None;
             }
@@ -708,9 +716,9 @@ impl Farm {
                 });
                 self.status.update_farm(|f| f.synced = true);
             }
-            if ready && !in_doubt && Instant::now() >= next_sweep {
+            if ready && !in_doubt && self.config.clock.now() >= next_sweep {
                 self.sweep(views, &sv.ctx, &owned, None).await;
-                next_sweep = Instant::now()
+                next_sweep = self.config.clock.now()
                     + jitter_half(self.config.consistency_interval * 2)
                         .min(self.config.consistency_interval * 2);
                 taken_over.clear();
@@ -731,7 +739,7 @@ impl Farm {
                 && pods_known
                 && last_sweep.is_none_or(|t: Instant| t.elapsed() >= Duration::from_secs(2))
             {
-                last_sweep = Some(Instant::now());
+                last_sweep = Some(self.config.clock.now());
                 let only = std::mem::take(&mut taken_over);
                 self.sweep(views, &sv.ctx, &owned, Some(&only)).await;
             }
@@ -778,7 +786,7 @@ impl Farm {
                 r = farm_rx.changed() => {
                     if r.is_err() { return Ended::SessionLost("farm watch ended".into()); }
                     if self.farms_changed(views) {
-                        handover_fast = Some((self.lock_demand.fast(), Instant::now() + HANDOVER_FAST));
+                        handover_fast = Some((self.lock_demand.fast(), self.config.clock.now() + HANDOVER_FAST));
                     }
                     dirty = true;
                     dirty_rolls = true;
@@ -834,7 +842,7 @@ impl Farm {
         };
         let live: BTreeSet<String> = registry::live_farms(&snap.value)
             .into_iter()
-            .map(|f| f.session)
+            .map(|f| f.session.into())
             .collect();
         self.readers
             .store(live.len().max(1), std::sync::atomic::Ordering::Relaxed);
@@ -850,6 +858,7 @@ impl Farm {
             consul: &self.consul,
             session,
             farm_id: &self.config.farm_id,
+            clock: self.config.clock,
             rules: ClaimRules {
                 // The farm an RC is assigned to sees it up to a watch pace late, and the pace
                 // grows with the farms (see `WatchConfig::readers`): so does the grace, or
@@ -872,7 +881,7 @@ impl Farm {
         views: &Views,
     ) {
         let (session, info) = (sv.session, sv.info);
-        let started = Instant::now();
+        let started = self.config.clock.now();
         let _ = self
             .consul
             .txn(&[

@@ -13,7 +13,11 @@ use super::claims::Assignment;
 pub(crate) use super::decide::Rules;
 use super::decide::{self, Situation, Stop};
 use crate::audit::AuditRecord;
-use crate::consul::{Consul, ConsulError, Demand, MAX_TXN_OPS, Session, TxnFailure, TxnOp};
+use crate::clock::Clock;
+use crate::consul::{
+    BatchError, Consul, Demand, Fence, FenceError, FencedBatch, FencedTxn, MAX_TXN_OPS, Session,
+    TxnFailure, TxnOp,
+};
 use crate::rc::RcId;
 use crate::task::TaskHandle;
 
@@ -261,7 +265,7 @@ impl<K: Kind> Owned<K> {
             s,
             &self.tasks,
             &mut self.unheld_since,
-            Instant::now(),
+            farm.clock.now(),
             farm.rules,
         );
         if plan.read_locks
@@ -375,6 +379,7 @@ pub(crate) struct ClaimFarm<'a> {
     pub consul: &'a Consul,
     pub session: &'a Session,
     pub farm_id: &'a str,
+    pub clock: Clock,
     pub rules: Rules,
 }
 
@@ -398,42 +403,47 @@ impl ClaimFarm<'_> {
                 if batch.is_empty() {
                     break;
                 }
-                // The object each op is for, to drop the objects whose ops failed.
-                let mut ops = Vec::new();
-                let mut owner = Vec::new();
-                for id in &batch {
-                    ops.extend(guard(*id));
-                    ops.push(TxnOp::lock(
-                        K::lock_key(*id),
-                        self.session.name().as_bytes().to_vec(),
-                        self.session.id(),
-                    ));
-                    ops.push(kind.claimed_record(*id, self.session).txn_op());
-                    owner.resize(ops.len(), *id);
-                }
-                match self.consul.txn(&ops).await {
-                    Ok(resp) => {
-                        let index = resp.commit_index();
+                // One unit per object: its guard, its lock, its record.
+                let batch_txn = FencedBatch::new(
+                    batch
+                        .iter()
+                        .map(|id| {
+                            FencedTxn::unfenced()
+                                .guards(guard(*id))
+                                .op(TxnOp::lock(
+                                    K::lock_key(*id),
+                                    self.session.name().as_bytes().to_vec(),
+                                    self.session.id(),
+                                ))
+                                .records([kind
+                                    .claimed_record(*id, self.session)
+                                    .at(self.clock.wall())
+                                    .txn_op()])
+                        })
+                        .collect(),
+                );
+                match batch_txn.commit(self.consul).await {
+                    Ok(index) => {
                         tracing::info!(count = batch.len(), "claimed {}", K::PLURAL);
                         metrics::counter!("rcfarm_claims_total", "kind" => K::PLURAL)
                             .increment(batch.len() as u64);
                         got.extend(batch.iter().map(|id| (*id, index)));
                         break;
                     }
-                    Err(e @ ConsulError::Conflict(_)) => {
+                    Err(BatchError::Units(units)) => {
                         metrics::counter!("rcfarm_claim_conflicts_total").increment(1);
-                        let failed: BTreeSet<RcId> = e
-                            .txn_failures()
-                            .filter_map(|(i, _)| owner.get(i).copied())
+                        let failed: BTreeSet<RcId> = units
+                            .iter()
+                            .filter_map(|(u, _)| batch.get(*u).copied())
                             .collect();
-                        refused.extend(
-                            e.txn_failures()
-                                .filter(|(_, f)| *f == TxnFailure::LockHeld)
-                                .filter_map(|(i, _)| owner.get(i).copied()),
-                        );
+                        refused.extend(units.iter().filter_map(|(u, e)| {
+                            let held = matches!(e, FenceError::Conflict { ops, .. }
+                                if ops.iter().any(|(_, f)| *f == TxnFailure::LockHeld));
+                            held.then(|| batch.get(*u).copied()).flatten()
+                        }));
                         batch.retain(|id| !failed.contains(id));
                     }
-                    Err(e) => {
+                    Err(BatchError::Consul(e)) => {
                         tracing::warn!(error = %e, "claiming {} failed", K::PLURAL);
                         break;
                     }
@@ -444,13 +454,14 @@ impl ClaimFarm<'_> {
     }
 
     /// One object's release: its lock deleted if still ours, and its audit record.
-    fn release_ops<K: Kind>(&self, kind: &K, id: RcId, reason: &str) -> [TxnOp; 3] {
+    fn release_txn<K: Kind>(&self, kind: &K, id: RcId, reason: &str) -> FencedTxn {
         let key = K::lock_key(id);
-        [
-            TxnOp::check_session(key.clone(), self.session.id()),
-            TxnOp::delete(key),
-            kind.released_record(id, self.session, reason).txn_op(),
-        ]
+        FencedTxn::fenced(Fence::new(key.clone(), self.session.id()))
+            .op(TxnOp::delete(key))
+            .records([kind
+                .released_record(id, self.session, reason)
+                .at(self.clock.wall())
+                .txn_op()])
     }
 
     /// Gives locks up (deleted if still ours, so no lock-delay applies), with an audit record
@@ -463,27 +474,44 @@ impl ClaimFarm<'_> {
         use futures::StreamExt;
         futures::stream::iter(ids.chunks(MAX_TXN_OPS / 3))
             .for_each_concurrent(RELEASES_IN_FLIGHT, |chunk| async move {
-                let ops: Vec<TxnOp> = chunk
-                    .iter()
-                    .flat_map(|id| self.release_ops(kind, *id, reason))
-                    .collect();
-                if let Err(e) = self.consul.txn(&ops).await {
-                    // Some lock was not ours any more: release one by one, each with its
-                    // record, as the batch would have.
-                    tracing::debug!(error = %e, "batched release failed; releasing one by one");
-                    for id in chunk {
-                        match self.consul.txn(&self.release_ops(kind, *id, reason)).await {
-                            Ok(_) => {}
-                            // Not ours any more (another farm took it, or it is gone):
-                            // nothing to give back.
-                            Err(ConsulError::Conflict(_)) => {}
-                            Err(e) => tracing::warn!(
-                                error = %e,
-                                id = %id,
-                                "could not give a {} back; its lock goes when the session does",
-                                K::NOUN
-                            ),
-                        }
+                let batch = FencedBatch::new(
+                    chunk
+                        .iter()
+                        .map(|id| self.release_txn(kind, *id, reason))
+                        .collect(),
+                );
+                let retry: Vec<RcId> = match batch.commit(self.consul).await {
+                    Ok(_) => return,
+                    // A lock not ours any more (another farm took it, or it is gone) has
+                    // nothing to give back; the others go one by one, each with its record,
+                    // as the batch would have.
+                    Err(BatchError::Units(units)) => {
+                        let gone: BTreeSet<usize> = units
+                            .iter()
+                            .filter(|(_, e)| matches!(e, FenceError::Fenced { .. }))
+                            .map(|(u, _)| *u)
+                            .collect();
+                        chunk
+                            .iter()
+                            .enumerate()
+                            .filter(|(u, _)| !gone.contains(u))
+                            .map(|(_, id)| *id)
+                            .collect()
+                    }
+                    Err(BatchError::Consul(e)) => {
+                        tracing::debug!(error = %e, "batched release failed; releasing one by one");
+                        chunk.to_vec()
+                    }
+                };
+                for id in retry {
+                    match self.release_txn(kind, id, reason).commit(self.consul).await {
+                        Ok(_) | Err(FenceError::Fenced { .. }) => {}
+                        Err(e) => tracing::warn!(
+                            error = %e,
+                            id = %id,
+                            "could not give a {} back; its lock goes when the session does",
+                            K::NOUN
+                        ),
                     }
                 }
             })
@@ -586,6 +614,7 @@ mod tests {
             consul,
             session,
             farm_id: "f",
+            clock: Clock::system(),
             rules: Rules {
                 grace: Duration::ZERO,
                 slack: 0,
@@ -761,7 +790,7 @@ mod tests {
         };
         assert_eq!(holder(TestKind::lock_key(ids[0])).await, None);
         assert_eq!(holder(TestKind::lock_key(ids[2])).await, None);
-        assert_eq!(holder(stolen).await.as_deref(), Some(theirs.id()));
+        assert_eq!(holder(stolen).await.as_deref(), Some(theirs.id().as_str()));
         let (records, _) = consul
             .kv_list(crate::audit::AUDIT_PREFIX, &QueryOptions::default())
             .await

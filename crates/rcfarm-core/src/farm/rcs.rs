@@ -385,7 +385,7 @@ impl Farm {
                 |id| {
                     crate::rctask::spawn(
                         ctx.clone(),
-                        sid.to_string(),
+                        sid.clone(),
                         session.lost(),
                         id,
                         rc_state(&listing, id),

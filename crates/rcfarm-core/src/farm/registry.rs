@@ -5,7 +5,7 @@ use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
 use super::claims::FarmView;
-use crate::consul::KvPair;
+use crate::consul::{KvPair, SessionId};
 use crate::labels::Selector;
 
 pub const FARMS_PREFIX: &str = "rcfarm/farms/";
@@ -15,7 +15,7 @@ pub const FARMS_PREFIX: &str = "rcfarm/farms/";
 pub struct FarmInfo {
     pub farm_id: String,
     pub hostname: String,
-    pub session: String,
+    pub session: SessionId,
     pub session_name: String,
     pub rc_selector: String,
     pub pid: u32,

@@ -233,7 +233,7 @@ impl Farm {
                 |id| {
                     crate::roll::spawn(
                         ctx.clone(),
-                        sid.to_string(),
+                        sid.clone(),
                         session.lost(),
                         id,
                         roll_state(&rolls, id),

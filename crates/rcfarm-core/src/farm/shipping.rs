@@ -61,6 +61,7 @@ impl Farm {
         let farm_id = self.config.farm_id.clone();
         let config = self.config.shipper.clone();
         let stats = self.shipper_stats.clone();
+        let clock = self.config.clock;
         Some(tokio::spawn(async move {
             let store = tokio::select! {
                 _ = stop.cancelled() => return,
@@ -73,10 +74,11 @@ impl Farm {
             Shipper {
                 consul,
                 store,
-                session: session_id,
+                session: session_id.into(),
                 farm_id,
                 config,
                 stats,
+                clock,
             }
             .run(stop)
             .await;

@@ -7,6 +7,7 @@ use serde_json::json;
 
 use super::Farm;
 use crate::audit::AuditRecord;
+use crate::consul::{FenceError, FencedTxn};
 
 /// One such record.
 pub(crate) struct Unclaimable {
@@ -49,10 +50,13 @@ impl Farm {
                     "farm_id": self.config.farm_id,
                 }),
             );
-            match self.consul.txn(&[audit.txn_op()]).await {
-                Ok(_) => {}
-                // Another farm recorded it first.
-                Err(e) if AuditRecord::recorded_already(&e, 0) => {}
+            match FencedTxn::unfenced()
+                .records([audit.txn_op()])
+                .commit(&self.consul)
+                .await
+            {
+                // Or another farm recorded it first.
+                Ok(_) | Err(FenceError::AlreadyRecorded) => {}
                 Err(e) => {
                     tracing::warn!(key = %u.key, error = %e, "cannot record the invalid key; will retry");
                     continue;

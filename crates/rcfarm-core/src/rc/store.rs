@@ -15,7 +15,9 @@ use super::model::{
     AllocationStrategy, InvalidRc, RC_LOCK_PREFIX, RC_PREFIX, RawRc, Rc, RcId, RcProblem,
 };
 use crate::audit::{AuditRecord, events};
-use crate::consul::{Consul, ConsulError, KvPair, QueryOptions, TxnFailure, TxnOp, WatchConfig};
+use crate::consul::{
+    Consul, ConsulError, Fence, KvPair, QueryOptions, SessionId, TxnFailure, TxnOp, WatchConfig,
+};
 use crate::labels::{LabelSet, LabelStore, LabelType, LabelsError, Selector};
 
 #[derive(Debug, thiserror::Error)]
@@ -647,6 +649,11 @@ impl RcStore {
     /// holds the RC's ownership lock.
     pub fn ownership_check_op(id: RcId, session: &str) -> TxnOp {
         TxnOp::check_session(id.ownership_lock_key(), session)
+    }
+
+    /// The fence of every RC task write: the RC's ownership lock, held by `session`.
+    pub fn ownership_fence(id: RcId, session: &SessionId) -> Fence {
+        Fence::new(id.ownership_lock_key(), session)
     }
 
     /// Who holds which lock, for every RC with a lock key.

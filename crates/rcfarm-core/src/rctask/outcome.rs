@@ -4,7 +4,7 @@
 //! each of those may use them without using the other.
 
 use super::plan::Action;
-use crate::consul::ConsulError;
+use crate::consul::{ConsulError, FenceError};
 use crate::rc::RcStoreError;
 use crate::scheduler::SchedulerError;
 
@@ -24,6 +24,19 @@ pub(super) enum TaskError {
     Store(#[from] RcStoreError),
     #[error("{0}")]
     Other(String),
+}
+
+impl From<FenceError> for TaskError {
+    fn from(e: FenceError) -> TaskError {
+        match e {
+            FenceError::Fenced { .. } => TaskError::Fenced,
+            FenceError::Stale { .. } => TaskError::Stale,
+            FenceError::Conflict { source, .. } => TaskError::Consul(source),
+            // Only a deterministic report can exist already; its callers take this as done.
+            FenceError::AlreadyRecorded => TaskError::Other("the record exists already".into()),
+            FenceError::Consul(e) => TaskError::Consul(e),
+        }
+    }
 }
 
 impl TaskError {

@@ -4,7 +4,6 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use chrono::Utc;
 use serde_json::{Value, json};
 
 use super::intents::IntentState;
@@ -27,7 +26,7 @@ impl Worker {
             .transfers
             .transfer(self.id, self.transfer_since)
             .await?;
-        let stored = Transfer::resumed(stored, self.transfer.as_ref(), Utc::now());
+        let stored = Transfer::resumed(stored, self.transfer.as_ref(), self.ctx.clock.wall());
         if let Some(t) = &stored
             && self.transfer.as_ref() != Some(t)
         {
@@ -103,7 +102,7 @@ impl Worker {
             old_node: old.clone(),
             new_node: new.clone(),
             id: uuid::Uuid::new_v4().to_string(),
-            started_at: Some(Utc::now()),
+            started_at: Some(self.ctx.clock.wall()),
         };
         let mut nodes: BTreeSet<NodeName> = o.current.keys().cloned().collect();
         nodes.insert(new.clone());
@@ -264,7 +263,7 @@ impl Worker {
         // counts from when this task first read it.
         let took = t
             .started_at
-            .and_then(|s| (Utc::now() - s).to_std().ok())
+            .and_then(|s| (self.ctx.clock.wall() - s).to_std().ok())
             .unwrap_or_default();
         metrics::histogram!(
             "rcfarm_transfer_duration_seconds",

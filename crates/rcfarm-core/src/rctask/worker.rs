@@ -6,9 +6,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
-use chrono::Utc;
-use tokio::sync::{Notify, mpsc, watch};
-use tokio::time::Instant;
+use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
@@ -16,11 +14,13 @@ use super::intents::IntentView;
 use super::outcome::{Applied, Gated, TaskError};
 use super::plan::{Observed, Transfer, plan};
 use super::status::StatusRegistry;
-use crate::consul::{Consul, ConsulError};
+use crate::clock::Clock;
+use crate::consul::{Consul, ConsulError, SessionId};
 use crate::health::HealthCache;
 use crate::labels::{LabelCache, Selector, split_pod_label_id};
 use crate::rc::{DesiredState, InvalidRc, LockView, POD_ID_LABEL, RC_ID_LABEL, Rc, RcId, RcStore};
 use crate::scheduler::{NodeName, NodeSet, Scheduler};
+use crate::task::{Inbox, Next, PassFuture};
 use crate::util::{Backoff, jitter_half};
 
 /// Tunables of RC tasks.
@@ -84,6 +84,7 @@ pub struct TaskContext {
     /// of that ticket ([`crate::consul::Demand`]) before its first plan.
     pub pod_tickets: parking_lot::Mutex<HashMap<RcId, u64>>,
     pub config: TaskConfig,
+    pub clock: Clock,
 }
 
 impl TaskContext {
@@ -123,7 +124,7 @@ pub type TaskHandle = crate::task::TaskHandle<RcState>;
 /// Starts the task of an RC the farm now owns with `session`.
 pub fn spawn(
     ctx: Arc<TaskContext>,
-    session: String,
+    session: SessionId,
     parent: &CancellationToken,
     id: RcId,
     initial: RcState,
@@ -131,17 +132,16 @@ pub fn spawn(
 ) -> TaskHandle {
     let span = tracing::info_span!("rc", rc_id = %id, farm_id = %ctx.farm_id);
     crate::task::spawn(id, initial, parent, move |inbox| {
+        let now = ctx.clock.now();
         let mut worker = Worker {
             ctx,
             session,
             id,
-            state: inbox.state,
-            wake: inbox.wake,
-            cancel: inbox.cancel,
+            inbox,
             events,
             transfer: None,
             transfer_loaded: false,
-            transfer_since: tokio::time::Instant::now(),
+            transfer_since: now,
             unconfirmed_alloc: None,
             unmet: None,
             frozen: None,
@@ -163,11 +163,10 @@ pub fn spawn(
 
 pub(super) struct Worker {
     pub(super) ctx: Arc<TaskContext>,
-    pub(super) session: String,
+    pub(super) session: SessionId,
     pub(super) id: RcId,
-    pub(super) state: watch::Receiver<RcState>,
-    pub(super) wake: Arc<Notify>,
-    pub(super) cancel: CancellationToken,
+    /// The object's state as the farm last saw it, wake-ups, and the stop signal.
+    pub(super) inbox: Inbox<RcState>,
     pub(super) events: mpsc::UnboundedSender<TaskEvent>,
     pub(super) transfer: Option<Transfer>,
     /// Whether `transfer` reflects the status key. Cleared after a failed pass: a transfer's
@@ -204,130 +203,175 @@ pub(super) struct Worker {
     pub(super) unmet_backoff: Backoff,
 }
 
-impl Worker {
-    async fn run(&mut self) {
-        tracing::info!("RC task started");
-        let mut not_before: Option<Instant> = None;
-        loop {
-            if self.cancel.is_cancelled() {
-                break;
-            }
-            if let Some(t) = not_before.take() {
-                tokio::select! {
-                    _ = self.cancel.cancelled() => break,
-                    _ = tokio::time::sleep_until(t) => {}
-                }
-            }
-            let state = self.state.borrow_and_update().clone();
+/// A pass's result, with the RC version it was made for.
+pub(super) struct PassOutcome {
+    version: Option<u64>,
+    /// `None`: the RC key was deleted.
+    result: Option<Result<Pass, TaskError>>,
+}
+
+/// What a pass's result asks of the loop, before the backoffs give it durations: the RC
+/// task's error policy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Policy {
+    /// Stop: the RC key is deleted.
+    Deleted,
+    /// Stop: a write failed its fence; another farm may own the RC.
+    Fenced,
+    /// Settled: look again at the resync, at once on a change.
+    Resync,
+    /// Desires unmet or removals held: at the resync, and not sooner than the unmet pacing
+    /// unless the RC itself changes.
+    PacedUnmet,
+    /// The cap on actions per pass, with more to do: soon, a little later each time in a row.
+    Again,
+    /// The RC changed during the pass: plan again with the new version, shortly.
+    Stale,
+    /// Consul refused the write as too large or malformed: report it once per version, then
+    /// look again now and then.
+    Rejected,
+    /// Anything else: back off, and learn the transfer state again.
+    Backoff,
+}
+
+/// The error policy, pure: one row per kind of result in its tests.
+pub(super) fn policy(result: Option<&Result<Pass, TaskError>>) -> Policy {
+    match result {
+        None => Policy::Deleted,
+        Some(Ok(Pass::Settled)) => Policy::Resync,
+        Some(Ok(Pass::Unmet)) => Policy::PacedUnmet,
+        Some(Ok(Pass::Again)) => Policy::Again,
+        Some(Err(TaskError::Stale)) => Policy::Stale,
+        Some(Err(TaskError::Fenced)) => Policy::Fenced,
+        Some(Err(TaskError::Consul(ConsulError::Rejected { status, .. })))
+            if *status == 413 || *status == 400 =>
+        {
+            Policy::Rejected
+        }
+        Some(Err(_)) => Policy::Backoff,
+    }
+}
+
+impl crate::task::Reconciler for Worker {
+    type State = RcState;
+    type Outcome = PassOutcome;
+
+    fn reconcile(&mut self, state: RcState) -> PassFuture<'_, PassOutcome> {
+        Box::pin(async move {
             let version = match &state {
                 RcState::Valid(rc) => Some(rc.modify_index),
                 _ => None,
             };
-            let cancel = self.cancel.clone();
-            // A stopped task abandons its pass at once: whatever write is in flight is fenced,
-            // and handovers must not wait for a pass to finish. The pass is boxed: its state
-            // machine is kilobytes, and a task spends nearly all its life waiting between passes,
-            // so it must not carry that inline (thousands of tasks per farm).
-            let outcome = tokio::select! {
-                _ = cancel.cancelled() => break,
-                outcome = async {
-                    match state {
-                        RcState::Deleted => None,
-                        RcState::Invalid(inv) => Some(Box::pin(self.report_invalid(&inv)).await.map(|_| Pass::Settled)),
-                        RcState::Valid(rc) => Some(Box::pin(self.pass(&rc)).await),
-                    }
-                } => outcome,
+            let result = match state {
+                RcState::Deleted => None,
+                RcState::Invalid(inv) => {
+                    Some(self.report_invalid(&inv).await.map(|_| Pass::Settled))
+                }
+                RcState::Valid(rc) => Some(self.pass(&rc).await),
             };
-            let Some(outcome) = outcome else {
+            PassOutcome { version, result }
+        })
+    }
+
+    async fn next(&mut self, outcome: PassOutcome) -> Next {
+        let now = self.ctx.clock.now();
+        let resync = jitter_half(self.ctx.config.resync * 2).min(self.ctx.config.resync * 2);
+        let backoff_max = self.ctx.config.error_backoff_max;
+        match policy(outcome.result.as_ref()) {
+            Policy::Deleted => {
                 tracing::info!("RC key deleted: stopping its task and leaving its pods");
                 self.ctx.status.remove_rc(self.id);
-                break;
-            };
-            let mut paced_for_unmet = false;
-            let delay = match outcome {
-                // Stopped by the cap on actions per pass with more to do: nothing is settled
-                // (its conditions stay as they are) and the next pass comes soon, a little later
-                // each time in a row, so a plan that never settles cannot hammer Consul.
-                Ok(Pass::Again) => self
-                    .backoff
-                    .next_delay()
-                    .min(self.ctx.config.error_backoff_max),
-                Ok(outcome) => {
-                    let unmet = outcome == Pass::Unmet;
-                    self.backoff.reset();
-                    let resync =
-                        jitter_half(self.ctx.config.resync * 2).min(self.ctx.config.resync * 2);
-                    if unmet {
-                        // Node changes retrigger unmet RCs; pace them rather than loop hot.
-                        not_before = Some(Instant::now() + self.unmet_backoff.next_delay());
-                        paced_for_unmet = true;
-                    } else {
-                        self.unmet_backoff.reset();
-                    }
-                    resync
+                Next::Stop
+            }
+            Policy::Fenced => {
+                tracing::warn!("lost the RC's ownership lock; stopping without further writes");
+                let _ = self.events.send(TaskEvent::Fenced(self.id));
+                Next::Stop
+            }
+            Policy::Resync => {
+                self.backoff.reset();
+                self.unmet_backoff.reset();
+                Next::Requeue(resync)
+            }
+            Policy::PacedUnmet => {
+                self.backoff.reset();
+                // Node changes retrigger unmet RCs; pace them rather than loop hot.
+                Next::Hold {
+                    after: resync,
+                    at: now + self.unmet_backoff.next_delay(),
+                    change_lifts: true,
                 }
-                Err(TaskError::Stale) => {
-                    tracing::debug!(
-                        "the RC changed during the pass; planning again with the new version"
-                    );
-                    Duration::from_millis(200)
-                }
-                Err(TaskError::Fenced) => {
-                    tracing::warn!("lost the RC's ownership lock; stopping without further writes");
-                    let _ = self.events.send(TaskEvent::Fenced(self.id));
-                    break;
-                }
-                Err(TaskError::Consul(ConsulError::Rejected { status, body }))
-                    if status == 413 || status == 400 =>
-                {
-                    // Retrying the same write cannot help; the RC (or Consul's limits) must
-                    // change. Report once per version and look again now and then.
-                    // Boxed, like the pass: inline, this rarely taken report's state machine
-                    // (a transaction in flight) made every idle task ~3 KB larger.
-                    let wait = match Box::pin(self.report_rejected(version, status, &body)).await {
-                        Ok(()) => {
-                            paced_for_unmet = true;
-                            self.ctx.config.error_backoff_max
+            }
+            // Nothing is settled (its conditions stay as they are) and the next pass comes
+            // soon, a little later each time in a row, so a plan that never settles cannot
+            // hammer Consul.
+            Policy::Again => Next::Requeue(self.backoff.next_delay().min(backoff_max)),
+            Policy::Stale => {
+                tracing::debug!(
+                    "the RC changed during the pass; planning again with the new version"
+                );
+                Next::Requeue(Duration::from_millis(200))
+            }
+            Policy::Rejected => {
+                let Some(Err(TaskError::Consul(ConsulError::Rejected { status, body }))) =
+                    outcome.result
+                else {
+                    // Invariant: `policy` says Rejected only for this result.
+                    unreachable!("Rejected is a refused write")
+                };
+                // Retrying the same write cannot help; the RC (or Consul's limits) must
+                // change. Boxed, like the pass: inline, this rarely taken report's state
+                // machine (a transaction in flight) made every idle task ~3 KB larger.
+                match Box::pin(self.report_rejected(outcome.version, status, &body)).await {
+                    Ok(()) => Next::Hold {
+                        after: backoff_max,
+                        at: now + backoff_max,
+                        change_lifts: true,
+                    },
+                    Err(e) => {
+                        tracing::warn!(error = %e, "cannot report the refused write; retrying");
+                        let wait = self.backoff.next_delay().min(backoff_max);
+                        Next::Hold {
+                            after: wait,
+                            at: now + wait,
+                            change_lifts: false,
                         }
-                        Err(e) => {
-                            tracing::warn!(error = %e, "cannot report the refused write; retrying");
-                            self.backoff
-                                .next_delay()
-                                .min(self.ctx.config.error_backoff_max)
-                        }
-                    };
-                    not_before = Some(Instant::now() + wait);
-                    wait
-                }
-                Err(e) => {
-                    // Whatever this pass wrote last may have been applied: learn the transfer
-                    // state from Consul again before acting on it.
-                    self.transfer_loaded = false;
-                    self.transfer_since = tokio::time::Instant::now();
-                    let wait = self
-                        .backoff
-                        .next_delay()
-                        .min(self.ctx.config.error_backoff_max);
-                    tracing::warn!(error = %e, retry_in = ?wait, "RC pass failed");
-                    metrics::counter!("rcfarm_rc_pass_errors_total").increment(1);
-                    self.ctx.status.update_rc(self.id, &self.ctx.farm_id, |s| {
-                        s.last_error = Some(e.to_string())
-                    });
-                    not_before = Some(Instant::now() + wait);
-                    wait
-                }
-            };
-            tokio::select! {
-                _ = self.cancel.cancelled() => break,
-                _ = self.state.changed() => {
-                    if paced_for_unmet {
-                        not_before = None;
                     }
                 }
-                _ = self.wake.notified() => {}
-                _ = tokio::time::sleep(delay) => {}
+            }
+            Policy::Backoff => {
+                let e = match outcome.result {
+                    Some(Err(e)) => e.to_string(),
+                    _ => String::new(),
+                };
+                // Whatever this pass wrote last may have been applied: learn the transfer
+                // state from Consul again before acting on it.
+                self.transfer_loaded = false;
+                self.transfer_since = now;
+                let wait = self.backoff.next_delay().min(backoff_max);
+                tracing::warn!(error = %e, retry_in = ?wait, "RC pass failed");
+                metrics::counter!("rcfarm_rc_pass_errors_total").increment(1);
+                self.ctx
+                    .status
+                    .update_rc(self.id, &self.ctx.farm_id, |s| s.last_error = Some(e));
+                Next::Hold {
+                    after: wait,
+                    at: now + wait,
+                    change_lifts: false,
+                }
             }
         }
+    }
+
+    fn inbox(&mut self) -> &mut Inbox<RcState> {
+        &mut self.inbox
+    }
+}
+
+impl Worker {
+    async fn run(&mut self) {
+        tracing::info!("RC task started");
+        crate::task::drive(self).await;
         if self.held.0 {
             self.ctx
                 .failsafe
@@ -339,7 +383,7 @@ impl Worker {
     /// One convergence pass: plan and apply until there is nothing left to do. Returns whether
     /// the desires are unmet.
     pub(super) async fn pass(&mut self, rc: &Rc) -> Result<Pass, TaskError> {
-        let started = Instant::now();
+        let started = self.ctx.clock.now();
         // Pods another session may have written must be known before planning: a plan from a
         // view without them would schedule more pods than the RC wants.
         let ticket = self.ctx.pod_tickets.lock().get(&self.id).copied();
@@ -433,7 +477,7 @@ impl Worker {
         metrics::counter!("rcfarm_converge_passes_total").increment(1);
         metrics::histogram!("rcfarm_converge_pass_seconds").record(started.elapsed().as_secs_f64());
         self.ctx.status.update_rc(self.id, &self.ctx.farm_id, |s| {
-            s.last_pass = Some(Utc::now());
+            s.last_pass = Some(self.ctx.clock.wall());
             s.passes += 1;
             if result.is_ok() {
                 s.last_error = None;
@@ -510,7 +554,7 @@ impl Worker {
                 .borrow()
                 .node_transfer(self.id)
                 .map(|(s, _)| format!("session {s}")),
-            now: Utc::now(),
+            now: self.ctx.clock.wall(),
             transfer_timeout: self.ctx.config.transfer_timeout,
         })
     }
@@ -628,5 +672,82 @@ impl Worker {
         }
         takeover.sort();
         (takeover.into_iter().map(|(_, n)| n).collect(), occupied)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The RC task's error policy, one row per kind of pass result.
+    #[test]
+    fn the_error_policy_reads_as_its_rules() {
+        /// A pass's result, as the policy reads it.
+        type PassResult = Option<Result<Pass, TaskError>>;
+        let rejected = |status| {
+            Some(Err(TaskError::Consul(ConsulError::Rejected {
+                status,
+                body: "too large".into(),
+            })))
+        };
+        let rows: Vec<(&str, PassResult, Policy)> = vec![
+            (
+                "the RC key deleted: stop, leave its pods",
+                None,
+                Policy::Deleted,
+            ),
+            (
+                "settled: next at the resync",
+                Some(Ok(Pass::Settled)),
+                Policy::Resync,
+            ),
+            (
+                "unmet: paced, a change of the RC lifts the pacing",
+                Some(Ok(Pass::Unmet)),
+                Policy::PacedUnmet,
+            ),
+            (
+                "the cap on actions with more to do: soon, backing off (bug 23a)",
+                Some(Ok(Pass::Again)),
+                Policy::Again,
+            ),
+            (
+                "the RC changed meanwhile: plan again",
+                Some(Err(TaskError::Stale)),
+                Policy::Stale,
+            ),
+            (
+                "a write fenced: stop, tell the farm",
+                Some(Err(TaskError::Fenced)),
+                Policy::Fenced,
+            ),
+            (
+                "a write too large: report once",
+                rejected(413),
+                Policy::Rejected,
+            ),
+            (
+                "a malformed write: report once",
+                rejected(400),
+                Policy::Rejected,
+            ),
+            ("another refusal: back off", rejected(403), Policy::Backoff),
+            (
+                "Consul unreachable: back off",
+                Some(Err(TaskError::Consul(ConsulError::Unavailable {
+                    addr: "127.0.0.1:8500".into(),
+                    reason: "connection refused".into(),
+                }))),
+                Policy::Backoff,
+            ),
+            (
+                "anything else: back off",
+                Some(Err(TaskError::Other("x".into()))),
+                Policy::Backoff,
+            ),
+        ];
+        for (rule, result, want) in rows {
+            assert_eq!(policy(result.as_ref()), want, "{rule}");
+        }
     }
 }

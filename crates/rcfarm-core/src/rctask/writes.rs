@@ -10,7 +10,7 @@ use super::outcome::{Applied, TaskError};
 use super::plan::{Action, Observed};
 use super::worker::Worker;
 use crate::audit::{AuditRecord, events};
-use crate::consul::{TxnBudget, TxnFailure, TxnOp};
+use crate::consul::{FenceError, FencedTxn, TxnBudget, TxnOp};
 use crate::labels::{LabelSet, LabelStore, LabelType, pod_label_id};
 use crate::rc::{POD_ID_LABEL, RC_ID_LABEL, Rc, RcStore};
 use crate::scheduler::{NodeName, SchedulerError};
@@ -32,19 +32,17 @@ impl Worker {
         ops: Vec<TxnOp>,
         audits: Vec<AuditRecord>,
     ) -> Result<u64, TaskError> {
-        let mut guarded = Vec::with_capacity(ops.len() + 1);
-        guarded.push(TxnOp::check_index(rc.id.key(), rc.modify_index));
-        guarded.extend(ops);
-        match self.commit(guarded, audits).await {
-            Err(TaskError::Consul(e))
-                if e.txn_failures().any(|(i, f)| {
-                    i == 1 && matches!(f, TxnFailure::IndexStale | TxnFailure::KeyMissing)
-                }) =>
-            {
+        let txn = self
+            .fenced()
+            .guard(TxnOp::check_index(rc.id.key(), rc.modify_index))
+            .ops(ops)
+            .records(self.records(audits));
+        match self.commit_txn(txn).await {
+            Err(FenceError::Stale { .. }) => {
                 metrics::counter!("rcfarm_stale_plans_total").increment(1);
                 Err(TaskError::Stale)
             }
-            other => other,
+            other => other.map_err(TaskError::from),
         }
     }
 
@@ -54,53 +52,61 @@ impl Worker {
         ops: Vec<TxnOp>,
         audits: Vec<AuditRecord>,
     ) -> Result<u64, TaskError> {
-        if self.cancel.is_cancelled() {
+        let txn = self.fenced().ops(ops).records(self.records(audits));
+        Ok(self.commit_txn(txn).await?)
+    }
+
+    /// The records' ops, each stamped now.
+    fn records(&self, audits: Vec<AuditRecord>) -> impl Iterator<Item = TxnOp> {
+        let now = self.ctx.clock.wall();
+        audits.into_iter().map(move |a| a.at(now).txn_op())
+    }
+
+    /// A transaction fenced by this RC's ownership lock.
+    fn fenced(&self) -> FencedTxn {
+        FencedTxn::fenced(RcStore::ownership_fence(self.id, &self.session))
+    }
+
+    async fn commit_txn(&self, txn: FencedTxn) -> Result<u64, FenceError> {
+        if self.inbox.cancel.is_cancelled() {
             // Stopped (session lost or handed over): never write again.
-            return Err(TaskError::Fenced);
+            return Err(FenceError::Fenced {
+                key: self.id.ownership_lock_key(),
+            });
         }
-        // The pod label ops, kept for the cache, at their index in the transaction (op 0 is
-        // the ownership check).
+        // The pod label ops, kept for the cache, at their position among the writes.
         let pod_prefix = LabelType::Pod.prefix();
-        let (label_at, label_ops): (Vec<usize>, Vec<TxnOp>) = ops
+        let (label_at, label_ops): (Vec<usize>, Vec<TxnOp>) = txn
+            .write_ops()
             .iter()
             .enumerate()
             .filter(|(_, op)| op.key.starts_with(&pod_prefix))
-            .map(|(i, op)| (i + 1, op.clone()))
+            .map(|(i, op)| (i, op.clone()))
             .unzip();
-        let label_failed = |e: &crate::consul::ConsulError| {
-            e.txn_failures()
-                .any(|(i, f)| label_at.contains(&i) && f != TxnFailure::SessionMismatch)
-        };
-        let mut all = Vec::with_capacity(ops.len() + audits.len() + 1);
-        all.push(RcStore::ownership_check_op(self.id, &self.session));
-        all.extend(ops);
-        all.extend(audits.iter().map(AuditRecord::txn_op));
-        match self.ctx.consul.txn_coalesced(all).await {
+        match txn.commit_coalesced(&self.ctx.consul).await {
             Ok(index) => {
                 // The next plan counts what we wrote: the pod label tree is read on demand,
                 // not after each of our writes.
                 self.ctx.pods.apply_own(index, &label_ops);
                 Ok(index)
             }
-            Err(e)
-                if e.txn_failures().any(|(i, f)| {
-                    i == 0 && matches!(f, TxnFailure::SessionMismatch | TxnFailure::KeyMissing)
-                }) =>
-            {
-                metrics::counter!("rcfarm_fenced_writes_total").increment(1);
-                Err(TaskError::Fenced)
-            }
             Err(e) => {
+                if matches!(e, FenceError::Fenced { .. }) {
+                    metrics::counter!("rcfarm_fenced_writes_total").increment(1);
+                    return Err(e);
+                }
                 // Someone else changed one of our pods' labels, or our write may have been
                 // applied with its answer lost (and so not applied to the cache): the next
                 // plan waits for the tree as it is now.
-                if (label_failed(&e) || e.is_retryable())
+                let label_failed = matches!(&e, FenceError::Conflict { ops, .. }
+                    if ops.iter().any(|(i, _)| label_at.contains(i)));
+                if (label_failed || e.is_retryable())
                     && let Some(d) = self.ctx.pods.demand()
                 {
                     let ticket = d.urge();
                     self.ctx.pod_tickets.lock().insert(self.id, ticket);
                 }
-                Err(e.into())
+                Err(e)
             }
         }
     }
@@ -108,11 +114,12 @@ impl Worker {
     /// Commits a report whose id is derived from what it reports ([`AuditRecord::deterministic`]):
     /// if the record exists already, an earlier owner of this RC (before a handover) made it.
     pub(super) async fn commit_report(&self, audit: AuditRecord) -> Result<(), TaskError> {
-        match self.commit(vec![], vec![audit]).await {
-            Ok(_) => Ok(()),
-            // Op 0 is the fencing check, op 1 the create-only audit record.
-            Err(TaskError::Consul(e)) if AuditRecord::recorded_already(&e, 1) => Ok(()),
-            Err(e) => Err(e),
+        match self
+            .commit_txn(self.fenced().records(self.records(vec![audit])))
+            .await
+        {
+            Ok(_) | Err(FenceError::AlreadyRecorded) => Ok(()),
+            Err(e) => Err(e.into()),
         }
     }
 

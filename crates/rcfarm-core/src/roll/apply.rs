@@ -3,7 +3,6 @@
 
 use std::time::Duration;
 
-use chrono::Utc;
 use serde_json::{Value, json};
 
 use super::control::{CANARY_PAUSER, Progress, RollControl, control_key};
@@ -13,7 +12,7 @@ use super::record::{Roll, Update, roll_key, roll_lock_key};
 use super::store::{completion_details, creation_ops};
 use super::worker::{Observation, RollError, RollEvent, STARTED_LABEL, Worker, roll_holder};
 use crate::audit::{AuditRecord, events};
-use crate::consul::{ConsulError, TxnFailure, TxnOp};
+use crate::consul::{Fence, FenceError, FencedTxn, TxnOp};
 use crate::labels::{LabelSet, LabelStore, LabelType};
 use crate::rc::{Mutation, Rc, RcStore};
 
@@ -21,12 +20,15 @@ impl Worker {
     /// The checks every write of the roll begins with: this farm holds the roll's lock (op 0),
     /// the roll is the version planned against (op 1; an abort deletes it), and its control is
     /// as read (op 2: a pause written since fails the write).
-    pub(super) fn fence(&self, roll: &Roll, o: &Observation) -> Vec<TxnOp> {
-        vec![
-            TxnOp::check_session(roll_lock_key(self.id), &self.session),
-            TxnOp::check_index(roll_key(self.id), roll.modify_index),
-            o.control.guard(self.id),
-        ]
+    pub(super) fn fence(&self, roll: &Roll, o: &Observation) -> FencedTxn {
+        self.held()
+            .guard(TxnOp::check_index(roll_key(self.id), roll.modify_index))
+            .guard(o.control.guard(self.id))
+    }
+
+    /// A transaction fenced by the roll's lock alone: a report still proves we hold the roll.
+    pub(super) fn held(&self) -> FencedTxn {
+        FencedTxn::fenced(Fence::new(roll_lock_key(self.id), &self.session))
     }
 
     pub(super) async fn apply(
@@ -42,7 +44,8 @@ impl Worker {
         let (Some(old), Some(new)) = (o.old.clone(), o.new.clone()) else {
             return Err(RollError::Other("an RC of the roll is missing".into()));
         };
-        let mut ops = self.fence(roll, o);
+        let mut ops = Vec::new();
+        let mut guards = Vec::new();
         let checks = [
             TxnOp::check_session(u.old_rc.mutation_lock_key(), &self.session),
             TxnOp::check_session(u.new_rc.mutation_lock_key(), &self.session),
@@ -71,7 +74,7 @@ impl Worker {
         let progress = |ops: &mut Vec<TxnOp>| {
             let mut control = o.control.control.clone().unwrap_or_default();
             control.progress = Some(Progress {
-                at: Utc::now(),
+                at: self.ctx.clock.wall(),
                 new_up: o.new_counts.map_or(0, |c| c.healthy),
             });
             ops.push(TxnOp::set(control_key(self.id), control.to_bytes()));
@@ -105,10 +108,13 @@ impl Worker {
                         json!({"disabled_old": disable_old, "enabled_new": enable_new, "counts": counts, "desired_replicas": u.desired_replicas, "minimum_replicas": u.minimum_replicas}),
                     ),
                 );
-                ops.extend(checks);
+                guards.extend(checks);
                 let (labels, index) = &o.labels;
-                let started: LabelSet =
-                    [(STARTED_LABEL.to_string(), Utc::now().to_rfc3339())].into();
+                let started: LabelSet = [(
+                    STARTED_LABEL.to_string(),
+                    self.ctx.clock.wall().to_rfc3339(),
+                )]
+                .into();
                 ops.push(LabelStore::apply_op(
                     LabelType::Rolls,
                     &self.id.to_string(),
@@ -142,7 +148,7 @@ impl Worker {
                         "minimum_replicas": u.minimum_replicas,
                     })),
                 );
-                ops.extend(checks);
+                guards.extend(checks);
                 progress(&mut ops);
                 ops.push(rewrite(&old, &[Mutation::SetReplicas(*old_to)], &audit)?);
                 ops.push(rewrite(
@@ -162,7 +168,7 @@ impl Worker {
                         "reason": "the new RC is complete; the old RC removes the pods it did not hand over",
                     })),
                 );
-                ops.extend(checks);
+                guards.extend(checks);
                 ops.push(rewrite(
                     &old,
                     &[Mutation::SetReplicas(0), Mutation::Enable],
@@ -185,7 +191,7 @@ impl Worker {
                     LabelType::Rolls,
                     &self.id.to_string(),
                 ));
-                ops.extend(checks);
+                guards.extend(checks);
                 ops.push(TxnOp::delete(u.new_rc.mutation_lock_key()));
                 ops.push(TxnOp::delete(u.old_rc.mutation_lock_key()));
                 let mut audits = vec![AuditRecord::new(
@@ -220,7 +226,7 @@ impl Worker {
                 let mut control = o.control.control.clone().unwrap_or_default();
                 control.paused = true;
                 control.paused_by = Some(CANARY_PAUSER.to_string());
-                control.paused_at = Some(Utc::now());
+                control.paused_at = Some(self.ctx.clock.wall());
                 // Its promotion gives it another deadline.
                 control.progress = None;
                 ops.push(TxnOp::set(control_key(self.id), control.to_bytes()));
@@ -240,7 +246,8 @@ impl Worker {
             RollAction::DeleteOrphan => unreachable!("applied by delete_orphan"),
         };
         audits.extend(self.progress_record(roll));
-        let index = self.commit(ops, audits).await?;
+        let txn = self.fence(roll, o).guards(guards).ops(ops);
+        let index = self.commit(txn, audits).await?;
         match &action {
             RollAction::Step {
                 add,
@@ -257,11 +264,11 @@ impl Worker {
                 let since = self.last_step_at.unwrap_or(self.began);
                 metrics::histogram!("rcfarm_roll_step_duration_seconds")
                     .record(since.elapsed().as_secs_f64());
-                self.last_step_at = Some(tokio::time::Instant::now());
+                self.last_step_at = Some(self.ctx.clock.now());
                 self.ready_since = None;
                 self.ctx.status.update(self.id, &self.ctx.farm_id, |s| {
                     s.steps += 1;
-                    s.last_step = Some(Utc::now());
+                    s.last_step = Some(self.ctx.clock.wall());
                 });
             }
             RollAction::Start { .. } => tracing::info!(
@@ -318,7 +325,12 @@ impl Worker {
                 tracing::warn!(key = %k, error = %e, "a revision history cannot be read; it is replaced");
             }
         }
-        let rev = Revision::of(old, u, o.control.control.as_ref().ok(), Utc::now());
+        let rev = Revision::of(
+            old,
+            u,
+            o.control.control.as_ref().ok(),
+            self.ctx.clock.wall(),
+        );
         Ok(history::completion_ops(
             u.old_rc,
             u.new_rc,
@@ -441,14 +453,15 @@ impl Worker {
         details.insert("old_rc".into(), json!(u.old_rc));
         details.insert("new_rc".into(), json!(u.new_rc));
         details.insert("reason".into(), json!(reason));
-        let mut ops = self.fence(roll, o);
-        ops.extend(self.removal_ops(roll));
-        ops.push(TxnOp::delete(roll_lock_key(self.id)));
+        let txn = self
+            .fence(roll, o)
+            .ops(self.removal_ops(roll))
+            .op(TxnOp::delete(roll_lock_key(self.id)));
         let audits = vec![AuditRecord::new(
             events::ROLL_COMPLETION,
             Value::Object(details),
         )];
-        let index = self.commit(ops, audits).await?;
+        let index = self.commit(txn, audits).await?;
         tracing::warn!(%reason, "rolling update deleted");
         self.ctx.status.remove(self.id);
         let _ = self.events.send(RollEvent::Completed(self.id, index));
@@ -503,42 +516,32 @@ impl Worker {
             })
     }
 
-    /// Commits `ops` with `audits`; the ops begin with the roll's fence when they write.
+    /// Commits `txn` (from [`Worker::fence`] or [`Worker::held`]) with `audits`.
     pub(super) async fn commit(
         &self,
-        ops: Vec<TxnOp>,
+        txn: FencedTxn,
         audits: Vec<AuditRecord>,
     ) -> Result<u64, RollError> {
-        if self.cancel.is_cancelled() {
-            return Err(RollError::Fenced);
+        let now = self.ctx.clock.wall();
+        let txn = txn.records(audits.into_iter().map(|a| a.at(now).txn_op()));
+        Ok(self.commit_txn(txn).await?)
+    }
+
+    /// Commits `audit`, a report, under the roll's lock.
+    pub(super) async fn report(&self, audit: AuditRecord) -> Result<u64, RollError> {
+        self.commit(self.held(), vec![audit]).await
+    }
+
+    pub(super) async fn commit_txn(&self, txn: FencedTxn) -> Result<u64, FenceError> {
+        if self.inbox.cancel.is_cancelled() {
+            return Err(FenceError::Fenced {
+                key: roll_lock_key(self.id),
+            });
         }
-        let fenced = !ops.is_empty();
-        let mut all = Vec::with_capacity(ops.len() + audits.len() + 1);
-        if fenced {
-            all.extend(ops);
-        } else {
-            // A report alone still proves we hold the roll.
-            all.push(TxnOp::check_session(roll_lock_key(self.id), &self.session));
+        let r = txn.commit(&self.ctx.consul).await;
+        if let Err(FenceError::Fenced { .. }) = r {
+            metrics::counter!("rcfarm_fenced_writes_total").increment(1);
         }
-        all.extend(audits.iter().map(AuditRecord::txn_op));
-        match self.ctx.consul.txn(&all).await {
-            Ok(resp) => Ok(resp.commit_index()),
-            Err(ConsulError::Conflict(errs)) => {
-                if errs.iter().any(|x| {
-                    x.op_index == 0
-                        && matches!(
-                            x.failure(),
-                            TxnFailure::SessionMismatch | TxnFailure::KeyMissing
-                        )
-                }) {
-                    metrics::counter!("rcfarm_fenced_writes_total").increment(1);
-                    return Err(RollError::Fenced);
-                }
-                // Something moved since the plan (the roll, an RC, a mutation lock): look again.
-                let what: Vec<String> = errs.iter().map(|x| x.what.clone()).collect();
-                Err(RollError::Stale(what.join("; ")))
-            }
-            Err(e) => Err(e.into()),
-        }
+        r
     }
 }

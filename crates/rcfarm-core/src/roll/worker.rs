@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use serde_json::json;
-use tokio::sync::{Notify, mpsc, watch};
+use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
@@ -19,11 +19,13 @@ use super::plan::{LockState, RcCounts, RollAction, RollObserved, RollPlan, WaitK
 use super::record::{InvalidRoll, Roll, RollId};
 use super::status::RollStatusRegistry;
 use crate::audit::{AuditRecord, events};
-use crate::consul::{Consul, ConsulError, KvPair, TxnOp};
+use crate::clock::Clock;
+use crate::consul::{Consul, ConsulError, FenceError, KvPair, SessionId, TxnOp};
 use crate::health::HealthCache;
 use crate::labels::{LabelCache, LabelSet, LabelType, Selector, split_pod_label_id};
 use crate::rc::{LockView, RC_ID_LABEL, Rc, RcId, RcListing};
 use crate::rctask::IntentState;
+use crate::task::{Inbox, Next, PassFuture};
 use crate::util::{Backoff, format_go_duration};
 
 /// `reality/<node>/<pod-id>`: what the node agent runs (P2's preparer writes it).
@@ -92,6 +94,7 @@ pub struct RollContext {
     /// The farm's removal budget and tripwire: a step that takes pods down asks it first.
     pub failsafe: Arc<crate::failsafe::Failsafe>,
     pub config: RollConfig,
+    pub clock: Clock,
 }
 
 /// The roll as the farm last saw it.
@@ -115,6 +118,27 @@ pub enum RollEvent {
     Completed(RollId, u64),
 }
 
+impl From<FenceError> for RollError {
+    fn from(e: FenceError) -> RollError {
+        match e {
+            FenceError::Fenced { .. } => RollError::Fenced,
+            // Something moved since the plan (the roll, its control, an RC, a mutation lock):
+            // look again.
+            FenceError::Stale { what, .. } => RollError::Stale(what),
+            FenceError::Conflict { source, .. } => RollError::Stale(match source {
+                ConsulError::Conflict(errs) => errs
+                    .iter()
+                    .map(|x| x.what.as_str())
+                    .collect::<Vec<_>>()
+                    .join("; "),
+                other => other.to_string(),
+            }),
+            FenceError::AlreadyRecorded => RollError::Other("the record exists already".into()),
+            FenceError::Consul(e) => RollError::Consul(e),
+        }
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub(super) enum RollError {
     #[error("fenced: this farm no longer holds the roll's lock")]
@@ -133,7 +157,7 @@ pub type RollHandle = crate::task::TaskHandle<RollState>;
 /// Starts the task of a roll the farm now holds with `session`.
 pub fn spawn(
     ctx: Arc<RollContext>,
-    session: String,
+    session: SessionId,
     parent: &CancellationToken,
     id: RollId,
     initial: RollState,
@@ -141,38 +165,35 @@ pub fn spawn(
 ) -> RollHandle {
     let span = tracing::info_span!("roll", roll_id = %id, farm_id = %ctx.farm_id);
     crate::task::spawn(id, initial, parent, move |inbox| {
-        Worker {
+        let now = ctx.clock.now();
+        let mut worker = Worker {
             ctx,
             session,
             id,
-            state: inbox.state,
-            wake: inbox.wake,
-            cancel: inbox.cancel,
+            inbox,
             events,
             invalid_reported: None,
             ready_since: None,
-            began: Instant::now(),
+            began: now,
             last_step_at: None,
             stuck_since: None,
             alerted: None,
             lowest_healthy: None,
-            last_progress: Instant::now(),
+            last_progress: now,
             best_new_up: None,
             held: false,
             backoff: Backoff::new(Duration::from_millis(200), Duration::from_secs(30)),
-        }
-        .run()
-        .instrument(span)
+        };
+        async move { worker.run().await }.instrument(span)
     })
 }
 
 pub(super) struct Worker {
     pub(super) ctx: Arc<RollContext>,
-    pub(super) session: String,
+    pub(super) session: SessionId,
     pub(super) id: RollId,
-    pub(super) state: watch::Receiver<RollState>,
-    pub(super) wake: Arc<Notify>,
-    pub(super) cancel: CancellationToken,
+    /// The object's state as the farm last saw it, wake-ups, and the stop signal.
+    pub(super) inbox: Inbox<RollState>,
     pub(super) events: mpsc::UnboundedSender<RollEvent>,
     pub(super) invalid_reported: Option<u64>,
     /// Since when a step has been safe without interruption (the roll delay counts from here).
@@ -226,71 +247,112 @@ enum Deadline {
 }
 
 /// How a pass ended.
-enum Outcome {
+pub(super) enum Outcome {
     /// Waiting; look again after this long at the latest.
     Wait(Duration),
     /// The roll is complete and its record deleted.
     Done,
 }
 
-impl Worker {
-    async fn run(mut self) {
-        tracing::info!("roll task started");
-        loop {
-            if self.cancel.is_cancelled() {
-                break;
+/// What a roll pass's result asks of the loop: the roll task's error policy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Policy {
+    /// Stop: the roll record is deleted.
+    Deleted,
+    /// Stop: the roll completed.
+    Done,
+    /// Stop: a write failed its fence; another farm may hold the roll.
+    Fenced,
+    /// Waiting: look again at the time the pass named, at once on a change.
+    Wait(Duration),
+    /// Something moved since the plan: plan again shortly.
+    Stale,
+    /// Anything else: back off.
+    Backoff,
+}
+
+/// The error policy, pure: one row per kind of result in its tests.
+fn policy(result: Option<&Result<Outcome, RollError>>) -> Policy {
+    match result {
+        None => Policy::Deleted,
+        Some(Ok(Outcome::Done)) => Policy::Done,
+        Some(Ok(Outcome::Wait(d))) => Policy::Wait(*d),
+        Some(Err(RollError::Fenced)) => Policy::Fenced,
+        Some(Err(RollError::Stale(_))) => Policy::Stale,
+        Some(Err(_)) => Policy::Backoff,
+    }
+}
+
+impl crate::task::Reconciler for Worker {
+    type State = RollState;
+    type Outcome = Option<Result<Outcome, RollError>>;
+
+    fn reconcile(&mut self, state: RollState) -> PassFuture<'_, Self::Outcome> {
+        Box::pin(async move {
+            match &state {
+                RollState::Deleted => None,
+                RollState::Invalid(inv) => Some(
+                    self.report_invalid(inv)
+                        .await
+                        .map(|_| Outcome::Wait(self.ctx.config.resync * 12)),
+                ),
+                RollState::Valid { roll, conflict } => {
+                    Some(self.pass(roll, conflict.clone()).await)
+                }
             }
-            let state = self.state.borrow_and_update().clone();
-            let cancel = self.cancel.clone();
-            let outcome = tokio::select! {
-                _ = cancel.cancelled() => break,
-                o = async {
-                    match &state {
-                        RollState::Deleted => None,
-                        RollState::Invalid(inv) => Some(self.report_invalid(inv).await.map(|_| Outcome::Wait(self.ctx.config.resync * 12))),
-                        RollState::Valid { roll, conflict } => Some(self.pass(roll, conflict.clone()).await),
-                    }
-                } => o,
-            };
-            let delay = match outcome {
-                None => {
-                    tracing::info!("roll record deleted: stopping");
-                    break;
-                }
-                Some(Ok(Outcome::Done)) => break,
-                Some(Ok(Outcome::Wait(d))) => {
-                    self.backoff.reset();
-                    d
-                }
-                Some(Err(RollError::Fenced)) => {
-                    tracing::warn!("lost the roll's lock; stopping without further writes");
-                    let _ = self.events.send(RollEvent::Fenced(self.id));
-                    break;
-                }
-                Some(Err(RollError::Stale(why))) => {
+        })
+    }
+
+    async fn next(&mut self, outcome: Self::Outcome) -> Next {
+        match policy(outcome.as_ref()) {
+            Policy::Deleted => {
+                tracing::info!("roll record deleted: stopping");
+                Next::Stop
+            }
+            Policy::Done => Next::Stop,
+            Policy::Fenced => {
+                tracing::warn!("lost the roll's lock; stopping without further writes");
+                let _ = self.events.send(RollEvent::Fenced(self.id));
+                Next::Stop
+            }
+            Policy::Wait(d) => {
+                self.backoff.reset();
+                Next::Requeue(d)
+            }
+            Policy::Stale => {
+                if let Some(Err(RollError::Stale(why))) = &outcome {
                     tracing::debug!(%why, "planning again");
-                    Duration::from_millis(100)
                 }
-                Some(Err(e)) => {
-                    let wait = self
-                        .backoff
-                        .next_delay()
-                        .min(self.ctx.config.error_backoff_max);
-                    tracing::warn!(error = %e, retry_in = ?wait, "roll pass failed");
-                    metrics::counter!("rcfarm_roll_pass_errors_total").increment(1);
-                    self.ctx.status.update(self.id, &self.ctx.farm_id, |s| {
-                        s.last_error = Some(e.to_string())
-                    });
-                    wait
-                }
-            };
-            tokio::select! {
-                _ = self.cancel.cancelled() => break,
-                _ = self.state.changed() => {}
-                _ = self.wake.notified() => {}
-                _ = tokio::time::sleep(delay) => {}
+                Next::Requeue(Duration::from_millis(100))
+            }
+            Policy::Backoff => {
+                let e = match outcome {
+                    Some(Err(e)) => e.to_string(),
+                    _ => String::new(),
+                };
+                let wait = self
+                    .backoff
+                    .next_delay()
+                    .min(self.ctx.config.error_backoff_max);
+                tracing::warn!(error = %e, retry_in = ?wait, "roll pass failed");
+                metrics::counter!("rcfarm_roll_pass_errors_total").increment(1);
+                self.ctx
+                    .status
+                    .update(self.id, &self.ctx.farm_id, |s| s.last_error = Some(e));
+                Next::Requeue(wait)
             }
         }
+    }
+
+    fn inbox(&mut self) -> &mut Inbox<RollState> {
+        &mut self.inbox
+    }
+}
+
+impl Worker {
+    async fn run(&mut self) {
+        tracing::info!("roll task started");
+        crate::task::drive(self).await;
         if self.held {
             self.ctx
                 .failsafe
@@ -321,10 +383,10 @@ impl Worker {
                 "farm_id": self.ctx.farm_id,
             }),
         );
-        match self.commit(vec![], vec![audit]).await {
-            Ok(_) => {}
-            Err(RollError::Consul(e)) if AuditRecord::recorded_already(&e, 1) => {}
-            Err(e) => return Err(e),
+        let audit = audit.at(self.ctx.clock.wall());
+        match self.commit_txn(self.held().records([audit.txn_op()])).await {
+            Ok(_) | Err(FenceError::AlreadyRecorded) => {}
+            Err(e) => return Err(e.into()),
         }
         self.invalid_reported = Some(inv.modify_index);
         Ok(())
@@ -354,7 +416,7 @@ impl Worker {
                     Some((WaitKind::Delay, _)) => {
                         let waited = self
                             .ready_since
-                            .map(|t| (Utc::now() - t).to_std().unwrap_or_default())
+                            .map(|t| (self.ctx.clock.wall() - t).to_std().unwrap_or_default())
                             .unwrap_or_default();
                         roll.update
                             .roll_delay
@@ -552,7 +614,7 @@ impl Worker {
             Some((s, v)) if *s == self.session && *v == holder => LockState::Ours,
             Some((s, v)) => LockState::Elsewhere(format!("session {s} ({v})")),
         };
-        let now = Utc::now();
+        let now = self.ctx.clock.wall();
         let observed = RollObserved {
             update: u,
             old: old_counts.ok_or_else(|| old.clone().err().unwrap_or_default()),
@@ -650,18 +712,21 @@ impl Worker {
             // owner recorded, unless more new pods are up than then.
             None => {
                 self.best_new_up = Some(up);
-                self.last_progress = Instant::now();
+                self.last_progress = self.ctx.clock.now();
                 let recorded = o.control.control.as_ref().ok().and_then(|c| c.progress);
                 if let Some(p) = recorded.filter(|p| up <= p.new_up) {
-                    let since = (Utc::now() - p.at).to_std().unwrap_or_default();
-                    self.last_progress = Instant::now()
+                    let since = (self.ctx.clock.wall() - p.at).to_std().unwrap_or_default();
+                    self.last_progress = self
+                        .ctx
+                        .clock
+                        .now()
                         .checked_sub(since.min(o.deadline))
                         .unwrap_or(self.last_progress);
                 }
             }
             Some(b) if up > b => {
                 self.best_new_up = Some(up);
-                self.last_progress = Instant::now();
+                self.last_progress = self.ctx.clock.now();
             }
             Some(_) => {}
         }
@@ -674,7 +739,7 @@ impl Worker {
             kind,
             WaitKind::Paused | WaitKind::Delay | WaitKind::Failed | WaitKind::RemovalsHeld
         ) {
-            self.last_progress = Instant::now();
+            self.last_progress = self.ctx.clock.now();
             return Ok(Deadline::Running);
         }
         if self.last_progress.elapsed() < o.deadline {
@@ -690,10 +755,10 @@ impl Worker {
         let mut control = o.control.control.clone().unwrap_or_default();
         control.failed = Some(RollFailure {
             reason: reason.clone(),
-            at: Utc::now(),
+            at: self.ctx.clock.wall(),
         });
         let reverts = control.reverts(self.ctx.config.auto_revert) && o.old.is_some();
-        let mut ops = self.fence(roll, o);
+        let mut txn = self.fence(roll, o);
         let mut audits = vec![AuditRecord::new(
             events::ROLL_FAILED,
             json!({
@@ -708,14 +773,14 @@ impl Worker {
             }),
         )];
         if !reverts {
-            ops.push(TxnOp::set(control_key(self.id), control.to_bytes()));
-            self.commit(ops, audits).await?;
+            txn.push_op(TxnOp::set(control_key(self.id), control.to_bytes()));
+            self.commit(txn, audits).await?;
             return Ok(Deadline::Failed);
         }
         let (revert_ops, revert_audits) = self.revert_ops(roll, o, &control, &reason)?;
-        ops.extend(revert_ops);
+        txn.extend_ops(revert_ops);
         audits.extend(revert_audits);
-        let index = self.commit(ops, audits).await?;
+        let index = self.commit(txn, audits).await?;
         tracing::warn!(revert = %roll.update.old_rc, "rolling update reverted: rolling back to the old RC");
         metrics::counter!("rcfarm_roll_reverts_total").increment(1);
         self.ctx.status.remove(self.id);
@@ -765,7 +830,7 @@ impl Worker {
             self.stuck_since = None;
             return Ok(());
         }
-        let since = *self.stuck_since.get_or_insert_with(Instant::now);
+        let since = *self.stuck_since.get_or_insert_with(|| self.ctx.clock.now());
         let stalled = kind.is_stuck() || since.elapsed() >= self.ctx.config.stall_after;
         if !stalled || self.alerted.is_some() {
             if let Some(reason) = &self.alerted
@@ -790,7 +855,7 @@ impl Worker {
                 "farm_id": self.ctx.farm_id,
             }),
         );
-        self.commit(vec![], vec![audit]).await?;
+        self.report(audit).await?;
         self.alerted = Some(why.clone());
         self.ctx.status.update(self.id, &self.ctx.farm_id, |s| {
             s.set_condition("Stalled", Some(why.clone()))
@@ -823,7 +888,7 @@ impl Worker {
                             "reason": why,
                         }),
                     );
-                    self.commit(vec![], vec![audit]).await?;
+                    self.report(audit).await?;
                 }
                 self.ctx.failsafe.set_held(&who, true);
                 self.held = true;
@@ -852,7 +917,7 @@ impl Worker {
     fn progressed(&mut self, pods_moved: bool) {
         self.stuck_since = None;
         if pods_moved {
-            self.last_progress = Instant::now();
+            self.last_progress = self.ctx.clock.now();
         }
         if self.alerted.take().is_some() {
             tracing::info!("rolling update progresses again");
@@ -866,6 +931,41 @@ impl Worker {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The roll task's error policy, one row per kind of pass result.
+    #[test]
+    fn the_error_policy_reads_as_its_rules() {
+        /// A pass's result, as the policy reads it.
+        type PassResult = Option<Result<Outcome, RollError>>;
+        let wait = Duration::from_secs(5);
+        let rows: Vec<(&str, PassResult, Policy)> = vec![
+            ("the roll record deleted: stop", None, Policy::Deleted),
+            ("completed: stop", Some(Ok(Outcome::Done)), Policy::Done),
+            (
+                "waiting: look again when the pass said, or on a change",
+                Some(Ok(Outcome::Wait(wait))),
+                Policy::Wait(wait),
+            ),
+            (
+                "a write fenced: stop, tell the farm",
+                Some(Err(RollError::Fenced)),
+                Policy::Fenced,
+            ),
+            (
+                "something moved since the plan: plan again",
+                Some(Err(RollError::Stale("roll".into()))),
+                Policy::Stale,
+            ),
+            (
+                "anything else: back off",
+                Some(Err(RollError::Other("x".into()))),
+                Policy::Backoff,
+            ),
+        ];
+        for (rule, result, want) in rows {
+            assert_eq!(policy(result.as_ref()), want, "{rule}");
+        }
+    }
 
     #[test]
     fn keys_and_holder() {

@@ -12,6 +12,7 @@
 //!   is no longer scheduled there (checked against Consul, not a cache). A slot whose pod never
 //!   appeared is reclaimed once it is older than `reservation_ttl` (its allocator died).
 
+use crate::clock::Clock;
 use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
@@ -67,6 +68,8 @@ pub struct PoolScheduler {
     reservations: TreeCache<NodeReservations>,
     config: PoolConfig,
     memo: super::label::SelectorMemo,
+    /// Stamps reservations, and ages them (other farms read the stamps: wall time).
+    clock: Clock,
 }
 
 impl PoolScheduler {
@@ -90,7 +93,13 @@ impl PoolScheduler {
             reservations,
             config,
             memo: Default::default(),
+            clock: Clock::system(),
         }
+    }
+
+    pub fn with_clock(mut self, clock: Clock) -> Self {
+        self.clock = clock;
+        self
     }
 
     pub async fn synced(&self) {
@@ -171,7 +180,7 @@ impl PoolScheduler {
     fn is_young(&self, s: &Slot) -> bool {
         let ttl = chrono::Duration::from_std(self.config.reservation_ttl)
             .unwrap_or(chrono::Duration::MAX);
-        Utc::now() - s.allocated_at < ttl
+        self.clock.wall() - s.allocated_at < ttl
     }
 
     /// Slots that still count: young enough that their pod may yet come, or in use.
@@ -213,7 +222,7 @@ impl PoolScheduler {
             live.push(Slot {
                 pod_id: pod_id.to_string(),
                 node_selector: selector.to_string(),
-                allocated_at: Utc::now(),
+                allocated_at: self.clock.wall(),
             });
             if let Some(idx) = self
                 .write(node, &NodeReservations { slots: live }, index)

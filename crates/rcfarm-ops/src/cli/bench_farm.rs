@@ -164,7 +164,7 @@ async fn farm_sessions(consul: &Consul, farms: &mut [FarmProc]) -> Result<(), Cl
             .and_then(|i| i.parse::<usize>().ok())
             && let Some(p) = farms.get_mut(i)
         {
-            p.session = Some(f.session);
+            p.session = Some(f.session.into());
         }
     }
     Ok(())

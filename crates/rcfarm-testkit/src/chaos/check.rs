@@ -138,7 +138,7 @@ pub async fn not_converged(consul: &Consul, running: &BTreeSet<u32>) -> Vec<Stri
     let live: BTreeSet<String> = crate::farm::registry::live_farms(&farms)
         .into_iter()
         .filter(|f| running.contains(&f.pid))
-        .map(|f| f.session)
+        .map(|f| f.session.into())
         .collect();
     let holders = parse_locks(&locks).0;
     let intents: BTreeSet<String> = intents.into_iter().collect();
