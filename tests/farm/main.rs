@@ -12,6 +12,7 @@ mod compat;
 mod converge;
 mod failover;
 mod failsafe;
+mod fence;
 mod harness;
 mod history;
 mod p2_behaviour;
