@@ -150,6 +150,19 @@ pub(crate) fn claims<T>(
     out
 }
 
+/// What to start a task for (after claims): every existing object we hold or just claimed,
+/// that has no task yet and is not finished (a completed roll whose record the view still
+/// shows).
+pub(crate) fn starts<T>(s: &Situation<'_>, tasks: &BTreeMap<RcId, T>) -> Vec<RcId> {
+    s.all
+        .iter()
+        .filter(|id| s.held_by_us(id) || (s.claimed)(id))
+        .filter(|id| !(s.finished)(id))
+        .filter(|id| !tasks.contains_key(id))
+        .copied()
+        .collect()
+}
+
 /// What to hand over, given the tasks running (after claims): what we may not serve, and as
 /// many objects assigned to other farms as we hold over our share. Only objects held per the
 /// view (never one just claimed), so no farm claims something only to hand it back.
@@ -402,6 +415,32 @@ mod tests {
                 .map(|(id, why)| (names(&[id])[0], why))
                 .collect();
             assert_eq!(got, want, "{rule}");
+        }
+    }
+
+    #[test]
+    fn what_gets_a_task() {
+        #[rustfmt::skip]
+        let rows: Vec<(&str, Row, Vec<u8>)> = vec![
+            ("held by us, no task: started",
+             Row { exist: vec![1], assigned: vec![(1, "f")], held: vec![(1, "S")], ..Row::default() }, vec![1]),
+            ("just claimed, the view not showing it yet: started",
+             Row { exist: vec![1], assigned: vec![(1, "f")], claimed: vec![1], ..Row::default() }, vec![1]),
+            ("held by us with a task already: not again",
+             Row { exist: vec![1], assigned: vec![(1, "f")], held: vec![(1, "S")], tasks: vec![(1, false)], ..Row::default() }, vec![]),
+            ("held by another session: not ours to serve",
+             Row { exist: vec![1], assigned: vec![(1, "f")], held: vec![(1, "T")], ..Row::default() }, vec![]),
+            ("given back (the view still shows our lock): not started again",
+             Row { exist: vec![1], assigned: vec![(1, "g")], held: vec![(1, "S")], released: vec![1], ..Row::default() }, vec![]),
+            ("finished (a completed roll the listing still shows): not started again",
+             Row { exist: vec![1], assigned: vec![(1, "f")], held: vec![(1, "S")], finished: vec![1], ..Row::default() }, vec![]),
+            ("unheld and unclaimed: claims decide, not this",
+             Row { exist: vec![1], assigned: vec![(1, "f")], ..Row::default() }, vec![]),
+        ];
+        for (rule, row, want) in rows {
+            let b = row.build();
+            let got = with(&b, Instant::now(), |s| starts(s, &b.tasks));
+            assert_eq!(names(&got), want, "{rule}");
         }
     }
 

@@ -300,18 +300,11 @@ impl<K: Kind> Owned<K> {
 
         // Start tasks for what we hold and have no task for (claimed now, or held after a
         // restart of the loop).
-        for id in view
-            .all
-            .iter()
-            .filter(|id| s.held_by_us(id) || (s.claimed)(id))
-            .filter(|id| !(s.finished)(id))
-        {
-            if !self.tasks.contains_key(id) {
-                self.tasks.insert(*id, spawn(*id));
-                // The task starts from the version it was spawned with.
-                if let Some((_, version)) = state(*id) {
-                    self.sent.insert(*id, version);
-                }
+        for id in decide::starts(s, &self.tasks) {
+            self.tasks.insert(id, spawn(id));
+            // The task starts from the version it was spawned with.
+            if let Some((_, version)) = state(id) {
+                self.sent.insert(id, version);
             }
         }
 
