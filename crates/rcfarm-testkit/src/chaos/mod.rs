@@ -571,11 +571,14 @@ pub async fn run(cfg: ChaosConfig) -> Result<ChaosReport, String> {
     };
     // Generous: the promise is that nothing is lost or stored twice, not how fast; a slow
     // drain is reported as a figure (one loaded run once needed about a minute).
-    while outbox().await > 0 && drained.elapsed() < DRAIN_LIMIT {
+    // The farms run on and may write a record just after the outbox was seen empty (a claim
+    // of the last killed farm's RCs): drained is when it was seen empty, not a second read.
+    let mut left = outbox().await;
+    while left > 0 && drained.elapsed() < DRAIN_LIMIT {
         tokio::time::sleep(Duration::from_millis(200)).await;
+        left = outbox().await;
     }
     let drained_after = drained.elapsed();
-    let left = outbox().await;
     let drain_problem = if left > 0 {
         Some(shipper_diagnosis(&cl.consul, left).await)
     } else {
