@@ -557,6 +557,37 @@ impl Cluster {
         .await;
     }
 
+    /// How many passes the farm holding `roll` has made over it (its `/v1/rolls/<id>`).
+    pub async fn roll_pass_count(&self, roll: RcId) -> Option<u64> {
+        rcfarm::consul::init_tls();
+        let (lock, _) = self
+            .consul
+            .kv_get(&rcfarm::roll::roll_lock_key(roll), &QueryOptions::default())
+            .await
+            .ok()?;
+        let farm = self.farm_sessions().await.get(&lock?.session?)?.clone();
+        let base = self.farm_http(&farm).await;
+        let v: Value = reqwest::get(format!("{base}/v1/rolls/{roll}"))
+            .await
+            .ok()?
+            .json()
+            .await
+            .ok()?;
+        v["local_status"]["passes"].as_u64()
+    }
+
+    /// Waits until the farm holding `roll` has made `n` more passes over it: as
+    /// [`Cluster::passes`], for a rolling update (a pass at least every `--roll-resync`).
+    pub async fn roll_passes(&self, roll: RcId, n: u64) {
+        let start = self.roll_pass_count(roll).await.unwrap_or(0);
+        self.wait_for(
+            Duration::from_secs(30),
+            &format!("{n} more passes over the roll {roll}"),
+            move || async move { self.roll_pass_count(roll).await.unwrap_or(0) >= start + n },
+        )
+        .await;
+    }
+
     /// Every RC of `ids` owned and placed on `replicas` nodes, and owned by exactly `farms`
     /// distinct farms: farms that start together hand RCs over until each has its share, so a
     /// test that picks a farm's RCs waits for this first.

@@ -386,7 +386,7 @@ async fn a_roll_that_cannot_progress_says_why_once_and_resumes_when_fixed(backen
     )
     .await;
     // It took the one step the minimum allows, then waits, saying so once.
-    tokio::time::sleep(Duration::from_secs(4)).await;
+    c.roll_passes(roll, 5).await;
     let stalls = c.audit_events("ROLLING_UPDATE_STALLED").await;
     assert_eq!(stalls.len(), 1, "{stalls:#?}");
     assert!(
@@ -753,7 +753,7 @@ async fn a_paused_roll_takes_no_step_keeps_its_lock_and_resumes_from_the_counts(
     let at_pause = (desired(old).await, desired(roll).await);
     let holder = roll_holder(&c, roll).await;
     assert!(holder.is_some());
-    tokio::time::sleep(Duration::from_secs(6)).await;
+    c.roll_passes(roll, 5).await;
     assert_eq!((desired(old).await, desired(roll).await), at_pause);
     assert!(roll_exists(&c, roll).await);
     assert_eq!(roll_holder(&c, roll).await, holder, "the lock is kept");
@@ -928,7 +928,7 @@ async fn a_roll_whose_new_pods_never_pass_fails_at_its_deadline_and_stops(backen
     // Failed is terminal and kept visible: no further step, the roll and its lock stay.
     let desired = |id: RcId| desired_of(cr, id);
     let at_failure = (desired(old).await, desired(roll).await);
-    tokio::time::sleep(Duration::from_secs(4)).await;
+    c.roll_passes(roll, 5).await;
     assert_eq!((desired(old).await, desired(roll).await), at_failure);
     assert!(roll_exists(&c, roll).await);
     assert!(roll_holder(&c, roll).await.is_some());
@@ -1015,7 +1015,7 @@ async fn a_canary_roll_replaces_k_pods_pauses_and_goes_on_when_promoted(backend:
         "both canary pods run the new manifest and pass"
     );
     // Paused for its canary: no further step, shown as such, audited with the farm as actor.
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    c.roll_passes(roll, 5).await;
     assert_eq!(desired_of(&c, roll).await, Some(2));
     assert_eq!(desired_of(&c, old).await, Some(3));
     let (code, out, _) = c.rcctl(&["--json", "roll", "show", &rid]).await;

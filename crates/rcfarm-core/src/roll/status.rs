@@ -34,6 +34,9 @@ pub struct RollStatus {
     /// The fewest healthy pods (old + new) this farm saw while it carried the roll out.
     pub lowest_healthy: Option<u64>,
     pub last_error: Option<String>,
+    /// Passes this farm has made over the roll: each a look at it (a planned step, or a
+    /// reason to wait), on every change and at least every `--roll-resync`.
+    pub passes: u64,
 }
 
 impl RollStatus {
@@ -55,6 +58,7 @@ impl RollStatus {
             last_step: None,
             lowest_healthy: None,
             last_error: None,
+            passes: 0,
         }
     }
 
@@ -84,6 +88,14 @@ impl RollStatusRegistry {
 
     pub fn remove(&self, id: RollId) {
         self.rolls.write().remove(&id);
+    }
+
+    /// Counts a pass over a roll this farm still reports (a completed or reverted roll's
+    /// status is gone, and stays gone).
+    pub fn count_pass(&self, id: RollId) {
+        if let Some(s) = self.rolls.write().get_mut(&id) {
+            s.passes += 1;
+        }
     }
 
     pub fn clear(&self) {

@@ -297,7 +297,9 @@ impl crate::task::Reconciler for Worker {
                         .map(|_| Outcome::Wait(self.ctx.config.resync * 12)),
                 ),
                 RollState::Valid { roll, conflict } => {
-                    Some(self.pass(roll, conflict.clone()).await)
+                    let result = self.pass(roll, conflict.clone()).await;
+                    self.ctx.status.count_pass(self.id);
+                    Some(result)
                 }
             }
         })
