@@ -23,6 +23,7 @@ mod txn;
 mod types;
 mod verbs;
 mod watch;
+mod watched;
 
 pub use answers::watch_answer_ages;
 pub use client::{
@@ -33,8 +34,7 @@ pub use error::{ConsulError, Result};
 pub use fenced::{BatchError, Fence, FenceError, FencedBatch, FencedTxn};
 pub use session::{Session, SessionConfig};
 pub use tls::{TlsConfig, tls_advice};
-pub use tree_cache::CacheSignals;
-pub use tree_cache::{ParseFn, TreeCache};
+pub use tree_cache::{ParseFn, TreeCache, TreeState};
 pub use txn::{
     KvVerb, MAX_TXN_BYTES, MAX_TXN_OPS, TxnBudget, TxnFailure, TxnOp, TxnOpError, TxnResponse,
     encoded_len, split_to_fit,
@@ -47,3 +47,4 @@ pub use watch::{
     Demand, DerivedWatch, FastGuard, REFERENCE_READERS, SinkWatch, Snapshot, SnapshotRx, Watch,
     WatchConfig, WatchStats, entries_digest, readers_scale, spawn_sink_watch, spawn_watch,
 };
+pub use watched::{CacheSignals, Fold, Watched};

@@ -10,13 +10,12 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::ops::Bound;
 use std::sync::Arc;
 
-use parking_lot::RwLock;
 use tokio::sync::{broadcast, watch};
 
 use super::compact::CompactLabels;
 use super::selector::{LabelLookup, Requirement, Selector};
 use super::store::{LabelSet, LabelType, parse_entry};
-use crate::consul::{CacheSignals, Consul, Demand, KvPair, KvVerb, SinkWatch, TxnOp, WatchConfig};
+use crate::consul::{Consul, Demand, Fold, KvPair, KvVerb, TxnOp, WatchConfig, Watched};
 
 /// One id whose labels changed.
 #[derive(Debug, Clone)]
@@ -413,18 +412,31 @@ impl State {
     }
 }
 
-/// A watched label tree.
+/// What a [`LabelCache`] folds each answer into: its tree's labels and their index.
+struct LabelTree {
+    label_type: LabelType,
+    state: State,
+}
+
+impl Fold for LabelTree {
+    type Changes = LabelChanges;
+
+    fn fold(&mut self, index: u64, entries: &[KvPair]) -> Option<LabelChanges> {
+        let c = self.state.apply(self.label_type, index, entries);
+        (!c.changes.is_empty()).then_some(c)
+    }
+
+    fn index(&self) -> u64 {
+        self.state.index
+    }
+}
+
+/// A watched label tree: a [`Fold`] over the one watched cache ([`Watched`]).
 pub struct LabelCache {
     label_type: LabelType,
-    state: Arc<RwLock<State>>,
-    version: watch::Receiver<u64>,
-    /// The index of the last answer applied.
-    applied: watch::Receiver<u64>,
-    changes: broadcast::Sender<Arc<LabelChanges>>,
-    signals: Arc<CacheSignals>,
+    watched: Watched<LabelTree>,
     /// How the tree is read, if on demand.
     demand: Option<Arc<Demand>>,
-    watch: SinkWatch,
 }
 
 impl LabelCache {
@@ -440,33 +452,18 @@ impl LabelCache {
         config: WatchConfig,
         keep: Option<Keep>,
     ) -> LabelCache {
-        let state: Arc<RwLock<State>> = Arc::new(RwLock::new(State {
-            keep,
-            ..Default::default()
-        }));
-        let (signals, version, applied) = CacheSignals::new();
-        let signals = Arc::new(signals);
-        let (changes, _) = broadcast::channel(1024);
-        let (st, ctx, sig) = (state.clone(), changes.clone(), signals.clone());
+        let tree = LabelTree {
+            label_type,
+            state: State {
+                keep,
+                ..Default::default()
+            },
+        };
         let demand = config.demand.clone();
-        let watch = consul.sink_prefix(label_type.prefix(), config, move |index, entries| {
-            let c = st.write().apply(label_type, index, &entries);
-            drop(entries);
-            let changed = !c.changes.is_empty();
-            if changed {
-                let _ = ctx.send(Arc::new(c));
-            }
-            sig.applied(index, changed);
-        });
         LabelCache {
             label_type,
-            state,
-            version,
-            applied,
-            changes,
-            signals,
+            watched: Watched::spawn(consul, label_type.prefix(), config, tree),
             demand,
-            watch,
         }
     }
 
@@ -499,10 +496,9 @@ impl LabelCache {
         if writes.is_empty() || index == 0 {
             return;
         }
-        let c = self.state.write().apply_own(index, writes);
+        let c = self.watched.write().state.apply_own(index, writes);
         if !c.changes.is_empty() {
-            let _ = self.changes.send(Arc::new(c));
-            self.signals.changed();
+            self.watched.changed(c);
         }
     }
 
@@ -517,25 +513,27 @@ impl LabelCache {
 
     /// Ids whose labels match, sorted.
     pub fn matches(&self, selector: &Selector) -> Vec<String> {
-        self.state.read().matches(selector)
+        self.watched.read().state.matches(selector)
     }
 
     pub fn get(&self, id: &str) -> Option<Arc<LabelSet>> {
-        self.state
+        self.watched
             .read()
+            .state
             .entries
             .get(id)
             .map(|c| Arc::new(c.labels.to_set()))
     }
 
     pub fn contains(&self, id: &str) -> bool {
-        self.state.read().entries.contains_key(id)
+        self.watched.read().state.entries.contains_key(id)
     }
 
     /// Whether `id` is held and its labels match `selector`.
     pub fn id_matches(&self, id: &str, selector: &Selector) -> bool {
-        self.state
+        self.watched
             .read()
+            .state
             .entries
             .get(id)
             .is_some_and(|c| selector.matches(&*c.labels))
@@ -543,20 +541,21 @@ impl LabelCache {
 
     /// Labels and the key's `ModifyIndex` (for a CAS that must fail if the key moved on).
     pub fn get_with_index(&self, id: &str) -> Option<(Arc<LabelSet>, u64)> {
-        self.state
+        self.watched
             .read()
+            .state
             .entries
             .get(id)
             .map(|c| (Arc::new(c.labels.to_set()), c.modify_index))
     }
 
     pub fn len(&self) -> usize {
-        self.state.read().entries.len()
+        self.watched.read().state.entries.len()
     }
 
     /// Ids starting with `prefix`, sorted (for pods: `"<node>/"` lists a node's pods).
     pub fn ids_with_prefix(&self, prefix: &str) -> Vec<String> {
-        self.state.read().ids_with_prefix(prefix)
+        self.watched.read().state.ids_with_prefix(prefix)
     }
 
     pub fn is_empty(&self) -> bool {
@@ -565,8 +564,9 @@ impl LabelCache {
 
     /// Every id and its labels, sorted by id.
     pub fn all(&self) -> Vec<(String, Arc<LabelSet>)> {
-        let st = self.state.read();
-        st.entries
+        let tree = self.watched.read();
+        tree.state
+            .entries
             .iter()
             .map(|(k, c)| (k.to_string(), Arc::new(c.labels.to_set())))
             .collect()
@@ -574,8 +574,9 @@ impl LabelCache {
 
     /// Malformed keys and why.
     pub fn errors(&self) -> Vec<(String, String)> {
-        self.state
+        self.watched
             .read()
+            .state
             .errors
             .iter()
             .map(|(k, (_, r))| (k.clone(), r.clone()))
@@ -584,38 +585,36 @@ impl LabelCache {
 
     /// The Consul index of the snapshot the cache holds.
     pub fn index(&self) -> u64 {
-        self.state.read().index
+        self.watched.read().state.index
     }
 
     pub fn is_synced(&self) -> bool {
-        self.state.read().synced
+        self.watched.read().state.synced
     }
 
     /// Waits for the first snapshot.
     pub async fn synced(&self) {
-        let mut v = self.version.clone();
-        let _ = v.wait_for(|n| *n > 0).await;
+        self.watched.synced().await
     }
 
     /// Waits until the cache reflects Consul index `index` or later.
     pub async fn wait_for_index(&self, index: u64) {
-        let mut v = self.applied.clone();
-        let _ = v.wait_for(|_| self.state.read().index >= index).await;
+        self.watched.wait_for_index(index).await
     }
 
     /// Bumps on every applied snapshot that changed something.
     pub fn subscribe_version(&self) -> watch::Receiver<u64> {
-        self.version.clone()
+        self.watched.subscribe()
     }
 
     /// The ids each snapshot changed. A receiver that lags gets `Lagged` and should re-read
     /// everything.
     pub fn subscribe_changes(&self) -> broadcast::Receiver<Arc<LabelChanges>> {
-        self.changes.subscribe()
+        self.watched.subscribe_changes()
     }
 
     pub fn watch_stats(&self) -> &Arc<crate::consul::WatchStats> {
-        self.watch.stats()
+        self.watched.stats()
     }
 }
 
