@@ -12,6 +12,7 @@ pub mod util;
 mod answers;
 mod client;
 mod coalesce;
+mod derived;
 mod error;
 mod fenced;
 mod session;
@@ -30,6 +31,7 @@ pub use client::{
     ClientStatsSnapshot, Consul, ConsulConfig, DEFAULT_MAX_CONNS, MIN_MAX_CONNS, init_tls,
     parse_go_bool, with_https,
 };
+pub use derived::{Derived, DerivedWatch};
 pub use error::{ConsulError, Result};
 pub use fenced::{BatchError, Fence, FenceError, FencedBatch, FencedTxn};
 pub use session::{Session, SessionConfig};
@@ -44,7 +46,7 @@ pub use types::{
     SessionRequest,
 };
 pub use watch::{
-    Demand, DerivedWatch, FastGuard, REFERENCE_READERS, SinkWatch, Snapshot, SnapshotRx, Watch,
-    WatchConfig, WatchStats, entries_digest, readers_scale, spawn_sink_watch, spawn_watch,
+    Demand, FastGuard, REFERENCE_READERS, SinkWatch, Snapshot, SnapshotRx, Watch, WatchConfig,
+    WatchStats, entries_digest, readers_scale, spawn_sink_watch, spawn_watch,
 };
 pub use watched::{CacheSignals, Fold, Watched};
