@@ -14,8 +14,6 @@
 //! that lost its lock must stop, whatever else moved. [`FencedBatch`] lays several such units
 //! out in one all-or-nothing transaction (claims, releases) and says which unit failed how.
 
-use std::ops::Range;
-
 use super::client::Consul;
 use super::error::ConsulError;
 use super::txn::{KvVerb, TxnFailure, TxnOp};
@@ -174,7 +172,8 @@ impl FencedTxn {
     }
 
     /// Where the writes sit in the laid-out transaction.
-    pub fn ops_range(&self) -> Range<usize> {
+    #[cfg(test)]
+    fn ops_range(&self) -> std::ops::Range<usize> {
         let start = usize::from(self.fence.is_some()) + self.guards.len();
         start..start + self.ops.len()
     }
@@ -199,40 +198,25 @@ impl FencedTxn {
         (all, layout)
     }
 
-    /// The transaction as sent: fence, guards, ops, records.
-    pub fn to_ops(&self) -> Vec<TxnOp> {
-        let mut all = Vec::with_capacity(self.len());
-        all.extend(self.fence.as_ref().map(Fence::op));
-        all.extend(self.guards.iter().cloned());
-        all.extend(self.ops.iter().cloned());
-        all.extend(self.records.iter().cloned());
-        all
-    }
-
-    fn check_records(&self) -> Result<(), FenceError> {
+    /// Refuses a record that is not a create-only `cas` (it could overwrite history).
+    fn check_records(&self) -> Result<(), ConsulError> {
         match self
             .records
             .iter()
             .find(|r| r.verb != KvVerb::Cas || r.index != 0)
         {
-            Some(r) => Err(FenceError::Consul(ConsulError::Config(format!(
+            Some(r) => Err(ConsulError::Config(format!(
                 "a record must be a create-only cas; {} on {} is not",
                 r.verb.as_str(),
                 r.key
-            )))),
+            ))),
             None => Ok(()),
         }
     }
 
-    /// Names the failure of this transaction from `e` (its failed ops' indexes are into
-    /// [`FencedTxn::to_ops`]), by the earliest part that failed.
-    pub fn classify(&self, e: ConsulError) -> FenceError {
-        self.layout().classify(e)
-    }
-
     /// Commits all or nothing; the commit index, or why not.
     pub async fn commit(self, consul: &Consul) -> Result<u64, FenceError> {
-        self.check_records()?;
+        self.check_records().map_err(FenceError::Consul)?;
         let (ops, layout) = self.into_ops();
         match consul.txn(&ops).await {
             Ok(resp) => Ok(resp.commit_index()),
@@ -243,7 +227,7 @@ impl FencedTxn {
     /// [`FencedTxn::commit`] through the client's coalescing queue, which joins concurrent
     /// small transactions into one request (each still all or nothing).
     pub async fn commit_coalesced(self, consul: &Consul) -> Result<u64, FenceError> {
-        self.check_records()?;
+        self.check_records().map_err(FenceError::Consul)?;
         let (ops, layout) = self.into_ops();
         match consul.txn_coalesced(ops).await {
             Ok(index) => Ok(index),
@@ -362,55 +346,68 @@ impl FencedBatch {
         self.units.is_empty()
     }
 
-    /// Names each failed unit's failure from the batch's failure.
-    pub fn classify(&self, e: ConsulError) -> BatchError {
-        let ConsulError::Conflict(errs) = &e else {
-            return BatchError::Consul(e);
-        };
-        let mut out = Vec::new();
-        let mut start = 0;
-        for (u, unit) in self.units.iter().map(FencedTxn::layout).enumerate() {
-            let end = start + unit.len();
-            let mine: Vec<_> = errs
-                .iter()
-                .filter(|x| (start..end).contains(&x.op_index))
-                .map(|x| super::txn::TxnOpError {
-                    op_index: x.op_index - start,
-                    what: x.what.clone(),
-                })
-                .collect();
-            if !mine.is_empty() {
-                out.push((u, unit.classify(ConsulError::Conflict(mine))));
-            }
-            start = end;
-        }
-        if out.is_empty() {
-            return BatchError::Consul(e);
-        }
-        BatchError::Units(out)
-    }
-
-    pub async fn commit(&self, consul: &Consul) -> Result<u64, BatchError> {
+    /// Commits every unit or none; the commit index, or which units failed how.
+    pub async fn commit(self, consul: &Consul) -> Result<u64, BatchError> {
         for unit in &self.units {
-            if let Err(e) = unit.check_records() {
-                let FenceError::Consul(e) = e else {
-                    unreachable!("check_records only says Consul")
-                };
-                return Err(BatchError::Consul(e));
-            }
+            unit.check_records().map_err(BatchError::Consul)?;
         }
-        let ops: Vec<TxnOp> = self.units.iter().flat_map(FencedTxn::to_ops).collect();
+        let mut ops = Vec::with_capacity(self.len());
+        let mut layouts = Vec::with_capacity(self.units.len());
+        for unit in self.units {
+            let (unit_ops, layout) = unit.into_ops();
+            ops.extend(unit_ops);
+            layouts.push(layout);
+        }
         match consul.txn(&ops).await {
             Ok(resp) => Ok(resp.commit_index()),
-            Err(e) => Err(self.classify(e)),
+            Err(e) => Err(classify_units(&layouts, e)),
         }
     }
+}
+
+/// Names each failed unit's failure (units laid out one after another, as `layouts` say) from
+/// the batch's failure.
+fn classify_units(layouts: &[Layout], e: ConsulError) -> BatchError {
+    let ConsulError::Conflict(errs) = &e else {
+        return BatchError::Consul(e);
+    };
+    let mut out = Vec::new();
+    let mut start = 0;
+    for (u, unit) in layouts.iter().enumerate() {
+        let end = start + unit.len();
+        let mine: Vec<_> = errs
+            .iter()
+            .filter(|x| (start..end).contains(&x.op_index))
+            .map(|x| super::txn::TxnOpError {
+                op_index: x.op_index - start,
+                what: x.what.clone(),
+            })
+            .collect();
+        if !mine.is_empty() {
+            out.push((u, unit.classify(ConsulError::Conflict(mine))));
+        }
+        start = end;
+    }
+    if out.is_empty() {
+        return BatchError::Consul(e);
+    }
+    BatchError::Units(out)
 }
 
 #[cfg(test)]
 mod tests {
     use super::super::txn::TxnOpError;
     use super::*;
+
+    impl FencedTxn {
+        fn to_ops(&self) -> Vec<TxnOp> {
+            self.clone().into_ops().0
+        }
+
+        fn classify(&self, e: ConsulError) -> FenceError {
+            self.layout().classify(e)
+        }
+    }
 
     fn session() -> SessionId {
         SessionId::from("s-1")
@@ -527,7 +524,7 @@ mod tests {
     #[test]
     fn a_record_that_could_overwrite_is_refused() {
         let t = FencedTxn::unfenced().records([TxnOp::set("audit_logs/3", b"{}".to_vec())]);
-        assert!(matches!(t.check_records(), Err(FenceError::Consul(_))));
+        assert!(matches!(t.check_records(), Err(ConsulError::Config(_))));
     }
 
     #[test]
@@ -539,7 +536,10 @@ mod tests {
         };
         let batch = FencedBatch::new(vec![unit("a"), unit("b"), unit("c")]);
         assert_eq!(batch.len(), 9);
-        let BatchError::Units(units) = batch.classify(failed(&[(3, MISMATCH), (8, STALE)])) else {
+        let layouts: Vec<Layout> = batch.units.iter().map(FencedTxn::layout).collect();
+        let BatchError::Units(units) =
+            classify_units(&layouts, failed(&[(3, MISMATCH), (8, STALE)]))
+        else {
             panic!("a refusal names units")
         };
         assert_eq!(units.len(), 2);
