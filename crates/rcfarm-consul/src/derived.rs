@@ -5,8 +5,8 @@ use std::sync::Arc;
 use tokio::sync::watch;
 
 use super::client::Consul;
-use super::types::KvPair;
-use super::watch::{WatchConfig, WatchStats, entries_digest};
+use super::kvlist::KvList;
+use super::watch::{WatchConfig, WatchStats};
 use super::watched::{Fold, Watched};
 
 /// A prefix watched and folded into a derived value (a parsed listing), each snapshot derived
@@ -18,7 +18,7 @@ pub struct DerivedWatch<L: Send + Sync + 'static> {
 }
 
 /// The derivation a [`DerivedWatch`] runs on each answer.
-type DeriveFn<L> = Box<dyn Fn(u64, &[KvPair], Option<&L>) -> L + Send + Sync>;
+type DeriveFn<L> = Box<dyn Fn(u64, &KvList, Option<&L>) -> L + Send + Sync>;
 
 /// What a [`DerivedWatch`] keeps: the derived value (in its channel) and its answer's
 /// fingerprint.
@@ -32,12 +32,12 @@ pub struct Derived<L> {
 impl<L: Send + Sync + 'static> Fold for Derived<L> {
     type Changes = ();
 
-    fn fold(&mut self, index: u64, entries: &[KvPair]) -> Option<()> {
+    fn fold(&mut self, index: u64, entries: &KvList) -> Option<()> {
         self.index = index;
         // Every write under the prefix moves some entry's ModifyIndex (a lock taken or
         // released included), so equal digests mean an answer with nothing new in it:
         // subscribers are not woken for it.
-        let digest = entries_digest(entries);
+        let digest = entries.digest();
         if self.prev.as_ref().is_some_and(|(_, d)| *d == digest) {
             return None;
         }
@@ -62,7 +62,7 @@ impl<L: Send + Sync + 'static> DerivedWatch<L> {
         consul: &Consul,
         prefix: impl Into<String>,
         config: WatchConfig,
-        derive: impl Fn(u64, &[KvPair], Option<&L>) -> L + Send + Sync + 'static,
+        derive: impl Fn(u64, &KvList, Option<&L>) -> L + Send + Sync + 'static,
     ) -> DerivedWatch<L> {
         let (tx, rx) = watch::channel(None);
         let fold = Derived {

@@ -15,6 +15,7 @@ mod coalesce;
 mod derived;
 mod error;
 mod fenced;
+mod kvlist;
 mod session;
 mod tls;
 mod token;
@@ -34,6 +35,7 @@ pub use client::{
 pub use derived::{Derived, DerivedWatch};
 pub use error::{ConsulError, Result};
 pub use fenced::{BatchError, Fence, FenceError, FencedBatch, FencedTxn};
+pub use kvlist::{KvEntry, KvList, KvRef};
 pub use session::{Session, SessionConfig};
 pub use tls::{TlsConfig, tls_advice};
 pub use tree_cache::{ParseFn, TreeCache, TreeState};
@@ -47,6 +49,6 @@ pub use types::{
 };
 pub use watch::{
     Demand, FastGuard, REFERENCE_READERS, SinkWatch, Snapshot, SnapshotRx, Watch, WatchConfig,
-    WatchStats, entries_digest, readers_scale, spawn_sink_watch, spawn_watch,
+    WatchStats, readers_scale, spawn_sink_watch, spawn_watch,
 };
 pub use watched::{CacheSignals, Fold, Watched};

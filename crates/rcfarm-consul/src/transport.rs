@@ -12,6 +12,7 @@ use serde::de::DeserializeOwned;
 
 use super::client::{ClientStats, Consul, Permit};
 use super::error::{ConsulError, Result};
+use super::kvlist::KvList;
 use super::txn::TxnOp;
 use super::types::{QueryMeta, QueryOptions};
 use crate::util::Backoff;
@@ -76,6 +77,13 @@ impl Raw {
         String::from_utf8_lossy(&self.body).trim().to_string()
     }
 
+    pub(crate) fn kv_list(self) -> Result<KvList> {
+        let short = truncate(&String::from_utf8_lossy(&self.body), 200).to_string();
+        KvList::decode(self.body).map_err(|e| {
+            ConsulError::BadResponse(format!("cannot decode a KV listing ({e}): {short}"))
+        })
+    }
+
     pub(crate) fn json<T: DeserializeOwned>(&self) -> Result<T> {
         serde_json::from_slice(&self.body).map_err(|e| {
             ConsulError::BadResponse(format!(
@@ -114,9 +122,10 @@ impl Consul {
         retry: Retry,
         timeout: Duration,
         via: Via,
-        blocking: bool,
+        reading: Reading,
         build: impl Fn() -> Result<reqwest::RequestBuilder>,
     ) -> Result<Raw> {
+        let blocking = reading.blocking;
         // A blocking read is not retried here: its watch loop decides how to recover.
         let attempts = if blocking { 1 } else { self.inner.cfg.attempts };
         let (lane, mut held) = match via {
@@ -149,7 +158,7 @@ impl Consul {
                     let status = resp.status();
                     http_status = Some(status.as_u16());
                     let headers = resp.headers().clone();
-                    match resp.bytes().await {
+                    match read_body(resp, reading.size_hint).await {
                         Ok(body) => {
                             // hyper puts the connection back in the pool from a task of its
                             // own once the body is done; let it run before the permit goes,
@@ -310,16 +319,46 @@ impl Consul {
         let timeout = self.blocking_timeout(opts);
         let blocking = opts.index > 0;
         let _open = blocking.then(|| BlockingGuard::new(&self.inner.stats));
+        let reading = Reading {
+            blocking,
+            size_hint: opts.size_hint,
+        };
         self.execute(
             endpoint,
             Retry::Idempotent,
             timeout,
             Via::Lane(Lane::Shared),
-            blocking,
+            reading,
             || Ok(self.inner.http.get(&url).query(&query)),
         )
         .await
     }
+}
+
+/// What kind of answer a request expects.
+#[derive(Default, Clone, Copy)]
+struct Reading {
+    /// A blocking query: not retried, not timed.
+    blocking: bool,
+    /// See [`QueryOptions::size_hint`].
+    size_hint: usize,
+}
+
+/// Reads a body into one buffer sized up front: from its `Content-Length`, or else (Consul
+/// sends big answers chunked) from the caller's hint. Collected chunk by chunk and then copied
+/// into one buffer, a 10-MiB watch answer was held twice for a moment; grown by doubling, up
+/// to 1.5 times over.
+async fn read_body(mut resp: reqwest::Response, hint: usize) -> reqwest::Result<Bytes> {
+    let expected = resp
+        .content_length()
+        .and_then(|n| usize::try_from(n).ok())
+        .unwrap_or(hint);
+    // A hint is a guess: never reserve past 1 GiB on one.
+    let mut buf = Vec::with_capacity(expected.min(1 << 30));
+    while let Some(chunk) = resp.chunk().await? {
+        buf.extend_from_slice(&chunk);
+    }
+    Ok(Bytes::from(buf))
 }
 
 struct BlockingGuard<'a>(&'a ClientStats);
@@ -430,7 +469,7 @@ impl Consul {
                 Some(p) => Via::Held(p),
                 None => Via::Lane(w.lane),
             },
-            false,
+            Reading::default(),
             || {
                 let http = match w.lane {
                     Lane::Shared => &self.inner.http,

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use tokio::sync::watch;
 
 use super::client::Consul;
-use super::types::KvPair;
+use super::kvlist::KvList;
 use super::watch::{WatchConfig, WatchStats};
 use super::watched::{Fold, Watched};
 
@@ -31,7 +31,7 @@ impl<T: Send + Sync + 'static> Fold for TreeState<T> {
     /// The suffixes an answer changed.
     type Changes = BTreeSet<String>;
 
-    fn fold(&mut self, index: u64, entries: &[KvPair]) -> Option<BTreeSet<String>> {
+    fn fold(&mut self, index: u64, entries: &KvList) -> Option<BTreeSet<String>> {
         let changed = apply(self, index, entries);
         (!changed.is_empty()).then_some(changed)
     }
@@ -158,39 +158,39 @@ impl<T: Send + Sync + 'static> TreeCache<T> {
 }
 
 /// Folds an answer in; the suffixes it changed.
-fn apply<T>(st: &mut TreeState<T>, index: u64, entries: &[KvPair]) -> BTreeSet<String> {
+fn apply<T>(st: &mut TreeState<T>, index: u64, entries: &KvList) -> BTreeSet<String> {
     let mut next = BTreeMap::new();
     let mut errors = BTreeMap::new();
     let mut changed = BTreeSet::new();
-    for e in entries {
-        let suffix = e
-            .key
+    for e in entries.iter() {
+        let (key, modify_index) = (e.key(), e.modify_index());
+        let suffix = key
             .strip_prefix(st.prefix.as_str())
-            .unwrap_or(&e.key)
+            .unwrap_or(key)
             .to_string();
         if let Some((v, idx)) = st.entries.get(&suffix)
-            && *idx == e.modify_index
+            && *idx == modify_index
         {
             next.insert(suffix, (v.clone(), *idx));
             continue;
         }
-        if let Some((idx, r)) = st.errors.get(&e.key)
-            && *idx == e.modify_index
+        if let Some((idx, r)) = st.errors.get(key)
+            && *idx == modify_index
         {
-            errors.insert(e.key.clone(), (*idx, r.clone()));
+            errors.insert(key.to_string(), (*idx, r.clone()));
             continue;
         }
-        match (st.parse)(&suffix, e.value_bytes()) {
+        match (st.parse)(&suffix, &e.value().unwrap_or_default()) {
             Ok(v) => {
                 changed.insert(suffix.clone());
-                next.insert(suffix, (Arc::new(v), e.modify_index));
+                next.insert(suffix, (Arc::new(v), modify_index));
             }
             Err(reason) => {
                 if st.entries.contains_key(&suffix) {
                     changed.insert(suffix.clone());
                 }
-                tracing::warn!(key = %e.key, %reason, "ignoring malformed entry");
-                errors.insert(e.key.clone(), (e.modify_index, reason));
+                tracing::warn!(key = %key, %reason, "ignoring malformed entry");
+                errors.insert(key.to_string(), (modify_index, reason));
             }
         }
     }

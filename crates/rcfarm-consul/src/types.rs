@@ -159,6 +159,9 @@ pub struct QueryOptions {
     pub wait: Option<Duration>,
     pub consistent: bool,
     pub stale: bool,
+    /// How many bytes the answer is expected to be (a watch's last answer, say), so that its
+    /// body is read into one buffer of about that size; 0: no idea.
+    pub size_hint: usize,
 }
 
 impl QueryOptions {

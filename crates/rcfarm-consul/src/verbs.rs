@@ -7,6 +7,7 @@ use reqwest::Method;
 
 use super::client::{Consul, Permit};
 use super::error::{ConsulError, Result};
+use super::kvlist::KvList;
 use super::transport::{Body, Lane, Retry, Write, truncate};
 use super::txn::{MAX_TXN_OPS, TxnOp, TxnResponse, WireTxnResponse};
 use super::types::{KvPair, QueryMeta, QueryOptions, SessionEntry, SessionRequest};
@@ -49,6 +50,26 @@ impl Consul {
         match raw.status.as_u16() {
             200 => Ok((raw.json()?, meta)),
             404 => Ok((Vec::new(), meta)),
+            status => Err(ConsulError::Rejected {
+                status,
+                body: raw.text(),
+            }),
+        }
+    }
+
+    /// `GET /v1/kv/<prefix>?recurse`, kept as sent (see [`KvList`]): for watches of big trees.
+    pub async fn kv_listing(
+        &self,
+        prefix: &str,
+        opts: &QueryOptions,
+    ) -> Result<(KvList, QueryMeta)> {
+        let raw = self
+            .read("kv", self.kv_url(prefix), &[("recurse", "")], opts)
+            .await?;
+        let meta = raw.meta();
+        match raw.status.as_u16() {
+            200 => Ok((raw.kv_list()?, meta)),
+            404 => Ok((KvList::default(), meta)),
             status => Err(ConsulError::Rejected {
                 status,
                 body: raw.text(),

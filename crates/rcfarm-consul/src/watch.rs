@@ -18,6 +18,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::client::Consul;
 use super::error::Result;
+use super::kvlist::KvList;
 use super::types::{KvPair, QueryMeta, QueryOptions, SessionEntry};
 use crate::util::Backoff;
 
@@ -427,6 +428,8 @@ async fn run_watch<T, F, Fut, P>(
     // Whether the next query was asked for (it must answer at once) rather than a wait for
     // the next change.
     let mut urged = false;
+    // The last answer's size: the next is read into one buffer of about that size.
+    let mut last_len = 0usize;
     loop {
         let mut seq = 0;
         if let Some(d) = &config.demand {
@@ -439,7 +442,9 @@ async fn run_watch<T, F, Fut, P>(
             seq = d.start();
         }
         let started = Instant::now();
-        let opts = QueryOptions::blocking(if urged { 0 } else { block_on }, config.wait);
+        let mut opts = QueryOptions::blocking(if urged { 0 } else { block_on }, config.wait);
+        // An eighth more for a tree that grew since.
+        opts.size_hint = last_len + last_len / 8;
         stats.queries.fetch_add(1, Ordering::Relaxed);
         let result = tokio::select! {
             _ = cancel.cancelled() => return,
@@ -490,6 +495,7 @@ async fn run_watch<T, F, Fut, P>(
                 }
                 last_seen = index;
                 block_on = index;
+                last_len = meta.body_len;
                 // Which trees cost what: each answer to a prefix is the whole tree again.
                 metrics::counter!("rcfarm_consul_watch_answers_total", "watch" => name.clone())
                     .increment(1);
@@ -565,17 +571,23 @@ impl Consul {
         }
     }
 
-    /// Watches every entry under `prefix`, handing each answer to `sink` (see
-    /// [`spawn_sink_watch`]).
+    /// Watches every entry under `prefix`, handing each answer to `sink` as Consul sent it
+    /// (see [`spawn_sink_watch`] and [`KvList`]).
     pub fn sink_prefix(
         &self,
         prefix: impl Into<String>,
         config: WatchConfig,
-        sink: impl FnMut(u64, Vec<KvPair>) + Send + 'static,
+        sink: impl FnMut(u64, KvList) + Send + 'static,
     ) -> SinkWatch {
         let prefix = prefix.into();
         let name = format!("kv:{prefix}");
-        spawn_sink_watch(name, config, self.list_fetch(prefix), sink)
+        let consul = self.clone();
+        let fetch = move |opts: QueryOptions| -> BoxFuture<Result<(KvList, QueryMeta)>> {
+            let consul = consul.clone();
+            let prefix = prefix.clone();
+            Box::pin(async move { consul.kv_listing(&prefix, &opts).await })
+        };
+        spawn_sink_watch(name, config, fetch, sink)
     }
 
     /// Watches one key (`None` while it does not exist).
@@ -616,16 +628,4 @@ impl Consul {
             async move { consul.session_list(&opts).await }
         })
     }
-}
-
-/// A fingerprint of a listing's keys and their `ModifyIndex`es.
-pub fn entries_digest(entries: &[KvPair]) -> u64 {
-    use std::hash::{Hash, Hasher};
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    entries.len().hash(&mut h);
-    for e in entries {
-        e.key.hash(&mut h);
-        e.modify_index.hash(&mut h);
-    }
-    h.finish()
 }

@@ -18,7 +18,7 @@ use parking_lot::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 use tokio::sync::{broadcast, watch};
 
 use super::client::Consul;
-use super::types::KvPair;
+use super::kvlist::KvList;
 use super::watch::{SinkWatch, WatchConfig, WatchStats};
 
 /// What a watched cache keeps, and how an answer changes it.
@@ -27,7 +27,7 @@ pub trait Fold: Send + Sync + 'static {
     type Changes: Send + Sync + 'static;
 
     /// Folds the whole answer at `index` in; what it changed, if anything.
-    fn fold(&mut self, index: u64, entries: &[KvPair]) -> Option<Self::Changes>;
+    fn fold(&mut self, index: u64, entries: &KvList) -> Option<Self::Changes>;
 
     /// The index of the last answer (or own write) folded in.
     fn index(&self) -> u64;
@@ -166,7 +166,7 @@ mod tests {
 
     impl Fold for Count {
         type Changes = usize;
-        fn fold(&mut self, index: u64, entries: &[KvPair]) -> Option<usize> {
+        fn fold(&mut self, index: u64, entries: &KvList) -> Option<usize> {
             self.index = index;
             let before = std::mem::replace(&mut self.n, entries.len());
             (before != self.n).then_some(self.n)

@@ -15,7 +15,7 @@ use tokio::sync::{broadcast, watch};
 use super::compact::CompactLabels;
 use super::selector::{LabelLookup, Requirement, Selector};
 use super::store::{LabelSet, LabelType, parse_entry};
-use crate::consul::{Consul, Demand, Fold, KvPair, KvVerb, TxnOp, WatchConfig, Watched};
+use crate::consul::{Consul, Demand, Fold, KvList, KvPair, KvVerb, TxnOp, WatchConfig, Watched};
 
 /// One id whose labels changed.
 #[derive(Debug, Clone)]
@@ -199,34 +199,35 @@ impl State {
     }
 
     /// Applies a full snapshot; returns what changed.
-    fn apply(&mut self, t: LabelType, index: u64, entries: &[KvPair]) -> LabelChanges {
+    fn apply(&mut self, t: LabelType, index: u64, entries: &KvList) -> LabelChanges {
         let prefix = t.prefix();
         let mut seen: BTreeSet<&str> = BTreeSet::new();
         let mut changes = Vec::new();
         let mut errors = BTreeMap::new();
         let mut added = 0usize;
-        for e in entries {
-            let id = e.key.strip_prefix(prefix.as_str()).unwrap_or(&e.key);
+        for e in entries.iter() {
+            let key = e.key();
+            let id = key.strip_prefix(prefix.as_str()).unwrap_or(key);
             // Our own write is newer than this snapshot: keep ours (the snapshot's tree index
             // is at least every index in it, so it holds our write iff it is not below it).
             if self.local.get(id).is_some_and(|l| *l > index) {
                 continue;
             }
             if let Some(c) = self.entries.get(id)
-                && c.modify_index == e.modify_index
+                && c.modify_index == e.modify_index()
             {
                 if self.keep.as_ref().is_none_or(|k| (k.0)(&*c.labels)) {
                     seen.insert(id);
                 }
                 continue;
             }
-            if let Some((idx, reason)) = self.errors.get(&e.key)
-                && *idx == e.modify_index
+            if let Some((idx, reason)) = self.errors.get(key)
+                && *idx == e.modify_index()
             {
-                errors.insert(e.key.clone(), (*idx, reason.clone()));
+                errors.insert(key.to_string(), (*idx, reason.clone()));
                 continue;
             }
-            match parse_entry(t, &prefix, e) {
+            match parse_entry(t, &prefix, &e) {
                 Ok(l) if self.keep.as_ref().is_some_and(|k| !(k.0)(&l.labels)) => {}
                 Ok(l) => {
                     seen.insert(id);
@@ -236,10 +237,10 @@ impl State {
                     changes.extend(self.put(id, &l.labels, l.modify_index));
                 }
                 Err(reason) => {
-                    if !self.errors.contains_key(&e.key) {
-                        tracing::warn!(key = %e.key, %reason, "ignoring malformed labels");
+                    if !self.errors.contains_key(key) {
+                        tracing::warn!(key = %key, %reason, "ignoring malformed labels");
                     }
-                    errors.insert(e.key.clone(), (e.modify_index, reason));
+                    errors.insert(key.to_string(), (e.modify_index(), reason));
                 }
             }
         }
@@ -421,7 +422,7 @@ struct LabelTree {
 impl Fold for LabelTree {
     type Changes = LabelChanges;
 
-    fn fold(&mut self, index: u64, entries: &[KvPair]) -> Option<LabelChanges> {
+    fn fold(&mut self, index: u64, entries: &KvList) -> Option<LabelChanges> {
         let c = self.state.apply(self.label_type, index, entries);
         (!c.changes.is_empty()).then_some(c)
     }
@@ -622,6 +623,12 @@ impl LabelCache {
 mod tests {
     use super::*;
 
+    impl State {
+        fn apply_pairs(&mut self, t: LabelType, index: u64, pairs: &[KvPair]) -> LabelChanges {
+            self.apply(t, index, &KvList::from_pairs(pairs))
+        }
+    }
+
     fn kv(key: &str, value: &str, idx: u64) -> KvPair {
         KvPair {
             key: key.into(),
@@ -634,7 +641,7 @@ mod tests {
     #[test]
     fn applies_snapshots_incrementally() {
         let mut st = State::default();
-        let c = st.apply(
+        let c = st.apply_pairs(
             LabelType::Node,
             5,
             &[
@@ -646,7 +653,7 @@ mod tests {
         let sel = Selector::parse("env=prod").unwrap();
         assert_eq!(st.matches(&sel), ["a"]);
         // Same indexes: no changes. b changes, a goes away, c is malformed.
-        let c = st.apply(
+        let c = st.apply_pairs(
             LabelType::Node,
             7,
             &[
@@ -677,7 +684,7 @@ mod tests {
     fn own_writes_survive_older_answers() {
         let mut st = State::default();
         let p = LabelType::Pod;
-        st.apply(p, 10, &[kv("labels/pod/n1/web", r#"{"rc":"a"}"#, 10)]);
+        st.apply_pairs(p, 10, &[kv("labels/pod/n1/web", r#"{"rc":"a"}"#, 10)]);
         let c = st.apply_own(
             12,
             vec![
@@ -689,16 +696,16 @@ mod tests {
         let sel = Selector::parse("rc=a").unwrap();
         assert_eq!(st.matches(&sel), ["n2/web"]);
         // An answer from before the write: n1 still there, n2 not yet.
-        let c = st.apply(p, 11, &[kv("labels/pod/n1/web", r#"{"rc":"a"}"#, 10)]);
+        let c = st.apply_pairs(p, 11, &[kv("labels/pod/n1/web", r#"{"rc":"a"}"#, 10)]);
         assert!(c.changes.is_empty(), "{:?}", c.changes);
         assert_eq!(st.matches(&sel), ["n2/web"]);
         assert_eq!(st.index, 11);
         // The answer that includes the write (its index is the write's).
-        st.apply(p, 12, &[kv("labels/pod/n2/web", r#"{"rc":"a"}"#, 12)]);
+        st.apply_pairs(p, 12, &[kv("labels/pod/n2/web", r#"{"rc":"a"}"#, 12)]);
         assert!(st.local.is_empty());
         assert_eq!(st.matches(&sel), ["n2/web"]);
         // Later, someone deletes n2 behind our back: believed.
-        let c = st.apply(p, 13, &[]);
+        let c = st.apply_pairs(p, 13, &[]);
         assert_eq!(c.changes.len(), 1);
         assert!(st.matches(&sel).is_empty());
     }
@@ -720,11 +727,11 @@ mod tests {
             kv("labels/pod/n1/web", r#"{"rc":"a"}"#, 1),
             kv("labels/pod/n2/api", r#"{"rc":"b"}"#, 2),
         ];
-        st.apply(p, 2, &tree);
+        st.apply_pairs(p, 2, &tree);
         assert_eq!(st.entries.len(), 1);
         wanted.write().insert("b".into());
         wanted.write().remove("a");
-        let c = st.apply(p, 2, &tree);
+        let c = st.apply_pairs(p, 2, &tree);
         assert_eq!(c.changes.len(), 2);
         assert_eq!(
             st.entries.keys().map(|k| k.to_string()).collect::<Vec<_>>(),
@@ -749,7 +756,7 @@ mod tests {
                 9,
             )])
             .collect();
-        st.apply(LabelType::Pod, 9, &pods);
+        st.apply_pairs(LabelType::Pod, 9, &pods);
         assert_eq!(st.entries.len(), 6);
         assert_eq!(st.interned.len(), 2, "five equal sets are one");
         let a = &st.entries["node0/web"].labels;
@@ -769,7 +776,7 @@ mod tests {
                 )
             })
             .collect();
-        let c = st.apply(LabelType::Pod, 30, &relabelled);
+        let c = st.apply_pairs(LabelType::Pod, 30, &relabelled);
         assert_eq!(c.changes.len(), 6);
         assert_eq!(st.interned.len(), 1);
         let sel = Selector::parse("replication_controller_id=rc-3").unwrap();
@@ -820,7 +827,7 @@ mod tests {
                 )
             })
             .collect();
-        st.apply(LabelType::Node, 100, &entries);
+        st.apply_pairs(LabelType::Node, 100, &entries);
         let q = |s: &str| st.matches(&Selector::parse(s).unwrap()).len();
         assert_eq!(q(""), 50);
         assert_eq!(q("rack=r1"), 10);

@@ -5,7 +5,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::consul::{Consul, ConsulError, KvPair, QueryOptions, TxnFailure, TxnOp};
+use crate::consul::{Consul, ConsulError, KvEntry, KvPair, QueryOptions, TxnFailure, TxnOp};
 
 /// A label map.
 pub type LabelSet = BTreeMap<String, String>;
@@ -308,9 +308,9 @@ pub fn parse_tree(t: LabelType, entries: &[KvPair]) -> (Vec<Labeled>, Vec<Labels
     (ok, bad)
 }
 
-pub(crate) fn parse_entry(t: LabelType, prefix: &str, e: &KvPair) -> Result<Labeled, String> {
+pub(crate) fn parse_entry(t: LabelType, prefix: &str, e: &impl KvEntry) -> Result<Labeled, String> {
     let id = e
-        .key
+        .key()
         .strip_prefix(prefix)
         .ok_or_else(|| format!("not under {prefix}"))?;
     if id.is_empty() {
@@ -321,11 +321,11 @@ pub(crate) fn parse_entry(t: LabelType, prefix: &str, e: &KvPair) -> Result<Labe
             "malformed pod label id {id:?}: expected <node>/<pod-id>"
         ));
     }
-    let labels = parse_labels(e.value_bytes())?;
+    let labels = parse_labels(&e.value())?;
     Ok(Labeled {
         id: id.to_string(),
         labels,
-        modify_index: e.modify_index,
+        modify_index: e.modify_index(),
     })
 }
 

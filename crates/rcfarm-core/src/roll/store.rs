@@ -13,7 +13,7 @@ use super::history::{History, history_key};
 use super::record::{InvalidRoll, ROLL_PREFIX, Roll, RollId, Update, roll_id_from_key, roll_key};
 use crate::audit::{AuditRecord, events};
 use crate::consul::{
-    Consul, ConsulError, DerivedWatch, KvPair, QueryOptions, SessionBehavior, SessionRequest,
+    Consul, ConsulError, DerivedWatch, KvEntry, QueryOptions, SessionBehavior, SessionRequest,
     TxnFailure, TxnOp, WatchConfig,
 };
 use crate::labels::{LabelSet, LabelStore, LabelType};
@@ -96,9 +96,9 @@ impl RollListing {
 }
 
 /// Parses a snapshot of the roll tree, reusing the previous listing's parse of unchanged keys.
-pub fn parse_roll_listing(
+pub fn parse_roll_listing<E: KvEntry>(
     index: u64,
-    entries: &[KvPair],
+    entries: impl IntoIterator<Item = E>,
     prev: Option<&RollListing>,
 ) -> RollListing {
     let mut listing = RollListing {
@@ -106,27 +106,28 @@ pub fn parse_roll_listing(
         ..Default::default()
     };
     for e in entries {
+        let (key, modify_index) = (e.key(), e.modify_index());
         if let Some(prev) = prev {
-            if let Some(Ok(id)) = roll_id_from_key(&e.key)
+            if let Some(Ok(id)) = roll_id_from_key(key)
                 && let Some(r) = prev.rolls.get(&id)
-                && r.modify_index == e.modify_index
+                && r.modify_index == modify_index
             {
                 listing.rolls.insert(id, r.clone());
                 continue;
             }
-            if let Some(inv) = prev.invalid.get(&e.key)
-                && inv.modify_index == e.modify_index
+            if let Some(inv) = prev.invalid.get(key)
+                && inv.modify_index == modify_index
             {
-                listing.invalid.insert(e.key.clone(), inv.clone());
+                listing.invalid.insert(key.to_string(), inv.clone());
                 continue;
             }
         }
-        match Roll::from_kv(&e.key, e.value_bytes(), e.modify_index, e.create_index) {
+        match Roll::from_kv(key, &e.value(), modify_index, e.create_index()) {
             Ok(r) => {
                 listing.rolls.insert(r.id(), Arc::new(r));
             }
             Err(inv) => {
-                listing.invalid.insert(e.key.clone(), inv);
+                listing.invalid.insert(key.to_string(), inv);
             }
         }
     }
@@ -252,7 +253,9 @@ impl RollStore {
 
     /// Watches the roll tree.
     pub fn watch(&self, config: WatchConfig) -> RollWatch {
-        RollWatch::spawn(&self.consul, ROLL_PREFIX, config, parse_roll_listing)
+        RollWatch::spawn(&self.consul, ROLL_PREFIX, config, |index, entries, prev| {
+            parse_roll_listing(index, entries.iter(), prev)
+        })
     }
 
     /// Creates a roll between two existing RCs, as `p2-rctl schedule-update` does: under both
