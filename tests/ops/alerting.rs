@@ -560,6 +560,19 @@ fn metric_names(text: &str) -> std::collections::BTreeSet<String> {
 }
 
 /// What a farm's `/metrics` declares (`# TYPE` lines), with a histogram's series names.
+/// The metric names a farm's `/metrics` declares now (`None` if it did not answer).
+async fn declared_metrics(http: &str) -> Option<std::collections::BTreeSet<String>> {
+    let text = common::http()
+        .get(format!("{http}/metrics"))
+        .send()
+        .await
+        .ok()?
+        .text()
+        .await
+        .ok()?;
+    Some(exported(&text))
+}
+
 fn exported(exposition: &str) -> std::collections::BTreeSet<String> {
     let mut out = std::collections::BTreeSet::new();
     for l in exposition.lines() {
@@ -604,18 +617,10 @@ async fn the_dashboard_and_the_rules_name_only_what_a_farm_exports_and_prometheu
 
     // Without Prometheus: every metric the rules and the dashboard name is one the farm
     // declares on /metrics.
-    let declared = eventually(Duration::from_secs(30), "the farm's metrics", || {
-        let url = format!("{http}/metrics");
+    let mut declared = eventually(Duration::from_secs(30), "the farm's metrics", || {
+        let http = http.clone();
         async move {
-            let text = common::http()
-                .get(&url)
-                .send()
-                .await
-                .ok()?
-                .text()
-                .await
-                .ok()?;
-            let names = exported(&text);
+            let names = declared_metrics(&http).await?;
             names.contains("rcfarm_rc_condition").then_some(names)
         }
     })
@@ -629,14 +634,11 @@ async fn the_dashboard_and_the_rules_name_only_what_a_farm_exports_and_prometheu
         .into_iter()
         .chain(metric_names(&dashboard))
         .collect();
-    let mut declared = declared;
     let until = tokio::time::Instant::now() + Duration::from_secs(20);
     while !wanted.is_subset(&declared) && tokio::time::Instant::now() < until {
         tokio::time::sleep(Duration::from_millis(200)).await;
-        if let Ok(r) = common::http().get(format!("{http}/metrics")).send().await
-            && let Ok(text) = r.text().await
-        {
-            declared = exported(&text);
+        if let Some(names) = declared_metrics(&http).await {
+            declared = names;
         }
     }
     for (file, text) in [("rules", &rules), ("dashboard", &dashboard)] {

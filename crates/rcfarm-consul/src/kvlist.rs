@@ -101,7 +101,6 @@ struct Span {
     /// The value's base64 text.
     value: Text,
     session: Text,
-    flags: u64,
     lock_index: u64,
     create_index: u64,
     modify_index: u64,
@@ -171,11 +170,6 @@ impl KvList {
             .map(move |span| KvRef { list: self, span })
     }
 
-    /// The entries copied out as [`KvPair`]s.
-    pub fn to_pairs(&self) -> Vec<KvPair> {
-        self.iter().map(|e| e.to_pair()).collect()
-    }
-
     /// A fingerprint of the keys and their `ModifyIndex`es.
     pub fn digest(&self) -> u64 {
         use std::hash::{Hash, Hasher};
@@ -232,18 +226,6 @@ impl<'a> KvRef<'a> {
         let text = self.list.text(self.span.value)?;
         // Checked when the listing was decoded, so this cannot fail.
         Some(B64.decode(text).unwrap_or_default())
-    }
-
-    pub fn to_pair(&self) -> KvPair {
-        KvPair {
-            lock_index: self.span.lock_index,
-            key: self.key().to_string(),
-            flags: self.span.flags,
-            value: self.value(),
-            session: self.session().map(str::to_string),
-            create_index: self.span.create_index,
-            modify_index: self.span.modify_index,
-        }
     }
 }
 
@@ -311,7 +293,7 @@ impl<'de: 'a, 'a> Deserialize<'de> for Str<'a> {
     }
 }
 
-/// One entry as Consul sends it.
+/// One entry as Consul sends it (`Flags` too, which rcfarm never reads: not kept).
 #[derive(Deserialize)]
 #[serde(rename_all = "PascalCase")]
 struct Wire<'a> {
@@ -319,8 +301,6 @@ struct Wire<'a> {
     lock_index: u64,
     #[serde(borrow)]
     key: Str<'a>,
-    #[serde(default)]
-    flags: u64,
     #[serde(default, borrow)]
     value: Option<Str<'a>>,
     #[serde(default, borrow)]
@@ -393,7 +373,6 @@ impl<'de> Visitor<'de> for Entries<'_> {
                 key: self.text(Some(w.key)),
                 value: self.text(w.value),
                 session: self.text(w.session),
-                flags: w.flags,
                 lock_index: w.lock_index,
                 create_index: w.create_index,
                 modify_index: w.modify_index,
@@ -407,6 +386,22 @@ impl<'de> Visitor<'de> for Entries<'_> {
 mod tests {
     use super::*;
 
+    /// The entries copied out as [`KvPair`]s: what a `Vec<KvPair>` listing would have held,
+    /// but for `Flags`.
+    fn to_pairs(list: &KvList) -> Vec<KvPair> {
+        list.iter()
+            .map(|e| KvPair {
+                lock_index: e.span.lock_index,
+                key: e.key().to_string(),
+                flags: 0,
+                value: e.value(),
+                session: e.session().map(str::to_string),
+                create_index: e.span.create_index,
+                modify_index: e.span.modify_index,
+            })
+            .collect()
+    }
+
     fn pair(key: &str, value: Option<&[u8]>, session: Option<&str>, idx: u64) -> KvPair {
         KvPair {
             key: key.into(),
@@ -415,7 +410,7 @@ mod tests {
             lock_index: idx + 1,
             create_index: idx - 1,
             modify_index: idx,
-            flags: idx * 2,
+            flags: 0,
         }
     }
 
@@ -429,7 +424,7 @@ mod tests {
         ];
         let list = KvList::from_pairs(&pairs);
         assert_eq!(list.len(), 3);
-        assert_eq!(list.to_pairs(), pairs);
+        assert_eq!(to_pairs(&list), pairs);
         let e: Vec<_> = list.iter().collect();
         assert_eq!(e[1].key(), "rcs/b");
         assert_eq!(e[1].session(), Some("sess-1"));
@@ -466,6 +461,11 @@ mod tests {
                 String::from_utf8_lossy(body)
             );
         }
+    }
+
+    #[test]
+    fn an_entry_is_three_offsets_and_three_indexes() {
+        assert_eq!(std::mem::size_of::<Span>(), 48);
     }
 
     #[test]

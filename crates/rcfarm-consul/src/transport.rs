@@ -77,20 +77,21 @@ impl Raw {
         String::from_utf8_lossy(&self.body).trim().to_string()
     }
 
-    pub(crate) fn kv_list(self) -> Result<KvList> {
-        let short = truncate(&String::from_utf8_lossy(&self.body), 200).to_string();
-        KvList::decode(self.body).map_err(|e| {
-            ConsulError::BadResponse(format!("cannot decode a KV listing ({e}): {short}"))
-        })
+    /// The listing as sent (see [`KvList`]); the body is shared, not copied.
+    pub(crate) fn kv_list(&self) -> Result<KvList> {
+        KvList::decode(self.body.clone()).map_err(|e| self.undecodable("a KV listing", e))
     }
 
     pub(crate) fn json<T: DeserializeOwned>(&self) -> Result<T> {
-        serde_json::from_slice(&self.body).map_err(|e| {
-            ConsulError::BadResponse(format!(
-                "cannot decode JSON ({e}): {}",
-                truncate(&String::from_utf8_lossy(&self.body), 200)
-            ))
-        })
+        serde_json::from_slice(&self.body).map_err(|e| self.undecodable("JSON", e))
+    }
+
+    /// The body's first 200 characters go in the error; only then is the body read as text.
+    fn undecodable(&self, what: &str, e: impl std::fmt::Display) -> ConsulError {
+        ConsulError::BadResponse(format!(
+            "cannot decode {what} ({e}): {}",
+            truncate(&String::from_utf8_lossy(&self.body), 200)
+        ))
     }
 }
 

@@ -8,12 +8,32 @@ use reqwest::Method;
 use super::client::{Consul, Permit};
 use super::error::{ConsulError, Result};
 use super::kvlist::KvList;
-use super::transport::{Body, Lane, Retry, Write, truncate};
+use super::transport::{Body, Lane, Raw, Retry, Write, truncate};
 use super::txn::{MAX_TXN_OPS, TxnOp, TxnResponse, WireTxnResponse};
 use super::types::{KvPair, QueryMeta, QueryOptions, SessionEntry, SessionRequest};
 
 impl Consul {
     // ---- KV ---------------------------------------------------------------------------------
+
+    /// `GET /v1/kv/<path>` with `extra` parameters: the answer, `None` where Consul says the
+    /// key or tree does not exist (404); any other refusal is an error.
+    async fn kv_read(
+        &self,
+        path: &str,
+        extra: &[(&str, &str)],
+        opts: &QueryOptions,
+    ) -> Result<(Option<Raw>, QueryMeta)> {
+        let raw = self.read("kv", self.kv_url(path), extra, opts).await?;
+        let meta = raw.meta();
+        match raw.status.as_u16() {
+            200 => Ok((Some(raw), meta)),
+            404 => Ok((None, meta)),
+            status => Err(ConsulError::Rejected {
+                status,
+                body: raw.text(),
+            }),
+        }
+    }
 
     /// `GET /v1/kv/<key>`: the entry, or `None` if the key does not exist.
     pub async fn kv_get(
@@ -21,19 +41,12 @@ impl Consul {
         key: &str,
         opts: &QueryOptions,
     ) -> Result<(Option<KvPair>, QueryMeta)> {
-        let raw = self.read("kv", self.kv_url(key), &[], opts).await?;
-        let meta = raw.meta();
-        match raw.status.as_u16() {
-            200 => {
-                let mut entries: Vec<KvPair> = raw.json()?;
-                Ok((entries.pop(), meta))
-            }
-            404 => Ok((None, meta)),
-            status => Err(ConsulError::Rejected {
-                status,
-                body: raw.text(),
-            }),
-        }
+        let (raw, meta) = self.kv_read(key, &[], opts).await?;
+        let entry = match raw {
+            Some(raw) => raw.json::<Vec<KvPair>>()?.pop(),
+            None => None,
+        };
+        Ok((entry, meta))
     }
 
     /// `GET /v1/kv/<prefix>?recurse`: every entry whose key starts with `prefix` (sorted by key).
@@ -43,18 +56,8 @@ impl Consul {
         prefix: &str,
         opts: &QueryOptions,
     ) -> Result<(Vec<KvPair>, QueryMeta)> {
-        let raw = self
-            .read("kv", self.kv_url(prefix), &[("recurse", "")], opts)
-            .await?;
-        let meta = raw.meta();
-        match raw.status.as_u16() {
-            200 => Ok((raw.json()?, meta)),
-            404 => Ok((Vec::new(), meta)),
-            status => Err(ConsulError::Rejected {
-                status,
-                body: raw.text(),
-            }),
-        }
+        let (raw, meta) = self.kv_read(prefix, &[("recurse", "")], opts).await?;
+        Ok((raw.map(|r| r.json()).transpose()?.unwrap_or_default(), meta))
     }
 
     /// `GET /v1/kv/<prefix>?recurse`, kept as sent (see [`KvList`]): for watches of big trees.
@@ -63,18 +66,11 @@ impl Consul {
         prefix: &str,
         opts: &QueryOptions,
     ) -> Result<(KvList, QueryMeta)> {
-        let raw = self
-            .read("kv", self.kv_url(prefix), &[("recurse", "")], opts)
-            .await?;
-        let meta = raw.meta();
-        match raw.status.as_u16() {
-            200 => Ok((raw.kv_list()?, meta)),
-            404 => Ok((KvList::default(), meta)),
-            status => Err(ConsulError::Rejected {
-                status,
-                body: raw.text(),
-            }),
-        }
+        let (raw, meta) = self.kv_read(prefix, &[("recurse", "")], opts).await?;
+        Ok((
+            raw.map(|r| r.kv_list()).transpose()?.unwrap_or_default(),
+            meta,
+        ))
     }
 
     /// `GET /v1/kv/<prefix>?keys[&separator=…]`: the keys under `prefix`, cut after the separator.
@@ -88,16 +84,8 @@ impl Consul {
         if let Some(sep) = separator {
             extra.push(("separator", sep));
         }
-        let raw = self.read("kv", self.kv_url(prefix), &extra, opts).await?;
-        let meta = raw.meta();
-        match raw.status.as_u16() {
-            200 => Ok((raw.json()?, meta)),
-            404 => Ok((Vec::new(), meta)),
-            status => Err(ConsulError::Rejected {
-                status,
-                body: raw.text(),
-            }),
-        }
+        let (raw, meta) = self.kv_read(prefix, &extra, opts).await?;
+        Ok((raw.map(|r| r.json()).transpose()?.unwrap_or_default(), meta))
     }
 
     /// `PUT /v1/kv/<key>`: an unconditional write (idempotent, so retried).
