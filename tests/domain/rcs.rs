@@ -416,7 +416,7 @@ async fn ownership_and_mutation_locks() {
     // Fencing: a write checked against the ownership lock lands only for the holder.
     let write = |session: &str| {
         vec![
-            RcStore::ownership_check_op(id, session),
+            TxnOp::check_session(id.ownership_lock_key(), session),
             TxnOp::set("intent/n1/web", MANIFEST.as_bytes().to_vec()),
         ]
     };

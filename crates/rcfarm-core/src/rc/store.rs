@@ -648,12 +648,6 @@ impl RcStore {
         Ok(self.consul.release_lock(key, session).await?)
     }
 
-    /// The fencing check every RC write begins with: fails the transaction unless `session`
-    /// holds the RC's ownership lock.
-    pub fn ownership_check_op(id: RcId, session: &str) -> TxnOp {
-        TxnOp::check_session(id.ownership_lock_key(), session)
-    }
-
     /// The fence of every RC task write: the RC's ownership lock, held by `session`.
     pub fn ownership_fence(id: RcId, session: &SessionId) -> Fence {
         Fence::new(id.ownership_lock_key(), session)

@@ -522,9 +522,14 @@ impl Worker {
         txn: FencedTxn,
         audits: Vec<AuditRecord>,
     ) -> Result<u64, RollError> {
+        Ok(self.commit_txn(self.stamped(txn, audits)).await?)
+    }
+
+    /// `txn` with `audits` as its records, stamped now: every record a roll commits is
+    /// stamped here.
+    pub(super) fn stamped(&self, txn: FencedTxn, audits: Vec<AuditRecord>) -> FencedTxn {
         let now = self.ctx.clock.wall();
-        let txn = txn.records(audits.into_iter().map(|a| a.at(now).txn_op()));
-        Ok(self.commit_txn(txn).await?)
+        txn.records(audits.into_iter().map(|a| a.at(now).txn_op()))
     }
 
     /// Commits `audit`, a report, under the roll's lock.

@@ -385,8 +385,11 @@ impl Worker {
                 "farm_id": self.ctx.farm_id,
             }),
         );
-        let audit = audit.at(self.ctx.clock.wall());
-        match self.commit_txn(self.held().records([audit.txn_op()])).await {
+        // Committed apart from `report`: that the record exists already is fine here.
+        match self
+            .commit_txn(self.stamped(self.held(), vec![audit]))
+            .await
+        {
             Ok(_) | Err(FenceError::AlreadyRecorded) => {}
             Err(e) => return Err(e.into()),
         }
