@@ -67,9 +67,9 @@ impl PodFreshness {
 #[derive(Debug, Default)]
 pub(crate) struct PodInterest {
     pub everything: bool,
-    /// RCs (as their label values) held by another session.
+    /// RCs (as their label values) held by another session, less those about to be claimed.
     foreign: HashSet<String>,
-    /// Pod ids of the RCs this farm serves.
+    /// Pod ids of the RCs this farm serves or is about to claim.
     pod_ids: HashSet<String>,
 }
 
@@ -335,7 +335,6 @@ impl Farm {
                 }
                 f.foreign.extend(owned.refused().copied());
                 f.pending = f.pending.filter(|t| !d.is_fresh(*t));
-                let ticket = f.pending.unwrap_or_else(|| d.next_ticket());
                 let c: BTreeSet<RcId> = matching
                     .iter()
                     .filter(|id| !owners.contains_key(*id) && !owned.tasks.contains_key(*id))
@@ -351,6 +350,26 @@ impl Farm {
                     })
                     .copied()
                     .collect();
+                drop(f);
+                if !c.is_empty() {
+                    // Their pods are kept from now on, before the ticket is taken: the read
+                    // their tasks wait for must be folded with them wanted. A read already in
+                    // flight (a pending ticket's, or one started by the last claims) may be
+                    // folded before this reconcile updates the interest below, leaving them
+                    // out; their tasks then planned without their pods and every write was
+                    // refused (1,800-2,000 passes per farm when a SIGTERMed farm handed
+                    // 6,666 RCs over).
+                    let mut interest = self.pod_interest.write();
+                    for id in &c {
+                        interest.foreign.remove(&id.to_string());
+                        if let Some(rc) = listing.rcs.get(id) {
+                            interest.pod_ids.insert(rc.pod_id().to_string());
+                        }
+                    }
+                }
+                // Not an earlier pending ticket: its read may have been sent already. A
+                // later one also follows whatever made it pending.
+                let ticket = d.next_ticket();
                 let mut tickets = ctx.pod_tickets.lock();
                 for id in &c {
                     tickets.insert(*id, ticket);

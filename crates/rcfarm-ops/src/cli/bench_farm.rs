@@ -619,6 +619,8 @@ pub async fn run(args: BenchFarmArgs) -> Result<(), CliError> {
     // Handover and failover need another farm to take over.
     let (mut handover, mut failover) = (None, None);
     if args.farms >= 2 {
+        let before_handover =
+            total(&farm_counter(&scraper, &farms[1..], "rcfarm_rc_pass_errors_total", "").await);
         let gone = farms[0].session.clone().unwrap_or_default();
         signal(farms[0].pid, "TERM");
         let n = args.rcs;
@@ -634,6 +636,16 @@ pub async fn run(args: BenchFarmArgs) -> Result<(), CliError> {
             .await?,
         );
         let _ = farms[0].child.wait().await;
+        // The new owners' first passes follow the handover by a moment: a pass planned
+        // without the pods the old owner wrote has every write refused.
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let after =
+            total(&farm_counter(&scraper, &farms[1..], "rcfarm_rc_pass_errors_total", "").await);
+        println!(
+            "RC passes failed by the SIGTERM handover's new owners (3 s after it; before it: {:.0}): {:.0}",
+            before_handover,
+            after - before_handover
+        );
         let gone = farms[1].session.clone().unwrap_or_default();
         signal(farms[1].pid, "KILL");
         failover = Some(
