@@ -559,7 +559,6 @@ fn metric_names(text: &str) -> std::collections::BTreeSet<String> {
     out
 }
 
-/// What a farm's `/metrics` declares (`# TYPE` lines), with a histogram's series names.
 /// The metric names a farm's `/metrics` declares now (`None` if it did not answer).
 async fn declared_metrics(http: &str) -> Option<std::collections::BTreeSet<String>> {
     let text = common::http()
@@ -573,6 +572,7 @@ async fn declared_metrics(http: &str) -> Option<std::collections::BTreeSet<Strin
     Some(exported(&text))
 }
 
+/// What a farm's `/metrics` declares (`# TYPE` lines), with a histogram's series names.
 fn exported(exposition: &str) -> std::collections::BTreeSet<String> {
     let mut out = std::collections::BTreeSet::new();
     for l in exposition.lines() {
