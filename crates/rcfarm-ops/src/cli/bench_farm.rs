@@ -638,11 +638,13 @@ pub async fn run(args: BenchFarmArgs) -> Result<(), CliError> {
         let _ = farms[0].child.wait().await;
         // The new owners' first passes follow the handover by a moment: a pass planned
         // without the pods the old owner wrote has every write refused.
-        tokio::time::sleep(Duration::from_secs(3)).await;
+        let settle = Duration::from_secs(3);
+        tokio::time::sleep(settle).await;
         let after =
             total(&farm_counter(&scraper, &farms[1..], "rcfarm_rc_pass_errors_total", "").await);
         println!(
-            "RC passes failed by the SIGTERM handover's new owners (3 s after it; before it: {:.0}): {:.0}",
+            "RC passes failed by the SIGTERM handover's new owners ({} s after it; before it: {:.0}): {:.0}",
+            settle.as_secs(),
             before_handover,
             after - before_handover
         );
