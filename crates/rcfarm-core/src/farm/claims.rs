@@ -8,9 +8,9 @@
 //! prefer it move.
 //!
 //! Views differ for a moment when farms come and go; the farm loop tolerates that with a grace
-//! rule (an RC nobody holds for a while is claimed by whoever sees it, within a small slack over
-//! the cap, and past a longer wait by anyone at all), so no RC waits because every farm thinks
-//! it is full.
+//! rule (an RC nobody holds for a while is claimed by whoever sees it and is under its cap, a
+//! while longer by a farm within a small slack over the cap, and past a longer wait by anyone
+//! at all), so no RC waits because every farm thinks it is full.
 
 use std::collections::{BTreeMap, BTreeSet};
 
