@@ -11,7 +11,7 @@ use tokio::time::Instant;
 
 use super::claims::Assignment;
 pub(crate) use super::decide::Rules;
-use super::decide::{self, Situation, Stop};
+use super::decide::{self, HeldIndex, Situation, Stop};
 use crate::audit::AuditRecord;
 use crate::clock::Clock;
 use crate::consul::{
@@ -54,6 +54,9 @@ pub(crate) struct ClaimView<'a> {
     pub assignment: &'a Assignment,
     /// The session holding each object's lock.
     pub holders: &'a BTreeMap<RcId, String>,
+    /// Of `matching` and `holders`, what is unheld and what is this farm's, if the caller
+    /// keeps it with its view (`None`: computed at each reconcile; fine for a few objects).
+    pub held: Option<&'a HeldIndex>,
     /// The lock tree's index, to tell a lagging view from a lost lock.
     pub lock_index: u64,
     /// When the lock tree was read: an object is known unheld only up to then.
@@ -207,6 +210,14 @@ impl<K: Kind> Owned<K> {
         self.released_at.retain(|_, l| !l.shown(view));
         self.claimed_at.retain(|_, idx| view.lock_index < *idx);
         self.finished_at.retain(|_, idx| view.listing_index < *idx);
+        let computed;
+        let held = match view.held {
+            Some(h) => h,
+            None => {
+                computed = HeldIndex::new(view.matching, view.holders, farm.session.id());
+                &computed
+            }
+        };
         let (claimed_at, released_at, refused_at, finished_at) = (
             &self.claimed_at,
             &self.released_at,
@@ -220,6 +231,7 @@ impl<K: Kind> Owned<K> {
             matching: view.matching,
             assignment: view.assignment,
             holders: view.holders,
+            held,
             locks_read_at: view.locks_read_at,
             claimed: &|id| claimed_at.contains_key(id),
             released: &|id| released_at.contains_key(id),
@@ -300,7 +312,7 @@ impl<K: Kind> Owned<K> {
 
         // Start tasks for what we hold and have no task for (claimed now, or held after a
         // restart of the loop).
-        for id in decide::starts(s, &self.tasks) {
+        for id in decide::starts(s, &self.tasks, claimed_at.keys().chain(just_claimed.keys())) {
             self.tasks.insert(id, spawn(id));
             // The task starts from the version it was spawned with.
             if let Some((_, version)) = state(id) {
@@ -660,6 +672,7 @@ mod tests {
                 matching: &all,
                 assignment: &assignment,
                 holders: &BTreeMap::new(),
+                held: None,
                 lock_index: 1,
                 locks_read_at: demand.answered_at().unwrap(),
                 lock_reads: Some(&demand),
@@ -717,6 +730,7 @@ mod tests {
                 matching: &all,
                 assignment: &assignment,
                 holders: &holders,
+                held: None,
                 lock_index: 5,
                 locks_read_at: Instant::now(),
                 lock_reads: None,

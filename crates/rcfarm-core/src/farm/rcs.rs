@@ -8,6 +8,7 @@ use std::sync::Arc;
 use tokio::sync::{broadcast, mpsc, watch};
 
 use super::claims::assign_held;
+use super::decide::HeldIndex;
 use super::ownership::{ClaimView, Kind, Owned, ownership_record};
 use super::registry::{self, FarmInfo};
 use super::unclaimable::Unclaimable;
@@ -252,7 +253,6 @@ impl Farm {
                 }
             }
         }
-        let holders = &locks.holders;
 
         self.report_unclaimable(
             crate::rc::RC_PREFIX,
@@ -335,9 +335,11 @@ impl Farm {
                 }
                 f.foreign.extend(owned.refused().copied());
                 f.pending = f.pending.filter(|t| !d.is_fresh(*t));
-                let c: BTreeSet<RcId> = matching
+                let c: BTreeSet<RcId> = inputs
+                    .held
+                    .unheld
                     .iter()
-                    .filter(|id| !owners.contains_key(*id) && !owned.tasks.contains_key(*id))
+                    .filter(|id| !owned.tasks.contains_key(*id))
                     .filter(|id| {
                         f.pending.is_some()
                             || f.foreign.contains(*id)
@@ -383,6 +385,7 @@ impl Farm {
             matching,
             assignment,
             holders: owners,
+            held: Some(&inputs.held),
             lock_index: locks.index,
             // Not the view's own time: an answer equal to the last one leaves the view as it
             // was, yet says it is still current (a refused claim, or a grace period, waits for
@@ -460,13 +463,10 @@ impl Farm {
         // mid-transfer (handover, fencing, deletion), when the release request is lost, or when
         // an acquire sent by a task just stopped lands late; the lock tree's change brings us
         // back here. The transfer itself, if one is in flight, is resumed by the owner.
-        let stray: Vec<(RcId, String)> = holders
+        let stray: Vec<(RcId, String)> = inputs
+            .our_mutations
             .iter()
-            .filter_map(|(id, h)| {
-                let (s, v) = h.mutation.as_ref()?;
-                if s != sid {
-                    return None;
-                }
+            .filter_map(|(id, v)| {
                 let ours_for_transfer = *v == id.node_transfer_holder();
                 // A rolling update's lock is the roll farm's business; any other value under
                 // our session (a late request of a stopped task, an older version) is stray.
@@ -487,9 +487,10 @@ impl Farm {
         // As this farm sees them: an RC no session holds a lock on (none of the farms'
         // selectors matches it, or its farm died and nobody has taken it yet).
         metrics::gauge!("rcfarm_rcs").set(all_ids.len() as f64);
-        let unowned = all_ids
+        let unowned = inputs
+            .all_unheld
             .iter()
-            .filter(|id| !owners.contains_key(*id) && !owned.tasks.contains_key(*id))
+            .filter(|id| !owned.tasks.contains_key(*id))
             .count();
         metrics::gauge!("rcfarm_rcs_unowned").set(unowned as f64);
         self.status.update_farm(|f| {
@@ -614,6 +615,12 @@ pub(crate) struct ClaimInputs {
     owners: BTreeMap<RcId, String>,
     /// Pod ids of RCs another session holds.
     foreign_pod_ids: HashSet<String>,
+    /// Of `matching`, what no session holds, and what this farm's session holds.
+    held: HeldIndex,
+    /// Of `all`, what no session holds (for the gauge of RCs nobody serves).
+    all_unheld: Vec<RcId>,
+    /// The mutation locks this farm's session holds, as (RC, value held).
+    our_mutations: Vec<(RcId, String)>,
     farms: Vec<FarmInfo>,
 }
 
@@ -681,7 +688,24 @@ fn claim_inputs<'a>(
         .filter_map(|(id, _)| listing.rcs.get(id))
         .map(|rc| rc.pod_id().to_string())
         .collect();
+    let held = HeldIndex::new(&matching, &owners, &key.4);
+    let all_unheld = all
+        .iter()
+        .filter(|id| !owners.contains_key(*id))
+        .copied()
+        .collect();
+    let our_mutations = locks
+        .holders
+        .iter()
+        .filter_map(|(id, h)| {
+            let (s, v) = h.mutation.as_ref()?;
+            (*s == key.4).then(|| (*id, v.clone()))
+        })
+        .collect();
     ClaimInputs {
+        held,
+        all_unheld,
+        our_mutations,
         foreign_pod_ids,
         key,
         all,

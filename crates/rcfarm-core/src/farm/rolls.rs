@@ -212,6 +212,7 @@ impl Farm {
             matching: &matching,
             assignment: &assignment,
             holders: &holders,
+            held: None,
             lock_index: lock_snap.index,
             locks_read_at: tokio::time::Instant::now(),
             lock_reads: None,
