@@ -28,7 +28,12 @@ pub struct FarmView {
 /// avalanche). Stable across versions and platforms, unlike `std`'s hasher.
 pub fn score(farm_id: &str, rc: &RcId) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in farm_id.bytes().chain([0u8]).chain(rc.to_string().bytes()) {
+    let mut buf = [0u8; 36];
+    for b in farm_id
+        .bytes()
+        .chain([0u8])
+        .chain(rc.encode(&mut buf).bytes())
+    {
         h ^= b as u64;
         h = h.wrapping_mul(0x0100_0000_01b3);
     }
@@ -122,15 +127,19 @@ pub fn assign_by<L>(
             owner.insert(*rc, f.farm_id.clone());
         }
     }
+    // One list for every RC's candidates, not one allocated per RC.
+    let mut candidates: Vec<(&FarmView, u64)> = Vec::with_capacity(farms.len());
     for (rc, labels) in items {
         if owner.contains_key(rc) {
             continue;
         }
-        let mut candidates: Vec<(&FarmView, u64)> = farms
-            .iter()
-            .filter(|f| may_serve(&f.rc_selector, labels))
-            .map(|f| (*f, score(&f.farm_id, rc)))
-            .collect();
+        candidates.clear();
+        candidates.extend(
+            farms
+                .iter()
+                .filter(|f| may_serve(&f.rc_selector, labels))
+                .map(|f| (*f, score(&f.farm_id, rc))),
+        );
         candidates.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.farm_id.cmp(&b.0.farm_id)));
         let chosen = candidates
             .iter()

@@ -36,6 +36,12 @@ impl RcId {
         RcId(Uuid::new_v4())
     }
 
+    /// The id as it is displayed, written into `buf` instead of a new string (the claim
+    /// assignment hashes every RC's id once per farm at every change).
+    pub fn encode<'b>(&self, buf: &'b mut [u8; 36]) -> &'b str {
+        self.0.hyphenated().encode_lower(buf)
+    }
+
     /// Parses an id as it appears in keys: only the canonical lowercase hyphenated form, since
     /// any other spelling names a different Consul key.
     pub fn parse(s: &str) -> Result<RcId, String> {
