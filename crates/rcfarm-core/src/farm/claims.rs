@@ -12,7 +12,8 @@
 //! while longer by a farm within a small slack over the cap, and past a longer wait by anyone
 //! at all), so no RC waits because every farm thinks it is full.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::borrow::Borrow;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use crate::labels::{LabelSet, Selector};
 use crate::rc::RcId;
@@ -63,7 +64,7 @@ impl Assignment {
 
 /// Computes the assignment of `rcs` (each with its own labels, for the farms' RC selectors).
 pub fn assign(rcs: &BTreeMap<RcId, LabelSet>, farms: &[FarmView]) -> Assignment {
-    assign_held(rcs, farms, &BTreeMap::new())
+    assign_held(rcs, farms, &BTreeMap::<RcId, String>::new())
 }
 
 /// Like [`assign`], with `held` (RC → id of the live farm holding it): a farm keeps what it
@@ -71,10 +72,10 @@ pub fn assign(rcs: &BTreeMap<RcId, LabelSet>, farms: &[FarmView]) -> Assignment 
 /// an RC shifts whenever RCs are created before it in id order or farms come and go, and each
 /// shift is a claim, a handover and a claim again; with it, growth moves nothing and a new or
 /// departed farm moves only the RCs over a cap or left unheld.
-pub fn assign_held<L: std::borrow::Borrow<LabelSet>>(
+pub fn assign_held<L: Borrow<LabelSet>, H: Borrow<str>>(
     rcs: &BTreeMap<RcId, L>,
     farms: &[FarmView],
-    held: &BTreeMap<RcId, String>,
+    held: &BTreeMap<RcId, H>,
 ) -> Assignment {
     assign_by(rcs, farms, held, |selector, labels| {
         selector.matches(labels.borrow())
@@ -84,10 +85,10 @@ pub fn assign_held<L: std::borrow::Borrow<LabelSet>>(
 /// Computes the assignment of any claimed objects (named by an RC id: rolls are named by
 /// their new RC), `may_serve` telling whether a farm's RC selector admits an object, `held`
 /// who holds what (see [`assign_held`]).
-pub fn assign_by<L>(
+pub fn assign_by<L, H: Borrow<str>>(
     items: &BTreeMap<RcId, L>,
     farms: &[FarmView],
-    held: &BTreeMap<RcId, String>,
+    held: &BTreeMap<RcId, H>,
     may_serve: impl Fn(&Selector, &L) -> bool,
 ) -> Assignment {
     let mut farms: Vec<&FarmView> = farms.iter().collect();
@@ -96,65 +97,79 @@ pub fn assign_by<L>(
     if farms.is_empty() {
         return Assignment::default();
     }
+    // Farms by position, not by id: this runs over every RC in every farm at each change of
+    // the listing or lock tree, and looking farms up by name was much of it.
+    let position: HashMap<&str, usize> = farms
+        .iter()
+        .enumerate()
+        .map(|(i, f)| (f.farm_id.as_str(), i))
+        .collect();
     // Fair share per farm: the objects it may serve, divided among the farms with the same
     // selector.
-    let mut cap = BTreeMap::new();
-    for f in &farms {
-        let servable = items
-            .values()
-            .filter(|l| may_serve(&f.rc_selector, l))
-            .count();
-        let peers = farms
-            .iter()
-            .filter(|g| g.rc_selector == f.rc_selector)
-            .count()
-            .max(1);
-        cap.insert(f.farm_id.clone(), servable.div_ceil(peers));
-    }
-    let mut load: BTreeMap<&str, usize> = BTreeMap::new();
-    let mut owner = BTreeMap::new();
+    let caps: Vec<usize> = farms
+        .iter()
+        .map(|f| {
+            let servable = items
+                .values()
+                .filter(|l| may_serve(&f.rc_selector, l))
+                .count();
+            let peers = farms
+                .iter()
+                .filter(|g| g.rc_selector == f.rc_selector)
+                .count()
+                .max(1);
+            servable.div_ceil(peers)
+        })
+        .collect();
+    let mut load = vec![0usize; farms.len()];
+    // Each item's farm, by the item's position in `items` (both passes walk it in id order).
+    let mut chosen: Vec<Option<usize>> = vec![None; items.len()];
     // Holders first, in id order, each up to its cap.
-    for (rc, labels) in items {
-        let Some(f) = held
-            .get(rc)
-            .and_then(|h| farms.iter().find(|f| f.farm_id == *h))
-        else {
+    for ((rc, labels), slot) in items.iter().zip(chosen.iter_mut()) {
+        let Some(&i) = held.get(rc).and_then(|h| position.get(h.borrow())) else {
             continue;
         };
-        let l = load.entry(f.farm_id.as_str()).or_default();
-        if may_serve(&f.rc_selector, labels) && *l < cap[&f.farm_id] {
-            *l += 1;
-            owner.insert(*rc, f.farm_id.clone());
+        if load[i] < caps[i] && may_serve(&farms[i].rc_selector, labels) {
+            load[i] += 1;
+            *slot = Some(i);
         }
     }
     // One list for every RC's candidates, not one allocated per RC.
-    let mut candidates: Vec<(&FarmView, u64)> = Vec::with_capacity(farms.len());
-    for (rc, labels) in items {
-        if owner.contains_key(rc) {
+    let mut candidates: Vec<(usize, u64)> = Vec::with_capacity(farms.len());
+    for ((rc, labels), slot) in items.iter().zip(chosen.iter_mut()) {
+        if slot.is_some() {
             continue;
         }
         candidates.clear();
         candidates.extend(
             farms
                 .iter()
-                .filter(|f| may_serve(&f.rc_selector, labels))
-                .map(|f| (*f, score(&f.farm_id, rc))),
+                .enumerate()
+                .filter(|(_, f)| may_serve(&f.rc_selector, labels))
+                .map(|(i, f)| (i, score(&f.farm_id, rc))),
         );
-        candidates.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.farm_id.cmp(&b.0.farm_id)));
-        let chosen = candidates
+        // Farms are sorted by id, so the position breaks ties as the id would.
+        candidates.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+        let pick = candidates
             .iter()
-            .find(|(f, _)| load.get(f.farm_id.as_str()).copied().unwrap_or(0) < cap[&f.farm_id])
+            .find(|(i, _)| load[*i] < caps[*i])
             // Overlapping selectors can leave everyone at cap: then the least loaded candidate.
-            .or_else(|| {
-                candidates
-                    .iter()
-                    .min_by_key(|(f, _)| load.get(f.farm_id.as_str()).copied().unwrap_or(0))
-            });
-        if let Some((f, _)) = chosen {
-            *load.entry(f.farm_id.as_str()).or_default() += 1;
-            owner.insert(*rc, f.farm_id.clone());
+            .or_else(|| candidates.iter().min_by_key(|(i, _)| load[*i]));
+        if let Some(&(i, _)) = pick {
+            load[i] += 1;
+            *slot = Some(i);
         }
     }
+    let owner = items
+        .keys()
+        .zip(chosen)
+        .filter_map(|(rc, i)| Some((*rc, farms[i?].farm_id.clone())))
+        .collect();
+    let cap = farms
+        .iter()
+        .zip(caps)
+        .map(|(f, c)| (f.farm_id.clone(), c))
+        .collect();
     Assignment { owner, cap }
 }
 

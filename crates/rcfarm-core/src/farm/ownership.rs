@@ -104,6 +104,10 @@ pub(crate) struct Owned<K: Kind> {
     unheld_since: HashMap<RcId, Instant>,
     /// The versions handed to tasks.
     sent: HashMap<RcId, u64>,
+    /// The listing index at which every task was last handed its version: versions come from
+    /// the listing, so until it changes there is nothing new to hand (a task started since
+    /// was spawned with its version).
+    sent_at: Option<u64>,
     /// Objects whose task finished them (a completed roll) at a commit index: not claimed
     /// or started again until the view of the objects has caught up with that index.
     finished_at: HashMap<RcId, u64>,
@@ -153,6 +157,7 @@ impl<K: Kind> Owned<K> {
             claimed_at: HashMap::new(),
             unheld_since: HashMap::new(),
             sent: HashMap::new(),
+            sent_at: None,
             finished_at: HashMap::new(),
             refused_at: HashMap::new(),
             released_at: HashMap::new(),
@@ -350,13 +355,16 @@ impl<K: Kind> Owned<K> {
         }
 
         // Hand tasks the versions they have not seen.
-        for (id, t) in &self.tasks {
-            if let Some((s, version)) = state(*id)
-                && self.sent.get(id) != Some(&version)
-            {
-                t.update(s);
-                self.sent.insert(*id, version);
+        if self.sent_at != Some(view.listing_index) {
+            for (id, t) in &self.tasks {
+                if let Some((s, version)) = state(*id)
+                    && self.sent.get(id) != Some(&version)
+                {
+                    t.update(s);
+                    self.sent.insert(*id, version);
+                }
             }
+            self.sent_at = Some(view.listing_index);
         }
         claimed.into_iter().map(|(id, _)| id).collect()
     }

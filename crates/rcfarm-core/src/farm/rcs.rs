@@ -33,6 +33,8 @@ pub(crate) struct PodFreshness {
     sessions: BTreeSet<String>,
     /// A read every claim waits for until it is done.
     pending: Option<u64>,
+    /// The lock view whose holders `foreign` has taken in.
+    foreign_at: Option<u64>,
 }
 
 impl PodFreshness {
@@ -68,8 +70,8 @@ impl PodFreshness {
 #[derive(Debug, Default)]
 pub(crate) struct PodInterest {
     pub everything: bool,
-    /// RCs (as their label values) held by another session, less those about to be claimed.
-    foreign: HashSet<String>,
+    /// RCs held by another session, less those about to be claimed.
+    foreign: HashSet<RcId>,
     /// Pod ids of the RCs this farm serves or is about to claim.
     pod_ids: HashSet<String>,
 }
@@ -77,9 +79,11 @@ pub(crate) struct PodInterest {
 impl PodInterest {
     pub fn keep(&self, labels: &dyn LabelLookup) -> bool {
         self.everything
+            // A label that names no RC is no other farm's.
             || labels
                 .label(RC_ID_LABEL)
-                .is_none_or(|rc| !self.foreign.contains(rc))
+                .and_then(|rc| RcId::parse(rc).ok())
+                .is_none_or(|rc| !self.foreign.contains(&rc))
             || labels
                 .label(crate::rc::POD_ID_LABEL)
                 .is_some_and(|p| self.pod_ids.contains(p))
@@ -329,9 +333,10 @@ impl Farm {
         let candidates: BTreeSet<RcId> = match &pod_demand {
             Some(d) => {
                 let mut f = self.pod_freshness.lock();
-                if inputs_changed {
-                    f.foreign
-                        .extend(owners.iter().filter(|(_, s)| *s != sid).map(|(id, _)| *id));
+                // Holders change only with the lock view (not with each claim or listing).
+                if f.foreign_at != Some(locks.index) {
+                    f.foreign.extend(inputs.theirs.iter().copied());
+                    f.foreign_at = Some(locks.index);
                 }
                 f.foreign.extend(owned.refused().copied());
                 f.pending = f.pending.filter(|t| !d.is_fresh(*t));
@@ -363,7 +368,7 @@ impl Farm {
                     // 6,666 RCs over).
                     let mut interest = self.pod_interest.write();
                     for id in &c {
-                        interest.foreign.remove(&id.to_string());
+                        interest.foreign.remove(id);
                         if let Some(rc) = listing.rcs.get(id) {
                             interest.pod_ids.insert(rc.pod_id().to_string());
                         }
@@ -426,14 +431,9 @@ impl Farm {
                 .filter_map(|id| listing.rcs.get(id))
                 .map(|rc| rc.pod_id().to_string())
                 .collect();
-            let foreign: HashSet<String> = owners
-                .iter()
-                .filter(|(_, s)| *s != sid)
-                .map(|(id, _)| id.to_string())
-                .collect();
             let mut interest = self.pod_interest.write();
             interest.pod_ids = pod_ids;
-            interest.foreign = foreign;
+            interest.foreign = inputs.theirs.clone();
         }
         // RCs taken over from another session: their intents are swept soon too. New RCs
         // have none to sweep (a sweep lists every intent: 100,000 of them were most of what a
@@ -615,6 +615,8 @@ pub(crate) struct ClaimInputs {
     owners: BTreeMap<RcId, String>,
     /// Pod ids of RCs another session holds.
     foreign_pod_ids: HashSet<String>,
+    /// The RCs another session holds.
+    theirs: HashSet<RcId>,
     /// Of `matching`, what no session holds, and what this farm's session holds.
     held: HeldIndex,
     /// Of `all`, what no session holds (for the gauge of RCs nobody serves).
@@ -650,14 +652,18 @@ fn claim_inputs<'a>(
                 .filter_map(|k| RcId::from_key(k).and_then(Result::ok)),
         )
         .collect();
-    // Most RCs carry no labels: they share one empty set.
-    let none = Arc::new(LabelSet::new());
-    let rc_labels: BTreeMap<RcId, Arc<LabelSet>> = all
+    // Most RCs carry no labels: they share one empty set. The labelled ones are taken from the
+    // cache in one pass, not looked up (and their ids written out) one RC at a time.
+    let none = LabelSet::new();
+    let labelled: HashMap<RcId, Arc<LabelSet>> = views
+        .rc_labels
+        .all()
+        .into_iter()
+        .filter_map(|(id, l)| Some((RcId::parse(&id).ok()?, l)))
+        .collect();
+    let rc_labels: BTreeMap<RcId, &LabelSet> = all
         .iter()
-        .map(|id| {
-            let l = views.rc_labels.get(&id.to_string());
-            (*id, l.unwrap_or_else(|| none.clone()))
-        })
+        .map(|id| (*id, labelled.get(id).map_or(&none, |l| &**l)))
         .collect();
     let farms = registry::live_farms_with(registry_entries, info);
     let farm_of: HashMap<&str, &str> = farms
@@ -669,26 +675,35 @@ fn claim_inputs<'a>(
         .iter()
         .filter_map(|(id, h)| h.ownership.as_ref().map(|(s, _)| (*id, s.clone())))
         .collect();
-    let mut held: BTreeMap<RcId, String> = owners
+    let mut held: BTreeMap<RcId, &str> = owners
         .iter()
-        .filter_map(|(id, s)| Some((*id, farm_of.get(s.as_str())?.to_string())))
+        .filter_map(|(id, s)| Some((*id, *farm_of.get(s.as_str())?)))
         .collect();
     // Claims the lock tree does not show yet are ours too: counted as free, they were given to
     // this farm again on top of its share, and it then had that many to hand back.
-    held.extend(tasks.map(|id| (*id, info.farm_id.clone())));
+    held.extend(tasks.map(|id| (*id, info.farm_id.as_str())));
     let assignment = assign_held(&rc_labels, &registry::views(&farms), &held);
     let matching: BTreeSet<RcId> = rc_labels
         .iter()
-        .filter(|(_, l)| selector.matches(&***l))
+        .filter(|(_, l)| selector.matches(**l))
         .map(|(id, _)| *id)
         .collect();
-    let foreign_pod_ids = owners
-        .iter()
-        .filter(|(_, s)| **s != key.4)
-        .filter_map(|(id, _)| listing.rcs.get(id))
-        .map(|rc| rc.pod_id().to_string())
+    // Only a pod id more than one RC carries can be another farm's and a candidate's both.
+    let foreign_pod_ids = listing
+        .shared_pod_ids()
+        .into_iter()
+        .filter(|(_, ids)| {
+            ids.iter()
+                .any(|id| owners.get(id).is_some_and(|s| *s != key.4))
+        })
+        .map(|(pod_id, _)| pod_id.to_string())
         .collect();
     let held = HeldIndex::new(&matching, &owners, &key.4);
+    let theirs = owners
+        .iter()
+        .filter(|(_, s)| **s != key.4)
+        .map(|(id, _)| *id)
+        .collect();
     let all_unheld = all
         .iter()
         .filter(|id| !owners.contains_key(*id))
@@ -707,11 +722,47 @@ fn claim_inputs<'a>(
         all_unheld,
         our_mutations,
         foreign_pod_ids,
+        theirs,
         key,
         all,
         matching,
         assignment,
         owners,
         farms,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A pod is left out only when its RC label names an RC another session holds and its pod
+    /// id is none of ours; a label that names no RC is nobody's, so the pod is kept.
+    #[test]
+    fn pods_of_rcs_held_elsewhere_are_left_out() {
+        let (theirs, ours) = (RcId::new(), RcId::new());
+        let interest = PodInterest {
+            everything: false,
+            foreign: [theirs].into(),
+            pod_ids: ["shared".to_string()].into(),
+        };
+        let pod = |rc: &str, pod_id: &str| -> LabelSet {
+            [
+                (RC_ID_LABEL.to_string(), rc.to_string()),
+                (crate::rc::POD_ID_LABEL.to_string(), pod_id.to_string()),
+            ]
+            .into()
+        };
+        assert!(!interest.keep(&pod(&theirs.to_string(), "web")));
+        assert!(interest.keep(&pod(&theirs.to_string(), "shared")));
+        assert!(interest.keep(&pod(&ours.to_string(), "web")));
+        assert!(interest.keep(&pod("not-an-rc", "web")));
+        assert!(interest.keep(&pod(&theirs.to_string().to_uppercase(), "web")));
+        assert!(interest.keep(&LabelSet::new()));
+        let everything = PodInterest {
+            everything: true,
+            ..interest
+        };
+        assert!(everything.keep(&pod(&theirs.to_string(), "web")));
     }
 }

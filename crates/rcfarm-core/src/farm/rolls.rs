@@ -199,7 +199,7 @@ impl Farm {
         let assignment = assign_by(
             &items,
             &registry::views(&farms),
-            &BTreeMap::new(),
+            &BTreeMap::<RcId, String>::new(),
             may_serve,
         );
         let matching: BTreeSet<RollId> = items

@@ -104,6 +104,28 @@ pub struct RcListing {
     pub invalid: BTreeMap<String, InvalidRc>,
 }
 
+impl RcListing {
+    /// Pod ids that more than one valid RC carries (a rolling update's old and new RC), each
+    /// with those RCs. Usually empty: a farm asks it at every change of the lock tree, where
+    /// looking up the pod id of every RC another farm holds was a fifth of the work.
+    pub fn shared_pod_ids(&self) -> BTreeMap<&str, Vec<RcId>> {
+        let mut first: HashMap<&str, RcId> = HashMap::with_capacity(self.rcs.len());
+        let mut shared: BTreeMap<&str, Vec<RcId>> = BTreeMap::new();
+        for (id, rc) in &self.rcs {
+            match first.entry(rc.pod_id()) {
+                std::collections::hash_map::Entry::Vacant(v) => {
+                    v.insert(*id);
+                }
+                std::collections::hash_map::Entry::Occupied(o) => shared
+                    .entry(rc.pod_id())
+                    .or_insert_with(|| vec![*o.get()])
+                    .push(*id),
+            }
+        }
+        shared
+    }
+}
+
 /// A summary of a raw record's operator-facing fields, for audit diffs (the manifest by digest).
 fn summary(raw: &RawRc) -> Value {
     json!({
@@ -886,6 +908,53 @@ mod tests {
         second.push(record(ids[3], 3, "env=dev", 4));
         let l2 = parse_listing(4, &second, Some(&l1));
         assert!(Arc::ptr_eq(&sel(&l2, 3), &sel(&l1, 2)));
+    }
+
+    /// Only pod ids more than one valid RC carries, each with every RC that carries it.
+    #[test]
+    fn shared_pod_ids_are_those_of_several_rcs() {
+        let record = |id: RcId, pod: &str| KvPair {
+            key: id.key(),
+            value: Some(
+                json!({"id": id.to_string(), "manifest": format!("id: {pod}\nlaunchables: {{}}\n"),
+                    "node_selector": "", "replicas_desired": 1})
+                .to_string()
+                .into_bytes(),
+            ),
+            modify_index: 1,
+            ..Default::default()
+        };
+        let ids: Vec<RcId> = (0..5).map(|_| RcId::new()).collect();
+        let mut entries = vec![
+            record(ids[0], "web"),
+            record(ids[1], "db"),
+            record(ids[2], "web"),
+            record(ids[3], "web"),
+            record(ids[4], "cache"),
+        ];
+        // Invalid (no replicas): not in the listing's RCs, so it shares nothing.
+        entries.push(KvPair {
+            value: Some(
+                json!({"id": ids[4].to_string(), "manifest": "id: db\nlaunchables: {}\n"})
+                    .to_string()
+                    .into_bytes(),
+            ),
+            key: RcId::new().key(),
+            ..entries[1].clone()
+        });
+        let listing = parse_listing(1, &entries, None);
+        let shared = listing.shared_pod_ids();
+        assert_eq!(shared.keys().copied().collect::<Vec<_>>(), vec!["web"]);
+        let mut web = shared["web"].clone();
+        web.sort();
+        let mut want = vec![ids[0], ids[2], ids[3]];
+        want.sort();
+        assert_eq!(web, want);
+        assert!(
+            parse_listing(1, &entries[..2], None)
+                .shared_pod_ids()
+                .is_empty()
+        );
     }
 
     #[test]
