@@ -21,7 +21,7 @@ fn find(name: &str) -> Option<String> {
 struct Driver {
     base: String,
     session: String,
-    _child: tokio::process::Child,
+    child: tokio::process::Child,
 }
 
 impl Driver {
@@ -36,10 +36,14 @@ impl Driver {
             .local_addr()
             .unwrap()
             .port();
+        // Its own process group, which the Chromium it starts joins: killing chromedriver
+        // alone left every browser it had started running, reparented to init (24 processes
+        // per suite run, found still running after it).
         let child = tokio::process::Command::new(chromedriver)
             .arg(format!("--port={port}"))
             .stdout(Stdio::null())
             .stderr(Stdio::null())
+            .process_group(0)
             .kill_on_drop(true)
             .spawn()
             .unwrap();
@@ -81,7 +85,18 @@ impl Driver {
         Driver {
             base,
             session,
-            _child: child,
+            child,
+        }
+    }
+
+    /// Chromium is chromedriver's child: only its process group reaches it once the
+    /// driver is gone (also when a test panics).
+    fn kill_group(&self) {
+        if let Some(pid) = self.child.id() {
+            let _ = std::process::Command::new("kill")
+                .args(["-KILL", "--", &format!("-{pid}")])
+                .stderr(Stdio::null())
+                .status();
         }
     }
 
@@ -123,6 +138,12 @@ impl Driver {
                 let _ = std::fs::write(path, bytes);
             }
         }
+    }
+}
+
+impl Drop for Driver {
+    fn drop(&mut self) {
+        self.kill_group();
     }
 }
 

@@ -688,22 +688,24 @@ fn claim_inputs<'a>(
         .filter(|(_, l)| selector.matches(**l))
         .map(|(id, _)| *id)
         .collect();
-    // Only a pod id more than one RC carries can be another farm's and a candidate's both.
-    let foreign_pod_ids = listing
-        .shared_pod_ids()
-        .into_iter()
-        .filter(|(_, ids)| {
-            ids.iter()
-                .any(|id| owners.get(id).is_some_and(|s| *s != key.4))
-        })
-        .map(|(pod_id, _)| pod_id.to_string())
-        .collect();
     let held = HeldIndex::new(&matching, &owners, &key.4);
-    let theirs = owners
+    let theirs: HashSet<RcId> = owners
         .iter()
         .filter(|(_, s)| **s != key.4)
         .map(|(id, _)| *id)
         .collect();
+    // Only a pod id more than one RC carries can be another farm's and a candidate's both (and
+    // with no RC held elsewhere, none is: a lone farm skips the walk over every pod id).
+    let foreign_pod_ids = if theirs.is_empty() {
+        HashSet::new()
+    } else {
+        listing
+            .shared_pod_ids()
+            .into_iter()
+            .filter(|(_, ids)| ids.iter().any(|id| theirs.contains(id)))
+            .map(|(pod_id, _)| pod_id.to_string())
+            .collect()
+    };
     let all_unheld = all
         .iter()
         .filter(|id| !owners.contains_key(*id))
