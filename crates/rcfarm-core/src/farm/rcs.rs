@@ -675,14 +675,14 @@ fn claim_inputs<'a>(
         .iter()
         .filter_map(|(id, h)| h.ownership.as_ref().map(|(s, _)| (*id, s.clone())))
         .collect();
-    let mut held: BTreeMap<RcId, &str> = owners
+    let mut farm_holding: BTreeMap<RcId, &str> = owners
         .iter()
         .filter_map(|(id, s)| Some((*id, *farm_of.get(s.as_str())?)))
         .collect();
     // Claims the lock tree does not show yet are ours too: counted as free, they were given to
     // this farm again on top of its share, and it then had that many to hand back.
-    held.extend(tasks.map(|id| (*id, info.farm_id.as_str())));
-    let assignment = assign_held(&rc_labels, &registry::views(&farms), &held);
+    farm_holding.extend(tasks.map(|id| (*id, info.farm_id.as_str())));
+    let assignment = assign_held(&rc_labels, &registry::views(&farms), &farm_holding);
     let matching: BTreeSet<RcId> = rc_labels
         .iter()
         .filter(|(_, l)| selector.matches(**l))

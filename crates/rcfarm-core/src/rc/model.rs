@@ -47,8 +47,7 @@ impl RcId {
     pub fn parse(s: &str) -> Result<RcId, String> {
         let u = Uuid::parse_str(s).map_err(|e| format!("{s:?} is not a UUID ({e})"))?;
         // Compared in a stack buffer: every farm parses every RC and lock key of each answer.
-        let mut buf = [0u8; 36];
-        if u.hyphenated().encode_lower(&mut buf) != s {
+        if RcId(u).encode(&mut [0u8; 36]) != s {
             return Err(format!(
                 "{s:?} is not a canonical lowercase UUID (write it as {})",
                 u.hyphenated()

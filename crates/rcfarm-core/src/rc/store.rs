@@ -106,8 +106,9 @@ pub struct RcListing {
 
 impl RcListing {
     /// Pod ids that more than one valid RC carries (a rolling update's old and new RC), each
-    /// with those RCs. Usually empty: a farm asks it at every change of the lock tree, where
-    /// looking up the pod id of every RC another farm holds was a fifth of the work.
+    /// with those RCs. Usually empty: a farm asks it whenever its claim inputs change and some
+    /// RC is held elsewhere, where looking up the pod id of every RC another farm holds was a
+    /// fifth of the work.
     pub fn shared_pod_ids(&self) -> BTreeMap<&str, Vec<RcId>> {
         let mut first: HashMap<&str, RcId> = HashMap::with_capacity(self.rcs.len());
         let mut shared: BTreeMap<&str, Vec<RcId>> = BTreeMap::new();
