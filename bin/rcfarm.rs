@@ -12,8 +12,16 @@ static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 /// overrides them). A background thread hands pages freed for a second back to the kernel
 /// (`dirty_decay_ms`), at once (`muzzy_decay_ms:0`: `MADV_FREE`d pages still count in RSS
 /// until the kernel wants them, and RSS is what an operator sizes a container by).
+///
+/// Allocations of 64 KiB and more come from jemalloc's arena for big allocations, which hands
+/// pages back as soon as they are freed (`oversize_threshold`; its default is 8 MiB). Those are
+/// a farm's transients: a watch answer's body, the maps rebuilt over every RC when the listing
+/// or the lock tree changes. Kept for a second, they were most of the gap between a farm's peak
+/// and its steady RSS (six farms at 20,000 RCs: peaks 1.26-1.64x steady, 1.17-1.33x with this),
+/// with no farm CPU the benchmark could tell apart (BENCHMARKS.md, fifth session).
 #[unsafe(export_name = "_rjem_malloc_conf")]
-pub static MALLOC_CONF: &[u8] = b"background_thread:true,dirty_decay_ms:1000,muzzy_decay_ms:0\0";
+pub static MALLOC_CONF: &[u8] =
+    b"background_thread:true,dirty_decay_ms:1000,muzzy_decay_ms:0,oversize_threshold:65536\0";
 
 fn main() -> std::process::ExitCode {
     rcfarm::cli::rcfarm_main()

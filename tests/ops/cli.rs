@@ -784,3 +784,30 @@ async fn connection_mistakes_are_named_at_start() {
         "{err}"
     );
 }
+
+/// The allocator settings `bin/rcfarm.rs` builds in are the ones the farm runs with: jemalloc
+/// ignores a misspelt option with only a line on stderr, and the farm's peak memory depends on
+/// them (big transients handed back at once, the rest after a second). `stats_print` makes
+/// jemalloc print the options it took when the process exits.
+#[test]
+fn the_farm_runs_with_its_built_in_allocator_settings() {
+    let out = std::process::Command::new(RCFARM)
+        .arg("--version")
+        .env("_RJEM_MALLOC_CONF", "stats_print:true")
+        .output()
+        .expect("rcfarm runs");
+    assert!(out.status.success(), "{out:?}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!err.contains("<jemalloc>"), "jemalloc complained:\n{err}");
+    for opt in [
+        "opt.background_thread: true",
+        "opt.dirty_decay_ms: 1000",
+        "opt.muzzy_decay_ms: 0",
+        "opt.oversize_threshold: 65536",
+    ] {
+        assert!(
+            err.contains(opt),
+            "{opt:?} not in jemalloc's statistics:\n{err}"
+        );
+    }
+}
