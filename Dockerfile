@@ -16,9 +16,9 @@ RUN apt-get update \
 COPY --from=build /src/target/release/rcfarm /src/target/release/rcctl /usr/local/bin/
 USER rcfarm
 WORKDIR /var/lib/rcfarm
-EXPOSE 9090
+EXPOSE 8791
 # Readiness: a session held and the first sync done.
 HEALTHCHECK --interval=5s --timeout=3s --start-period=10s --retries=5 \
-  CMD curl -fsS http://127.0.0.1:9090/health/ready || exit 1
+  CMD curl -fsS http://127.0.0.1:8791/health/ready || exit 1
 ENTRYPOINT ["rcfarm"]
-CMD ["serve", "--http", "0.0.0.0:9090"]
+CMD ["serve", "--http", "0.0.0.0:8791"]

@@ -39,7 +39,7 @@ fn a_bad_file_gets_every_mistake_with_its_line_and_exit_2() {
         format!("{file}:2: key `sesion-ttl`: unknown key; did you mean `session-ttl`?"),
         format!("{file}:3: key `lock-delay`: invalid value \"soon\""),
         format!(
-            "{file}:4: key `http`: --http \"nowhere\": give an address like 127.0.0.1:9090, or off"
+            "{file}:4: key `http`: --http \"nowhere\": give an address like 127.0.0.1:8791, or off"
         ),
         format!("{file}:5: key `transfer-static`: a switch takes true or false (unquoted)"),
         format!("{file}:6: key `scheduler`: invalid value \"magic\"; possible values: label, pool"),

@@ -279,8 +279,32 @@ async fn delete_is_refused_with_replicas_unless_forced_and_removes_labels() {
         .mutate(id, &Mutation::SetReplicas(0), "op", false)
         .await
         .unwrap();
-    let dry = store.delete(id, false, "op", true).await.unwrap();
-    assert!(!dry.committed);
+    // At 0 replicas with a pod still there (its farm has not removed it yet, or its removal
+    // is held): refused, naming the pod; the pod of another RC with the same pod id does not
+    // count.
+    let label = |rc: RcId| {
+        serde_json::json!({"pod_id": "web", "replication_controller_id": rc.to_string()})
+            .to_string()
+            .into_bytes()
+    };
+    c.kv_put("labels/pod/node-7/web", &label(id), None)
+        .await
+        .unwrap();
+    c.kv_put("labels/pod/node-8/web", &label(RcId::new()), None)
+        .await
+        .unwrap();
+    let err = store.delete(id, false, "op", false).await.unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        msg.contains("it still has 1 pod (on node-7)")
+            && msg.contains("rc scale")
+            && msg.contains("--wait")
+            && msg.contains("--force"),
+        "{msg}"
+    );
+    c.kv_delete("labels/pod/node-7/web").await.unwrap();
+    let (dry, left) = store.delete(id, false, "op", true).await.unwrap();
+    assert!(!dry.committed && left.is_empty());
     assert!(store.get(id).await.unwrap().is_some());
     store.delete(id, false, "op", false).await.unwrap();
     assert!(store.get(id).await.unwrap().is_none());
@@ -308,8 +332,23 @@ async fn delete_is_refused_with_replicas_unless_forced_and_removes_labels() {
         .rc
         .unwrap()
         .id;
-    store.delete(id2, true, "op", false).await.unwrap();
+    c.kv_put("labels/pod/node-9/web", &label(id2), None)
+        .await
+        .unwrap();
+    let (_, left) = store.delete(id2, true, "op", false).await.unwrap();
     assert!(store.get(id2).await.unwrap().is_none());
+    assert_eq!(left, ["node-9"], "forced: the pods left running, named");
+    let deleted = audit_records(&c)
+        .await
+        .into_iter()
+        .filter(|r| r.event_type == events::RC_DELETED)
+        .find(|r| r.event_details["replication_controller_id"] == id2.to_string())
+        .unwrap();
+    assert_eq!(deleted.event_details["forced"], true);
+    assert_eq!(
+        deleted.event_details["pods_left"],
+        serde_json::json!(["node-9"])
+    );
 }
 
 #[tokio::test]

@@ -215,12 +215,14 @@ async fn max_removals_holds_until_released(backend: Backend) {
     .await;
 }
 
-on_every_backend!(a_roll_under_a_small_budget_completes_at_the_windows_pace);
-async fn a_roll_under_a_small_budget_completes_at_the_windows_pace(backend: Backend) {
+on_every_backend!(a_roll_replaces_pods_whatever_the_budget_and_pays_only_for_capacity_it_loses);
+async fn a_roll_replaces_pods_whatever_the_budget_and_pays_only_for_capacity_it_loses(
+    backend: Backend,
+) {
     let mut c = Cluster::start_on(&backend).await;
-    nodes(&c, 4, 1).await;
-    let _sim = c.simulate(4, 0.0);
-    // A deadline shorter than the window: were the hold counted, the roll would fail.
+    nodes(&c, 6, 1).await;
+    let _sim = c.simulate(6, 0.0);
+    // A deadline shorter than the window: were a hold counted, the roll would fail.
     c.spawn_farm(
         "f1",
         &[
@@ -229,33 +231,34 @@ async fn a_roll_under_a_small_budget_completes_at_the_windows_pace(backend: Back
             "--max-removals",
             "2",
             "--max-removals-window",
-            "7s",
+            "10m",
             "--roll-progress-deadline",
             "3s",
         ],
     )
     .await;
-    let old = rcs(&c, 1, 4).await[0];
+    let ids = rcs(&c, 2, 2).await;
+    let (old, spender) = (ids[0], ids[1]);
+    c.patch_rc(old, "replicas_desired", 4.into()).await;
     let cr = &c;
-    c.wait_for(
-        Duration::from_secs(20),
-        "the old RC up",
-        move || async move { cr.all_up(old, 4).await },
-    )
+    c.wait_for(Duration::from_secs(20), "both RCs up", move || async move {
+        cr.all_up(old, 4).await && cr.all_up(spender, 2).await
+    })
     .await;
-    // A minimum of 0 would replace all four at once.
-    let roll = c.start_roll(old, 0, Duration::ZERO).await;
     let api = farm_api(&c, "f1").await;
-    let apir = &api;
+    // A scale-down spends the whole budget: two pods gone with nothing in their place.
+    c.patch_rc(spender, "replicas_desired", 0.into()).await;
     c.wait_for(
         Duration::from_secs(15),
-        "the roll held",
-        move || async move {
-            let v = get_json(&format!("{apir}/v1/rolls/{roll}")).await;
-            v.to_string().contains("RemovalsHeld")
-        },
+        "the budget spent",
+        move || async move { placed(cr, spender).await == 0 },
     )
     .await;
+    assert_eq!(this_farm(&api).await["failsafe"]["removals_in_window"], 2);
+
+    // A roll replaces every pod under its minimum (0 here: all four at once): nothing is lost,
+    // nothing is charged, nothing waits for the window.
+    let roll = c.start_roll(old, 0, Duration::ZERO).await;
     c.wait_for(
         Duration::from_secs(30),
         "the roll completes",
@@ -263,22 +266,66 @@ async fn a_roll_under_a_small_budget_completes_at_the_windows_pace(backend: Back
     )
     .await;
     let steps = c.audit_events("ROLLING_UPDATE_STEP").await;
-    let removed: Vec<u64> = steps
+    let removed: u64 = steps
         .iter()
         .filter_map(|s| s["replicas_removed"].as_u64())
-        .collect();
-    assert!(
-        removed.iter().all(|r| *r <= 2) && removed.iter().sum::<u64>() == 4,
-        "steps of at most 2 removals: {steps:?}"
-    );
+        .sum();
+    assert_eq!(removed, 4, "{steps:#?}");
     assert!(c.audit_events("ROLLING_UPDATE_FAILED").await.is_empty());
     assert!(c.audit_events("ROLLING_UPDATE_STALLED").await.is_empty());
+    assert!(
+        c.audit_events("REMOVALS_HELD").await.is_empty(),
+        "neither the roll nor its RCs were held"
+    );
+    assert_eq!(this_farm(&api).await["failsafe"]["removals_in_window"], 2);
+
+    // A roll onto fewer replicas loses capacity: the old pods beyond the new count go with
+    // nothing in their place. They are charged when the roll retires its old RC, and held
+    // while the window has no room.
+    let shrink = c.start_roll_to(roll, 3, Some(2), 0, Duration::ZERO).await;
+    let apir = &api;
+    c.wait_for(
+        Duration::from_secs(30),
+        "the shrinking roll held at its retirement",
+        move || async move {
+            let v = get_json(&format!("{apir}/v1/rolls/{shrink}")).await;
+            v.to_string().contains("RemovalsHeld")
+        },
+    )
+    .await;
     let held = c.audit_events("REMOVALS_HELD").await;
     assert!(
         held.iter()
-            .any(|h| h["rolling_update_id"] == roll.to_string()),
+            .any(|h| h["rolling_update_id"] == shrink.to_string()),
         "{held:?}"
     );
+    assert!(c.audit_events("ROLLING_UPDATE_FAILED").await.is_empty());
+    let (code, _, err) = c.rcctl(&["farm", "release-removals", "f1"]).await;
+    assert_eq!(code, 0, "{err}");
+    c.wait_for(
+        Duration::from_secs(30),
+        "the shrinking roll completes",
+        move || async move { c_roll_done(cr, shrink, roll).await && cr.all_up(shrink, 2).await },
+    )
+    .await;
+    let retired: Vec<Value> = c
+        .audit_events("ROLLING_UPDATE_STEP")
+        .await
+        .into_iter()
+        .filter(|s| s["action"] == "retire_old" && s["rolling_update_id"] == shrink.to_string())
+        .collect();
+    let lost: u64 = retired
+        .iter()
+        .filter_map(|s| s["lost_capacity"].as_u64())
+        .sum();
+    assert_eq!(lost, 2, "{retired:#?}");
+    assert_eq!(
+        this_farm(&api).await["failsafe"]["removals_in_window"],
+        2,
+        "the two lost pods, charged once (by the roll, not again by the old RC)"
+    );
+    assert!(c.audit_events("ROLLING_UPDATE_FAILED").await.is_empty());
+    c.check_invariants(|_| false);
 }
 
 /// The roll's record and its old RC are gone.

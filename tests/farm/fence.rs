@@ -163,3 +163,70 @@ async fn a_batch_of_claims_names_the_units_refused(b: Backend) {
         }
     }
 }
+
+on_every_backend!(a_pod_write_is_guarded_by_the_label_its_plan_saw);
+/// The race behind chaos seed 5550123: an RC plans to write a pod on a node from what the
+/// node's pod label said then; another RC writes that pod first. The planned write must fail
+/// whole (intent included), not overwrite the other RC's pod with a label version read when it
+/// is sent.
+async fn a_pod_write_is_guarded_by_the_label_its_plan_saw(b: Backend) {
+    use rcfarm::labels::{LabelStore, LabelType};
+    use rcfarm::rc::{Rc, RcId};
+    use std::collections::BTreeMap;
+
+    let c = Cluster::start_on(&b).await;
+    let rc = |id: RcId, version: u32| {
+        let json = serde_json::json!({
+            "id": id.to_string(),
+            "manifest": format!("id: web\nversion: {version}\n"),
+            "node_selector": "", "pod_labels": {}, "replicas_desired": 1,
+            "disabled": false, "allocation_strategy": "dynamic_strategy",
+        });
+        Rc::from_kv(&id.key(), json.to_string().as_bytes(), 1).unwrap()
+    };
+    let (old, new, other) = (rc(RcId::new(), 1), rc(RcId::new(), 2), rc(RcId::new(), 3));
+    let ours = session(&c).await;
+    for r in [&old, &new, &other] {
+        c.consul
+            .txn(&[TxnOp::lock(r.id.ownership_lock_key(), b"f".to_vec(), &ours)])
+            .await
+            .unwrap();
+    }
+    let write = |r: &Rc, seen: &BTreeMap<String, (rcfarm::labels::LabelSet, u64)>| {
+        FencedTxn::fenced(Fence::new(r.id.ownership_lock_key(), &ours))
+            .ops(rcfarm::rctask::pod_write_ops(r, "node-00", seen))
+    };
+    // The old RC's pod on node-00.
+    write(&old, &BTreeMap::new())
+        .commit(&c.consul)
+        .await
+        .unwrap();
+    let store = LabelStore::new(c.consul.clone());
+    let (labels, index) = store.get(LabelType::Pod, "node-00/web").await.unwrap();
+    let seen: BTreeMap<_, _> = [("node-00/web".to_string(), (labels, index))].into();
+    // Planned from that view by the unrelated RC; meanwhile the roll's new RC takes the pod.
+    write(&new, &seen).commit(&c.consul).await.unwrap();
+    let e = write(&other, &seen).commit(&c.consul).await.unwrap_err();
+    assert!(
+        matches!(&e, FenceError::Conflict { ops, .. } if ops.iter().any(|(_, f)| *f == TxnFailure::IndexStale)),
+        "{e:?}"
+    );
+    // Nothing of it landed: the pod is the new RC's, label and intent.
+    let (labels, _) = store.get(LabelType::Pod, "node-00/web").await.unwrap();
+    assert_eq!(labels["replication_controller_id"], new.id.to_string());
+    let (intent, _) = c
+        .consul
+        .kv_get("intent/node-00/web", &QueryOptions::default())
+        .await
+        .unwrap();
+    assert!(
+        String::from_utf8_lossy(intent.unwrap().value_bytes()).contains("version: 2"),
+        "the intent is the new RC's"
+    );
+    // A node the plan saw free is written create-only: taken meanwhile, the write fails too.
+    let e = write(&other, &BTreeMap::new())
+        .commit(&c.consul)
+        .await
+        .unwrap_err();
+    assert!(matches!(&e, FenceError::Conflict { .. }), "{e:?}");
+}

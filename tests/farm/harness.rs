@@ -280,7 +280,20 @@ impl Cluster {
 
     /// Like [`Cluster::spawn_farm`], talking to Consul at `consul` (a proxy, say).
     pub async fn spawn_farm_via(&mut self, id: &str, consul: &str, extra: &[&str]) -> usize {
+        self.spawn_farm_with(id, consul, extra, &[]).await
+    }
+
+    /// Like [`Cluster::spawn_farm_via`], with more environment variables for the process (a
+    /// preloaded library faking its clock, say).
+    pub async fn spawn_farm_with(
+        &mut self,
+        id: &str,
+        consul: &str,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> usize {
         let mut cmd = Command::new(BIN);
+        cmd.envs(env.iter().copied());
         cmd.args(["serve", "--consul", consul, "--farm-id", id])
             .args([
                 "--session-ttl",
@@ -361,6 +374,16 @@ impl Cluster {
             .unwrap();
     }
 
+    /// Whether a node transfer of `id` is in flight (its P2 status key exists).
+    pub async fn transfer_in_flight(&self, id: RcId) -> bool {
+        self.consul
+            .kv_get(&rcfarm::rctask::status_key(id), &QueryOptions::default())
+            .await
+            .unwrap()
+            .0
+            .is_some()
+    }
+
     /// Writes an RC the way a P2 tool (or `curl -X PUT`) would: the raw JSON record.
     pub async fn put_rc(
         &self,
@@ -388,6 +411,19 @@ impl Cluster {
     /// Starts a roll of `old` onto version 2 of its pod's manifest, as `rcctl roll start` does;
     /// the new RC's id (the roll's).
     pub async fn start_roll(&self, old: RcId, minimum: u64, delay: Duration) -> RcId {
+        self.start_roll_to(old, 2, None, minimum, delay).await
+    }
+
+    /// Starts a roll of `old` onto `version` of its pod's manifest with `desired` replicas
+    /// (the old RC's count when `None`); the new RC's id.
+    pub async fn start_roll_to(
+        &self,
+        old: RcId,
+        version: u32,
+        desired: Option<u64>,
+        minimum: u64,
+        delay: Duration,
+    ) -> RcId {
         let pod = rcfarm::rc::RcStore::new(self.consul.clone())
             .get(old)
             .await
@@ -399,8 +435,8 @@ impl Cluster {
             .start(
                 rcfarm::roll::StartRoll {
                     old_rc: old,
-                    manifest: Cluster::manifest(&pod, 2),
-                    desired: None,
+                    manifest: Cluster::manifest(&pod, version),
+                    desired,
                     minimum: Some(minimum),
                     leave_old: false,
                     roll_delay: delay,

@@ -263,7 +263,9 @@ async fn a_failed_roll_is_reverted_by_its_farm_and_a_failed_revert_stays_failed(
     );
 
     // A revert that fails too stays Failed: an RC whose own manifest never passes, rolled
-    // (asking for it explicitly) onto another that never passes either.
+    // (asking for it explicitly) onto another that never passes either. Minimum 0: with its
+    // old pods never up, a roll under a minimum could take no step at all, and a roll that
+    // could not move has not failed (its deadline counts only time spent waiting on new pods).
     let broken = file("svc-1-v19.yaml", Cluster::manifest("svc-1", 19));
     let bad1 = file("svc-1-v9.yaml", Cluster::manifest("svc-1", 9));
     let (code, out, err) = c
@@ -287,6 +289,8 @@ async fn a_failed_roll_is_reverted_by_its_farm_and_a_failed_revert_stays_failed(
             &first.to_string(),
             "-f",
             &bad1,
+            "--minimum",
+            "0",
             "--progress-deadline",
             "2s",
             "--auto-revert",

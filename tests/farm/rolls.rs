@@ -719,7 +719,13 @@ async fn p2s_own_rolling_update_cli_completes_against_rcfarms_farms(backend: Bac
             .output(),
     )
     .await
-    .expect("p2-rctl rolling-update finishes")
+    .unwrap_or_else(|_| {
+        panic!(
+            "p2-rctl rolling-update finishes; farm logs:\n{}\n{}",
+            c.farm_log(0),
+            c.farm_log(1)
+        )
+    })
     .unwrap();
     let log = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{log}");

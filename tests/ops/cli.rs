@@ -152,7 +152,7 @@ async fn rcctl_commands_exit_codes_json_and_dry_runs() {
     let (code, _, err) = rcctl(&s, &["rc", "delete", &id]).await;
     assert_eq!(code, 1);
     assert!(
-        err.contains("Scale it to 0 first") && err.contains("--force"),
+        err.contains("rc scale") && err.contains("0 --wait") && err.contains("--force"),
         "{err}"
     );
     let (code, _, err) = rcctl(&s, &["rc", "scale", &id, "9", "--wait", "--timeout", "2s"]).await;
@@ -242,7 +242,7 @@ async fn farm_configuration_flags_env_and_file() {
     }
     for default in [
         "[default: 15s]",
-        "[default: 127.0.0.1:9090]",
+        "[default: 127.0.0.1:8791]",
         "[default: label]",
         "[env: RCFARM_SESSION_TTL=",
         "[env: RCFARM_MAX_REMOVALS=",

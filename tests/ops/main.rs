@@ -9,6 +9,7 @@ mod browser;
 mod cli;
 mod files;
 mod http;
+mod secrets;
 
 use std::process::Stdio;
 use std::sync::Arc;

@@ -10,8 +10,9 @@ use super::error::{ConsulError, Result};
 use super::tls::{HandshakeSeen, TlsConfig};
 use super::token::TokenSource;
 
-/// Where Consul is and how to talk to it.
-#[derive(Debug, Clone)]
+/// Where Consul is and how to talk to it. Its `Debug` never shows the token or a header's
+/// value (a header may carry credentials).
+#[derive(Clone)]
 pub struct ConsulConfig {
     /// `http://host:port` or `https://…`; a bare `host:port` means `http://`.
     pub address: String,
@@ -34,6 +35,30 @@ pub struct ConsulConfig {
     pub max_conns: usize,
     /// CAs, client certificate, server name and verification for `https://` addresses.
     pub tls: TlsConfig,
+}
+
+impl std::fmt::Debug for ConsulConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ConsulConfig")
+            .field("address", &self.address)
+            .field("token", &self.token.as_ref().map(|_| "***"))
+            .field("token_file", &self.token_file)
+            .field(
+                "headers",
+                &self
+                    .headers
+                    .iter()
+                    .map(|(k, _)| format!("{k}: ***"))
+                    .collect::<Vec<_>>(),
+            )
+            .field("timeout", &self.timeout)
+            .field("attempts", &self.attempts)
+            .field("retry_base", &self.retry_base)
+            .field("retry_cap", &self.retry_cap)
+            .field("max_conns", &self.max_conns)
+            .field("tls", &self.tls)
+            .finish()
+    }
 }
 
 /// Default of [`ConsulConfig::max_conns`].

@@ -155,14 +155,16 @@ impl Default for FailsafeConfig {
 }
 
 /// The removals granted over a sliding window. Pure: the time is an argument.
-#[derive(Debug, Default, Clone)]
+#[derive(Debug, Default, Clone, PartialEq, Eq, Hash)]
 pub struct Budget {
-    grants: VecDeque<(Instant, u64)>,
+    /// (when, how many, the grant's id), oldest first.
+    grants: VecDeque<(Instant, u64, u64)>,
+    next_id: u64,
 }
 
 impl Budget {
     fn prune(&mut self, now: Instant, window: Duration) {
-        while let Some((t, _)) = self.grants.front() {
+        while let Some((t, _, _)) = self.grants.front() {
             if now.saturating_duration_since(*t) >= window {
                 self.grants.pop_front();
             } else {
@@ -174,7 +176,7 @@ impl Budget {
     /// Removals granted within the window before `now`.
     pub fn used(&mut self, now: Instant, window: Duration) -> u64 {
         self.prune(now, window);
-        self.grants.iter().map(|(_, n)| n).sum()
+        self.grants.iter().map(|(_, n, _)| n).sum()
     }
 
     /// How many more may be granted now (`limit` `None`: any number).
@@ -185,26 +187,33 @@ impl Budget {
         }
     }
 
-    /// Grants up to `want` removals: what the window has room for.
-    pub fn take(&mut self, now: Instant, window: Duration, limit: Option<u64>, want: u64) -> u64 {
+    /// Grants up to `want` removals: what the window has room for, and the grant's id (for
+    /// [`Budget::refund`]).
+    pub fn take(
+        &mut self,
+        now: Instant,
+        window: Duration,
+        limit: Option<u64>,
+        want: u64,
+    ) -> (u64, u64) {
         let granted = want.min(self.room(now, window, limit));
+        let id = self.next_id;
+        self.next_id += 1;
         if granted > 0 {
-            self.grants.push_back((now, granted));
+            self.grants.push_back((now, granted, id));
         }
-        granted
+        (granted, id)
     }
 
-    /// Gives back `n` removals granted but not used (latest first).
-    pub fn refund(&mut self, mut n: u64) {
-        while n > 0 {
-            let Some((_, g)) = self.grants.back_mut() else {
-                return;
-            };
-            let back = n.min(*g);
-            *g -= back;
-            n -= back;
-            if *g == 0 {
-                self.grants.pop_back();
+    /// Gives back `n` removals of grant `id` that were not made. The grant keeps its time: what
+    /// it did remove still counts from when it was granted. A grant that left the window has
+    /// nothing left to give back.
+    pub fn refund(&mut self, id: u64, n: u64) {
+        if let Some(i) = self.grants.iter().position(|(_, _, g)| *g == id) {
+            let entry = &mut self.grants[i].1;
+            *entry = entry.saturating_sub(n);
+            if *entry == 0 {
+                self.grants.remove(i);
             }
         }
     }
@@ -217,7 +226,7 @@ impl Budget {
     /// When the oldest grant in the window leaves it (room comes back then).
     pub fn next_room_at(&mut self, now: Instant, window: Duration) -> Option<Instant> {
         self.prune(now, window);
-        self.grants.front().map(|(t, _)| *t + window)
+        self.grants.front().map(|(t, _, _)| *t + window)
     }
 }
 
@@ -423,6 +432,40 @@ pub struct Grant {
     pub granted: u64,
     /// Why fewer than asked were granted.
     pub held: Option<String>,
+    /// The grant's id in the budget: what it does not remove is refunded against it.
+    pub id: u64,
+}
+
+/// Removals granted to one action and not yet made: what the action commits is spent, chunk by
+/// chunk; what is left when it is dropped (the action stopped early, or a write was refused)
+/// goes back to the budget, against the grant it came from. Exact both ways: a write that
+/// wrote nothing costs nothing, and a write that committed some chunks costs exactly those.
+#[derive(Debug)]
+pub struct Reservation {
+    failsafe: std::sync::Arc<Failsafe>,
+    id: u64,
+    left: u64,
+}
+
+impl Reservation {
+    /// Removals still reserved.
+    pub fn left(&self) -> u64 {
+        self.left
+    }
+
+    /// `n` removals were made (committed, or written with the outcome unknown: counted, as
+    /// they may have been made).
+    pub fn spend(&mut self, n: u64) {
+        self.left = self.left.saturating_sub(n);
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        if self.left > 0 {
+            self.failsafe.refund(self.id, self.left);
+        }
+    }
 }
 
 /// The failsafe as a farm reports it (`/v1/farms`, the status page).
@@ -546,12 +589,13 @@ impl Failsafe {
             return Grant {
                 granted: 0,
                 held: None,
+                id: u64::MAX,
             };
         }
         let now = self.clock.now();
         let mut s = self.state.lock();
-        let granted = if s.tripwire.trip().is_some() {
-            0
+        let (granted, id) = if s.tripwire.trip().is_some() {
+            (0, u64::MAX)
         } else {
             let limit = self.config.max_removals.limit(s.served);
             s.budget.take(now, self.config.window, limit, want)
@@ -560,12 +604,38 @@ impl Failsafe {
         if granted > 0 {
             metrics::counter!("rcfarm_removals_granted_total").increment(granted);
         }
-        Grant { granted, held }
+        Grant { granted, held, id }
     }
 
-    /// Gives back removals granted but not made.
-    pub fn refund(&self, n: u64) {
-        self.state.lock().budget.refund(n);
+    /// Asks for `want` removals, as a [`Reservation`] of what was granted (and why no more).
+    pub fn reserve(self: &std::sync::Arc<Self>, want: u64) -> (Reservation, Option<String>) {
+        let g = self.take(want);
+        (
+            Reservation {
+                failsafe: self.clone(),
+                id: g.id,
+                left: g.granted,
+            },
+            g.held,
+        )
+    }
+
+    /// Gives back removals of grant `id` not made.
+    pub fn refund(&self, id: u64, n: u64) {
+        if n > 0 {
+            self.state.lock().budget.refund(id, n);
+            metrics::counter!("rcfarm_removals_refunded_total").increment(n);
+        }
+    }
+
+    /// Why every removal is held now, if the tripwire holds them: replacements that lose no
+    /// capacity (a roll's steps, a node transfer's end) are not counted by the budget, but wait
+    /// for a tripped failsafe like every removal.
+    pub fn tripped(&self) -> Option<String> {
+        let now = self.clock.now();
+        let mut s = self.state.lock();
+        s.tripwire.trip()?;
+        Some(self.held_reason(&mut s, now))
     }
 
     /// Marks `who` (`rc:<id>`, `roll:<id>`) held or not. `true`: that changed (held: a new
@@ -670,37 +740,77 @@ mod tests {
     fn the_budget_grants_what_the_window_has_room_for() {
         let t0 = Instant::now();
         let mut b = Budget::default();
-        assert_eq!(b.take(t0, W, Some(5), 3), 3);
-        assert_eq!(b.take(t0 + Duration::from_secs(60), W, Some(5), 4), 2);
-        assert_eq!(b.take(t0 + Duration::from_secs(61), W, Some(5), 1), 0);
+        let take = |b: &mut Budget, t, limit, want| b.take(t, W, limit, want).0;
+        assert_eq!(take(&mut b, t0, Some(5), 3), 3);
+        assert_eq!(take(&mut b, t0 + Duration::from_secs(60), Some(5), 4), 2);
+        assert_eq!(take(&mut b, t0 + Duration::from_secs(61), Some(5), 1), 0);
         assert_eq!(b.used(t0 + Duration::from_secs(61), W), 5);
         assert_eq!(
             b.next_room_at(t0 + Duration::from_secs(61), W),
             Some(t0 + W)
         );
         // The first grant leaves the window: its 3 come back, the later 2 still count.
-        assert_eq!(b.take(t0 + W, W, Some(5), 10), 3);
+        assert_eq!(take(&mut b, t0 + W, Some(5), 10), 3);
         assert_eq!(b.used(t0 + W, W), 5);
         // The limit can change under it (a percentage of a farm that grew).
-        assert_eq!(b.take(t0 + W, W, Some(8), 10), 3);
+        assert_eq!(take(&mut b, t0 + W, Some(8), 10), 3);
         // No limit: anything, still counted.
-        assert_eq!(b.take(t0 + W, W, None, 100), 100);
+        assert_eq!(take(&mut b, t0 + W, None, 100), 100);
         assert_eq!(b.used(t0 + W, W), 108);
     }
 
     #[test]
-    fn refunds_and_releases_give_room_back() {
+    fn refunds_go_back_to_their_own_grant_and_releases_empty_the_window() {
         let t0 = Instant::now();
+        let t1 = t0 + Duration::from_secs(200);
         let mut b = Budget::default();
-        assert_eq!(b.take(t0, W, Some(5), 2), 2);
-        assert_eq!(b.take(t0, W, Some(5), 3), 3);
-        b.refund(4);
-        assert_eq!(b.used(t0, W), 1);
-        b.refund(10);
+        let (two, early) = b.take(t0, W, Some(5), 2);
+        let (three, _) = b.take(t1, W, Some(5), 3);
+        assert_eq!((two, three), (2, 3));
+        // The early grant made one removal of two: one comes back, from that grant. The later
+        // grant keeps its three, which count until t1 + W, not t0 + W.
+        b.refund(early, 1);
+        assert_eq!(b.used(t1, W), 4);
+        assert_eq!(b.used(t0 + W, W), 3, "the early grant's one left with it");
+        assert_eq!(b.used(t1 + W, W), 0);
+        // A refund of more than is left, or of a grant gone from the window, gives back what
+        // there is and no more.
+        let mut b = Budget::default();
+        let (_, g) = b.take(t0, W, Some(5), 2);
+        b.refund(g, 10);
         assert_eq!(b.used(t0, W), 0);
-        assert_eq!(b.take(t0, W, Some(5), 5), 5);
+        b.refund(g, 1);
+        assert_eq!(b.room(t0, W, Some(5)), 5);
+        assert_eq!(b.take(t0, W, Some(5), 5).0, 5);
         b.clear();
         assert_eq!(b.room(t0, W, Some(5)), 5);
+    }
+
+    #[test]
+    fn a_reservation_returns_what_its_action_did_not_remove() {
+        let f = std::sync::Arc::new(Failsafe::new(
+            "farm-a",
+            FailsafeConfig {
+                max_removals: MaxRemovals::Pods(5),
+                ..FailsafeConfig::default()
+            },
+        ));
+        // Granted 4; the first chunk of 2 commits, then the action stops: 2 spent, 2 back.
+        let (mut r, held) = f.reserve(4);
+        assert_eq!((r.left(), held), (4, None));
+        r.spend(2);
+        drop(r);
+        assert_eq!(f.status().removals_in_window, 2);
+        // Nothing written: everything back.
+        let (r, _) = f.reserve(3);
+        assert_eq!(r.left(), 3);
+        assert_eq!(f.status().removals_in_window, 5);
+        drop(r);
+        assert_eq!(f.status().removals_in_window, 2);
+        // Asked for more than there is room for: what there is, and why no more.
+        let (r, held) = f.reserve(9);
+        assert_eq!(r.left(), 3);
+        assert!(held.is_some_and(|h| h.contains("--max-removals 5")));
     }
 
     /// A 200-pod deploy under 20 % per 5 minutes: 40 replacements per window, so 200 take five
@@ -712,7 +822,7 @@ mod tests {
         let limit = MaxRemovals::Percent(20).limit(200);
         let (mut left, mut now, mut windows) = (200u64, t0, 0);
         while left > 0 {
-            let got = b.take(now, W, limit, left);
+            let (got, _) = b.take(now, W, limit, left);
             assert!(got <= 40);
             left -= got;
             if left > 0 {

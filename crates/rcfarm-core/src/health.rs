@@ -51,6 +51,16 @@ pub fn parse_health(value: &[u8]) -> Result<HealthStatus, String> {
     Ok(HealthStatus::parse(s))
 }
 
+/// Whether a health result (its key's `ModifyIndex`) speaks of what the node runs now (the
+/// `ModifyIndex` of `reality/<node>/<pod-id>`, absent if the node reports nothing): only a
+/// result written after the reality it is about counts, so a pod replaced in place is not taken
+/// for up on the result of the pod it replaced. A pod whose manifest has no status port
+/// (`checked` false) is never checked by P2's preparer, which writes "passing" once and never
+/// again: its result counts as P2's own roll farm counts it.
+pub fn speaks_of_reality(health_index: u64, reality_index: Option<u64>, checked: bool) -> bool {
+    !checked || reality_index.is_some_and(|r| health_index > r)
+}
+
 /// The health tree, watched with one blocking query.
 pub struct HealthCache {
     tree: TreeCache<HealthStatus>,
@@ -80,6 +90,13 @@ impl HealthCache {
     /// The health of a pod on one node, if reported.
     pub fn status(&self, pod_id: &str, node: &str) -> Option<HealthStatus> {
         self.tree.get(&format!("{pod_id}/{node}")).map(|s| *s)
+    }
+
+    /// The health of a pod on one node with its key's `ModifyIndex`, if reported.
+    pub fn status_with_index(&self, pod_id: &str, node: &str) -> Option<(HealthStatus, u64)> {
+        self.tree
+            .get_with_index(&format!("{pod_id}/{node}"))
+            .map(|(s, i)| (*s, i))
     }
 
     /// Every reported result of a pod, by node.

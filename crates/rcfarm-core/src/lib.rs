@@ -23,3 +23,5 @@ pub mod rctask;
 pub mod roll;
 pub mod scheduler;
 pub mod task;
+#[cfg(test)]
+mod testing;

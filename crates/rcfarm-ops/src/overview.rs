@@ -60,10 +60,21 @@ pub struct FarmOverview {
     pub audit_shipping: bool,
 }
 
+/// A pod whose label names an RC that no longer exists: nothing manages it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct OrphanPod {
+    pub node: String,
+    pub pod_id: String,
+    /// The RC its label names.
+    pub rc_id: String,
+}
+
 #[derive(Debug, Clone, Serialize)]
 pub struct Overview {
     pub rcs: Vec<RcOverview>,
     pub farms: Vec<FarmOverview>,
+    /// Pods whose RC is gone, by node.
+    pub orphans: Vec<OrphanPod>,
     /// The Consul index of the RC tree when read.
     pub index: u64,
 }
@@ -87,17 +98,28 @@ impl Overview {
             .collect();
         let (pods, _) = consul.kv_list(&LabelType::Pod.prefix(), &q).await?;
         let mut pods_of: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+        let mut orphans = Vec::new();
         for e in &pods {
             let Some(id) = e.key.strip_prefix(&LabelType::Pod.prefix()) else {
                 continue;
             };
-            let Some((node, _)) = split_pod_label_id(id) else {
+            let Some((node, pod)) = split_pod_label_id(id) else {
                 continue;
             };
             if let Some(rc) = parse_labels(e.value_bytes())
                 .ok()
                 .and_then(|l| l.get(RC_ID_LABEL).cloned())
             {
+                let gone = RcId::parse(&rc).is_ok_and(|id| {
+                    !listing.rcs.contains_key(&id) && !listing.invalid.contains_key(&id.key())
+                });
+                if gone {
+                    orphans.push(OrphanPod {
+                        node: node.to_string(),
+                        pod_id: pod.to_string(),
+                        rc_id: rc.clone(),
+                    });
+                }
                 pods_of.entry(rc).or_default().insert(node.to_string());
             }
         }
@@ -256,6 +278,7 @@ impl Overview {
         Ok(Overview {
             rcs,
             farms,
+            orphans,
             index: listing.index,
         })
     }

@@ -48,8 +48,8 @@ pub use wal::{Recovery, WalError};
 /// Default of [`ServerConfig::http_max_conns_per_client`] (Consul 1.7.1 and later).
 pub const DEFAULT_HTTP_MAX_CONNS_PER_CLIENT: usize = 200;
 
-/// How to run the server.
-#[derive(Debug, Clone)]
+/// How to run the server. Its `Debug` never shows the ACL token.
+#[derive(Clone)]
 pub struct ServerConfig {
     pub listen: SocketAddr,
     /// Keep state here (log + snapshot); `None` keeps it in memory only.
@@ -75,6 +75,24 @@ pub struct ServerConfig {
     /// `http_max_conns_per_client`, `txn_max_req_len` and `kv_max_value_size` do not apply
     /// (0.7 has fixed 512 KiB value limits and no connection limit).
     pub compat: Compat,
+}
+
+impl std::fmt::Debug for ServerConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServerConfig")
+            .field("listen", &self.listen)
+            .field("data_dir", &self.data_dir)
+            .field("session_ttl_min", &self.session_ttl_min)
+            .field("acl_token", &self.acl_token.as_ref().map(|_| "***"))
+            .field("node_name", &self.node_name)
+            .field("max_txn_ops", &self.max_txn_ops)
+            .field("kv_max_value_size", &self.kv_max_value_size)
+            .field("txn_max_req_len", &self.txn_max_req_len)
+            .field("record_commits", &self.record_commits)
+            .field("http_max_conns_per_client", &self.http_max_conns_per_client)
+            .field("compat", &self.compat)
+            .finish()
+    }
 }
 
 impl Default for ServerConfig {

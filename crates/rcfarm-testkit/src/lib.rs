@@ -4,9 +4,10 @@
 
 use rcfarm_consul as consul;
 use rcfarm_consul::util;
-use rcfarm_core::{audit, farm, health, labels, rc, roll};
+use rcfarm_core::{audit, failsafe, farm, health, labels, rc, rctask, roll, scheduler};
 use rcfarm_server as server;
 
 pub mod chaos;
 pub mod invariants;
+pub mod model;
 pub mod simulator;

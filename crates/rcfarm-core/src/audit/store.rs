@@ -200,18 +200,27 @@ fn extract(r: &AuditRecord) -> Extracted {
 }
 
 /// The audit database.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct AuditStore {
     pool: AnyPool,
     engine: Engine,
     url: String,
 }
 
+impl std::fmt::Debug for AuditStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AuditStore")
+            .field("engine", &self.engine)
+            .field("url", &redact(&self.url))
+            .finish_non_exhaustive()
+    }
+}
+
 /// Normalises an `--audit-db` value: `sqlite://path`, `sqlite:path`, or a bare path for SQLite
 /// (created if missing); `postgres://…` or `postgresql://…` for PostgreSQL.
 pub fn parse_url(url: &str) -> Result<(Engine, String), AuditError> {
     let config = |m: &str| AuditError::Config {
-        url: url.to_string(),
+        url: redact(url),
         message: m.to_string(),
     };
     if url.starts_with("postgres://") || url.starts_with("postgresql://") {
@@ -295,7 +304,7 @@ impl AuditStore {
 
     async fn migrate(&self) -> Result<(), AuditError> {
         let db = |source| AuditError::Db {
-            url: self.url.clone(),
+            url: redact(&self.url),
             source,
         };
         let known = self.migrator().iter().map(|m| m.version).max().unwrap_or(0);
@@ -324,7 +333,7 @@ impl AuditStore {
                 && found > known
             {
                 return Err(AuditError::SchemaTooNew {
-                    url: self.url.clone(),
+                    url: redact(&self.url),
                     found,
                     known,
                 });
@@ -349,8 +358,9 @@ impl AuditStore {
     }
 
     /// The URL with any password hidden.
-    pub fn url(&self) -> &str {
-        &self.url
+    /// Where the store is, for messages: the URL with its secrets hidden ([`redact`]).
+    pub fn url(&self) -> String {
+        redact(&self.url)
     }
 
     /// The highest schema version applied.
@@ -360,7 +370,7 @@ impl AuditStore {
             .await
             .and_then(|r| r.try_get(0))
             .map_err(|source| AuditError::Db {
-                url: self.url.clone(),
+                url: redact(&self.url),
                 source,
             })?;
         Ok(v.unwrap_or(0))
@@ -374,7 +384,7 @@ impl AuditStore {
         shipped_by: &str,
     ) -> Result<usize, AuditError> {
         let db = |source| AuditError::Db {
-            url: self.url.clone(),
+            url: redact(&self.url),
             source,
         };
         let now = nanos(Utc::now());
@@ -451,7 +461,7 @@ impl AuditStore {
         items: &[(String, Vec<u8>, String)],
     ) -> Result<(), AuditError> {
         let db = |source| AuditError::Db {
-            url: self.url.clone(),
+            url: redact(&self.url),
             source,
         };
         let now = nanos(Utc::now());
@@ -476,14 +486,14 @@ impl AuditStore {
             .fetch_all(&self.pool)
             .await
             .map_err(|source| AuditError::Db {
-                url: self.url.clone(),
+                url: redact(&self.url),
                 source,
             })?;
         rows.iter()
             .map(|r| Ok((r.try_get(0)?, r.try_get(1)?)))
             .collect::<Result<_, sqlx::Error>>()
             .map_err(|source| AuditError::Db {
-                url: self.url.clone(),
+                url: redact(&self.url),
                 source,
             })
     }
@@ -564,7 +574,7 @@ impl AuditStore {
             .fetch_all(&self.pool)
             .await
             .map_err(|source| AuditError::Db {
-                url: self.url.clone(),
+                url: redact(&self.url),
                 source,
             })?;
         let mut records: Vec<StoredAudit> = rows
@@ -572,7 +582,7 @@ impl AuditStore {
             .map(row_to_audit)
             .collect::<Result<_, _>>()
             .map_err(|source| AuditError::Db {
-                url: self.url.clone(),
+                url: redact(&self.url),
                 source,
             })?;
         let next_cursor = if records.len() > limit {
@@ -598,7 +608,7 @@ impl AuditStore {
             .await
             .and_then(|r| r.try_get(0))
             .map_err(|source| AuditError::Db {
-                url: self.url.clone(),
+                url: redact(&self.url),
                 source,
             })?;
         Ok(n as u64)
@@ -607,7 +617,7 @@ impl AuditStore {
     /// Deletes records older than `cutoff`; returns how many.
     pub async fn prune(&self, cutoff: DateTime<Utc>) -> Result<u64, AuditError> {
         let db = |source| AuditError::Db {
-            url: self.url.clone(),
+            url: redact(&self.url),
             source,
         };
         let mut tx = self.pool.begin().await.map_err(db)?;
@@ -632,7 +642,7 @@ impl AuditStore {
             .execute(&self.pool)
             .await
             .map_err(|source| AuditError::Db {
-                url: self.url.clone(),
+                url: redact(&self.url),
                 source,
             })?;
         Ok(())
@@ -683,26 +693,106 @@ async fn lock_file(db: &Path, url: &str) -> Result<std::fs::File, AuditError> {
     })
     .await
     .map_err(|e| AuditError::Config {
-        url: url.clone(),
+        url: redact(&url),
         message: e.to_string(),
     })?
     .map_err(|e| AuditError::Config {
-        url,
+        url: redact(&url),
         message: format!("cannot lock the migration lock file: {e}"),
     })
 }
 
-/// Hides a password in a database URL.
+/// An `--audit-db` URL kept for connecting: its `Debug` and `Display` show it [`redact`]ed, so
+/// a config that holds it can be printed.
+#[derive(Clone, PartialEq, Eq)]
+pub struct DbUrl(String);
+
+impl DbUrl {
+    pub fn new(url: impl Into<String>) -> Self {
+        DbUrl(url.into())
+    }
+
+    /// The URL itself, with its password: for connecting, never for printing.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::str::FromStr for DbUrl {
+    type Err = std::convert::Infallible;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Ok(DbUrl::new(s))
+    }
+}
+
+impl std::fmt::Debug for DbUrl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:?}", redact(&self.0))
+    }
+}
+
+impl std::fmt::Display for DbUrl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&redact(&self.0))
+    }
+}
+
+/// Query parameters of a database URL that carry a secret (PostgreSQL's `password` and
+/// `sslpassword`, and the spellings other drivers use).
+const SECRET_PARAMS: &[&str] = &[
+    "password",
+    "sslpassword",
+    "passwd",
+    "pass",
+    "pwd",
+    "secret",
+    "token",
+];
+
+/// Hides the secrets of a database URL: the password of its user info (`user:***@host`) and
+/// the values of password-like query parameters (`?password=***`). Anything that is not a URL
+/// is left as it is; what cannot be parsed is hidden whole after the scheme rather than risked.
 pub fn redact(url: &str) -> String {
-    match (url.find("://"), url.find('@')) {
-        (Some(s), Some(at)) if at > s => {
-            let creds = &url[s + 3..at];
-            match creds.split_once(':') {
-                Some((user, _)) => format!("{}{}:***{}", &url[..s + 3], user, &url[at..]),
-                None => url.to_string(),
+    let (head, query) = match url.split_once('?') {
+        Some((h, q)) => (h, Some(q)),
+        None => (url, None),
+    };
+    let head = match head.find("://") {
+        Some(s) => {
+            let rest = &head[s + 3..];
+            // The user info ends at the last '@' before the path.
+            let authority_end = rest.find('/').unwrap_or(rest.len());
+            match rest[..authority_end].rfind('@') {
+                Some(at) => {
+                    let creds = &rest[..at];
+                    let user = creds.split_once(':').map_or(creds, |(u, _)| u);
+                    let hidden = if creds.contains(':') {
+                        format!("{user}:***")
+                    } else {
+                        user.to_string()
+                    };
+                    format!("{}{hidden}{}", &head[..s + 3], &rest[at..])
+                }
+                None => head.to_string(),
             }
         }
-        _ => url.to_string(),
+        None => head.to_string(),
+    };
+    match query {
+        None => head,
+        Some(q) => {
+            let params: Vec<String> = q
+                .split('&')
+                .map(|p| match p.split_once('=') {
+                    Some((k, _)) if SECRET_PARAMS.iter().any(|s| k.eq_ignore_ascii_case(s)) => {
+                        format!("{k}=***")
+                    }
+                    _ => p.to_string(),
+                })
+                .collect();
+            format!("{head}?{}", params.join("&"))
+        }
     }
 }
 
@@ -725,6 +815,25 @@ mod tests {
             "postgres://me:***@h/db"
         );
         assert_eq!(redact("postgres://me@h/db"), "postgres://me@h/db");
+        // Passwords in the query, any case, beside parameters that are no secret.
+        assert_eq!(
+            redact("postgres://me@h/db?sslmode=require&password=s3cret&PassWord=x"),
+            "postgres://me@h/db?sslmode=require&password=***&PassWord=***"
+        );
+        assert_eq!(
+            redact("mysql://root:hunter2@db:3306/x?sslpassword=k"),
+            "mysql://root:***@db:3306/x?sslpassword=***"
+        );
+        // An '@' in the password, and a path with '@' after the host.
+        assert_eq!(
+            redact("postgres://me:p@ss@h/db@x"),
+            "postgres://me:***@h/db@x"
+        );
+        assert_eq!(
+            redact("sqlite:///var/lib/rcfarm/audit.db"),
+            "sqlite:///var/lib/rcfarm/audit.db"
+        );
+        assert_eq!(redact("/tmp/audit.db"), "/tmp/audit.db");
     }
 
     #[test]

@@ -12,7 +12,7 @@ use super::claims::Assignment;
 use crate::rc::RcId;
 
 /// What the farm sees of one kind of claimed object at a reconcile.
-pub(crate) struct Situation<'a> {
+pub struct Situation<'a> {
     pub farm_id: &'a str,
     /// This farm's session.
     pub session: &'a str,
@@ -41,7 +41,7 @@ pub(crate) struct Situation<'a> {
 
 /// Where a farm's session stands in a lock view, computed once per view.
 #[derive(Debug, Default)]
-pub(crate) struct HeldIndex {
+pub struct HeldIndex {
     /// Objects the farm may serve that no session holds.
     pub unheld: BTreeSet<RcId>,
     /// Objects the session holds.
@@ -96,7 +96,7 @@ impl Situation<'_> {
 
 /// Why a task is stopped.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Stop {
+pub enum Stop {
     /// It ended on its own.
     Ended,
     /// Its object is gone; `release`: its lock is ours, to give back.
@@ -108,7 +108,7 @@ pub(crate) enum Stop {
 }
 
 /// The tasks to stop (`ended` tells a task that ended on its own), in id order.
-pub(crate) fn stops<T>(
+pub fn stops<T>(
     s: &Situation<'_>,
     tasks: &BTreeMap<RcId, T>,
     ended: impl Fn(&T) -> bool,
@@ -137,7 +137,7 @@ pub(crate) fn stops<T>(
 
 /// The rules for taking objects assigned elsewhere.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Rules {
+pub struct Rules {
     /// How long an unheld object waits for its assigned farm before a farm with room takes it.
     pub grace: Duration,
     /// How far over its fair share a farm may go for objects nobody else takes (past two
@@ -147,7 +147,7 @@ pub(crate) struct Rules {
 
 /// What to claim.
 #[derive(Debug, Default, PartialEq, Eq)]
-pub(crate) struct Claims {
+pub struct Claims {
     pub claim: Vec<RcId>,
     /// Of those, how many are assigned to another farm (taken past the grace).
     pub unassigned: usize,
@@ -158,7 +158,7 @@ pub(crate) struct Claims {
 /// What to claim, given the tasks running (after [`stops`]): what is assigned to us and free,
 /// and, past the grace, what nobody takes. `unheld_since` is when each unheld object was first
 /// seen unheld; it is kept up to date here.
-pub(crate) fn claims<T>(
+pub fn claims<T>(
     s: &Situation<'_>,
     tasks: &BTreeMap<RcId, T>,
     unheld_since: &mut HashMap<RcId, Instant>,
@@ -204,7 +204,7 @@ pub(crate) fn claims<T>(
 /// What to start a task for (after claims): every existing object we hold or just claimed
 /// (`claimed`: those the view may not show yet), that has no task yet and is not finished (a
 /// completed roll whose record the view still shows).
-pub(crate) fn starts<'a, T>(
+pub fn starts<'a, T>(
     s: &Situation<'_>,
     tasks: &BTreeMap<RcId, T>,
     claimed: impl IntoIterator<Item = &'a RcId>,
@@ -223,7 +223,7 @@ pub(crate) fn starts<'a, T>(
 /// What to hand over, given the tasks running (after claims): what we may not serve, and as
 /// many objects assigned to other farms as we hold over our share. Only objects held per the
 /// view (never one just claimed), so no farm claims something only to hand it back.
-pub(crate) fn handovers<T>(s: &Situation<'_>, tasks: &BTreeMap<RcId, T>) -> Vec<RcId> {
+pub fn handovers<T>(s: &Situation<'_>, tasks: &BTreeMap<RcId, T>) -> Vec<RcId> {
     let handable = |id: &&RcId| !s.mine(id) && s.held_by_us(id) && !(s.claimed)(id);
     let mut out: Vec<RcId> = tasks
         .keys()

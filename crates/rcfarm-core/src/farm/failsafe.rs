@@ -11,7 +11,6 @@ use super::rcs::OwnedRcs;
 use super::rolls::OwnedRolls;
 use super::{Farm, Serving, Views};
 use crate::audit::{AuditRecord, events};
-use crate::consul::TxnOp;
 use crate::failsafe::{Release, Tree, TreeShape, TripEvent};
 use crate::labels::Selector;
 use crate::rc::{RC_ID_LABEL, RcId, RcListing};
@@ -25,6 +24,10 @@ pub(super) struct FailsafeSeen {
     /// The release key's index last acted on (or set aside as older than this farm).
     release: u64,
     started: DateTime<Utc>,
+    /// `FAILSAFE_TRIPPED`/`…_CLEARED` records not yet committed: retried until they are, like
+    /// every audit record (each named after its trip, so a retry after a lost answer writes it
+    /// once).
+    unrecorded: Vec<AuditRecord>,
 }
 
 impl Default for FailsafeSeen {
@@ -33,6 +36,7 @@ impl Default for FailsafeSeen {
             listing: 0,
             release: 0,
             started: Utc::now(),
+            unrecorded: Vec::new(),
         }
     }
 }
@@ -63,6 +67,7 @@ impl Farm {
     ) {
         let fs = &self.failsafe;
         fs.set_served(self.status.pods_current() as u64);
+        self.record_trips(sv).await;
         let mut wake = false;
         if let Some(snap) = views.release.latest() {
             let (index, release) = match &snap.value {
@@ -96,9 +101,14 @@ impl Farm {
                 let shape =
                     Tree::of(replicas.clone().map(|(_, r)| r), listing.invalid.len()).shape();
                 let can_remove = shape == TreeShape::AllZero && removable(views, &listing);
+                let trip_before = fs.status().tripped_since;
                 if let Some(ev) = fs.observe_tree(replicas, listing.invalid.len(), can_remove) {
+                    let since = match ev {
+                        TripEvent::Tripped(_) => fs.status().tripped_since,
+                        _ => trip_before,
+                    };
                     wake |= !matches!(ev, TripEvent::Tripped(_));
-                    self.report_trip(sv, &listing, ev).await;
+                    self.report_trip(sv, &listing, ev, since).await;
                 }
             }
         }
@@ -117,8 +127,15 @@ impl Farm {
         }
     }
 
-    /// Log, metric and audit record of what the tripwire decided.
-    async fn report_trip(&self, sv: &Serving<'_>, listing: &Arc<RcListing>, ev: TripEvent) {
+    /// Log, metric and audit record of what the tripwire decided (the trip it concerns began
+    /// at `since`).
+    async fn report_trip(
+        &self,
+        sv: &Serving<'_>,
+        listing: &Arc<RcListing>,
+        ev: TripEvent,
+        since: Option<DateTime<Utc>>,
+    ) {
         let confirm = crate::util::format_go_duration(self.failsafe.config().confirm);
         let (event, details) = match &ev {
             TripEvent::Tripped(why) => {
@@ -146,14 +163,42 @@ impl Farm {
         };
         let mut details = details;
         details["farm_id"] = json!(self.config.farm_id);
-        let audit = AuditRecord::new(event, details);
-        // Fenced by the farm's registration: a farm that lost its session says nothing.
-        let ops = [
-            TxnOp::check_session(sv.info.key(), sv.session.id()),
-            audit.txn_op(),
-        ];
-        if let Err(e) = self.consul.txn(&ops).await {
-            tracing::warn!(error = %e, event, "cannot record the failsafe's audit event");
+        // One record per trip and event: a retry writes the same one.
+        let identity = format!(
+            "failsafe:{}:{event}:{}",
+            self.config.farm_id,
+            since.map(|t| t.to_rfc3339()).unwrap_or_default()
+        );
+        let audit =
+            AuditRecord::deterministic(&identity, event, details).at(self.config.clock.wall());
+        self.failsafe_seen.lock().unrecorded.push(audit);
+        self.record_trips(sv).await;
+    }
+
+    /// Commits the failsafe's records not yet committed, fenced by the farm's registration
+    /// (a farm without its session says nothing until it has a new one); what fails stays for
+    /// the next look.
+    async fn record_trips(&self, sv: &Serving<'_>) {
+        let pending = std::mem::take(&mut self.failsafe_seen.lock().unrecorded);
+        let mut left = Vec::new();
+        for audit in pending {
+            let txn = crate::consul::FencedTxn::fenced(crate::consul::Fence::new(
+                sv.info.key(),
+                sv.session.id(),
+            ))
+            .records([audit.txn_op()]);
+            match txn.commit(&self.consul).await {
+                Ok(_) | Err(crate::consul::FenceError::AlreadyRecorded) => {}
+                Err(e) => {
+                    tracing::warn!(error = %e, event = %audit.event_type, "cannot record the failsafe's audit event yet; retrying");
+                    left.push(audit);
+                }
+            }
+        }
+        if !left.is_empty() {
+            let mut seen = self.failsafe_seen.lock();
+            left.append(&mut seen.unrecorded);
+            seen.unrecorded = left;
         }
     }
 }

@@ -7,7 +7,7 @@
 
 mod access;
 pub mod claims;
-mod decide;
+pub mod decide;
 mod failsafe;
 mod ownership;
 mod rcs;
@@ -45,6 +45,13 @@ use rcs::{LocksTx, OwnedRcs, RcKind};
 use registry::{FARMS_PREFIX, FarmInfo};
 use rolls::{OwnedRolls, RollDispatch, RollKind};
 
+/// Keys under the lock prefixes that are no lock, reported once each while they are there.
+#[derive(Debug, Default)]
+struct GarbageReported {
+    rcs: BTreeSet<String>,
+    rolls: BTreeSet<String>,
+}
+
 /// Which scheduler the farm uses.
 #[derive(Debug, Clone)]
 pub enum SchedulerKind {
@@ -75,7 +82,7 @@ pub struct FarmConfig {
     pub http: Option<String>,
     /// Where the audit log is shipped (`sqlite://…` or `postgres://…`); `None`: this farm
     /// does not ship (records wait in Consul for a farm that does).
-    pub audit_db: Option<String>,
+    pub audit_db: Option<crate::audit::store::DbUrl>,
     /// `false` (`--audit-shipping off`): never ship, even with `audit_db`: records are left in
     /// Consul's `audit_logs/` for another consumer, as P2's farm leaves them.
     pub audit_shipping: bool,
@@ -125,8 +132,7 @@ impl FarmConfig {
     pub fn audit_destination(&self) -> String {
         match (&self.audit_db, self.audit_shipping) {
             (Some(db), true) => format!(
-                "audit records are shipped from Consul audit_logs/ to {} (one farm ships at a time)",
-                crate::audit::store::redact(db)
+                "audit records are shipped from Consul audit_logs/ to {db} (one farm ships at a time)"
             ),
             (_, false) => "audit records are left in Consul audit_logs/ for an external consumer (this farm: --audit-shipping off)".to_string(),
             (None, true) => "audit records wait in Consul audit_logs/ for a farm that ships them (this farm has no --audit-db)".to_string(),
@@ -220,7 +226,7 @@ pub struct Farm {
     /// Unclaimable RC keys already reported, with the version reported.
     unclaimable_reported: parking_lot::Mutex<HashMap<String, u64>>,
     /// Keys under the lock prefix that are not RC locks, already logged.
-    garbage_locks_reported: parking_lot::Mutex<BTreeSet<String>>,
+    garbage_locks_reported: parking_lot::Mutex<GarbageReported>,
     /// Kept across sessions: removals made before a session loss still count.
     failsafe: Arc<crate::failsafe::Failsafe>,
     failsafe_seen: parking_lot::Mutex<failsafe::FailsafeSeen>,
@@ -241,6 +247,10 @@ pub struct Farm {
 /// RCs for each was most of what the farms read from Consul after the pod labels), with three
 /// farms; with more it grows as their watches' pace does.
 const LOCK_TREE_IDLE: Duration = Duration::from_secs(2);
+
+/// How often a farm counts the pods whose RC is gone (`rcfarm_orphaned_pods`): a walk of the
+/// pod cache's index of RC ids, for an alert that waits 15 minutes.
+const ORPHAN_COUNT_EVERY: Duration = Duration::from_secs(10);
 
 /// How long after a farm left every change of the lock tree is read.
 const HANDOVER_FAST: Duration = Duration::from_secs(15);
@@ -430,6 +440,7 @@ impl Farm {
                 rcs: views.rcs.subscribe(),
                 failsafe: self.failsafe.clone(),
                 pod_tickets: Default::default(),
+                roll_sources: Default::default(),
                 config: cfg.task.clone(),
                 clock: cfg.clock,
             });
@@ -610,6 +621,7 @@ impl Farm {
         let mut tick = tokio::time::interval(Duration::from_millis(500));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut next_sweep = self.config.clock.now() + Duration::from_secs(1);
+        let mut next_orphans = self.config.clock.now();
         // RCs taken over from another session, whose intents are swept soon (once the read of
         // the pod labels their claim asked for is in).
         let mut taken_over: BTreeSet<RcId> = BTreeSet::new();
@@ -628,6 +640,7 @@ impl Farm {
         // farms, RC labels, a task stopping) and on each tick; pod, node and health changes
         // only wake the tasks they concern.
         let (mut dirty, mut dirty_rolls) = (true, true);
+        Self::publish_roll_sources(&sv.ctx, views.rolls.latest().as_deref());
         loop {
             let ready = rc_rx.borrow().is_some()
                 && lock_rx.borrow().is_some()
@@ -716,6 +729,10 @@ impl Farm {
                 });
                 self.status.update_farm(|f| f.synced = true);
             }
+            if ready && self.config.clock.now() >= next_orphans {
+                metrics::gauge!("rcfarm_orphaned_pods").set(Self::orphaned_pods(views) as f64);
+                next_orphans = self.config.clock.now() + ORPHAN_COUNT_EVERY;
+            }
             if ready && !in_doubt && self.config.clock.now() >= next_sweep {
                 self.sweep(views, &sv.ctx, &owned, None).await;
                 next_sweep = self.config.clock.now()
@@ -793,6 +810,7 @@ impl Farm {
                 }
                 r = rolls_rx.changed() => {
                     if r.is_err() { return Ended::SessionLost("roll watch ended".into()); }
+                    Self::publish_roll_sources(&sv.ctx, views.rolls.latest().as_deref());
                     dirty_rolls = true;
                 }
                 r = release_rx.changed() => {
@@ -836,6 +854,45 @@ impl Farm {
 
     /// The farm registry changed (or is first seen by this session). Returns whether a farm
     /// left since it was last seen.
+    /// Pods whose label names an RC that no longer exists (deleted with `--force`, by P2's
+    /// CLI or a KV write): nothing manages them. Every farm sees them (its pod cache leaves out
+    /// only pods of RCs other farms hold), so the alert takes the max over farms.
+    fn orphaned_pods(views: &Views) -> usize {
+        let Some(listing) = views.rcs.latest() else {
+            return 0;
+        };
+        views
+            .pods
+            .value_counts(crate::rc::RC_ID_LABEL)
+            .into_iter()
+            .filter(|(rc, _)| match RcId::parse(rc) {
+                Ok(id) => {
+                    !listing.rcs.contains_key(&id) && !listing.invalid.contains_key(&id.key())
+                }
+                // Not an RC id at all: no RC of rcfarm's manages it, but it is no RC's left
+                // behind either.
+                Err(_) => false,
+            })
+            .map(|(_, n)| n)
+            .sum()
+    }
+
+    /// Tells the RC tasks which RC each rolling update moves replicas from, by its new RC:
+    /// only that RC's given-up pods are taken over (see `rctask::worker`'s `neighbours`).
+    fn publish_roll_sources(ctx: &TaskContext, rolls: Option<&crate::roll::RollListing>) {
+        let sources: HashMap<RcId, RcId> = rolls
+            .map(|l| {
+                l.rolls
+                    .values()
+                    .map(|r| (r.update.new_rc, r.update.old_rc))
+                    .collect()
+            })
+            .unwrap_or_default();
+        if **ctx.roll_sources.read() != sources {
+            *ctx.roll_sources.write() = Arc::new(sources);
+        }
+    }
+
     fn farms_changed(&self, views: &Views) -> bool {
         let Some(snap) = views.farms.latest() else {
             return false;

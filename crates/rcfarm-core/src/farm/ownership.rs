@@ -603,23 +603,7 @@ mod tests {
         fn forget(&self, _: RcId) {}
     }
 
-    /// An embedded server, a client, and two sessions on it: ours and another farm's.
-    async fn two_sessions() -> (crate::server::EmbeddedServer, Consul, Session, Session) {
-        use crate::consul::{ConsulConfig, SessionConfig};
-        let server = crate::server::EmbeddedServer::start(crate::server::ServerConfig::ephemeral())
-            .await
-            .unwrap();
-        let consul = Consul::new(ConsulConfig::new(server.url())).unwrap();
-        let config = |name: &str| SessionConfig {
-            name: name.into(),
-            ttl: Duration::from_secs(30),
-            lock_delay: Duration::ZERO,
-            behavior: Default::default(),
-        };
-        let ours = Session::create(&consul, &config("ours")).await.unwrap();
-        let theirs = Session::create(&consul, &config("theirs")).await.unwrap();
-        (server, consul, ours, theirs)
-    }
+    use crate::testing::two_sessions;
 
     /// Farm `f`, claiming without a grace period.
     fn test_farm<'a>(consul: &'a Consul, session: &'a Session) -> ClaimFarm<'a> {

@@ -240,7 +240,10 @@ impl Farm {
         let sid = session.id();
         {
             let mut seen = self.garbage_locks_reported.lock();
-            seen.retain(|k| locks.garbage.contains(k));
+            // Only what is still there stays reported (a key removed and written again is
+            // reported again).
+            seen.rcs.retain(|k| locks.garbage.contains(k));
+            let seen = &mut seen.rcs;
             for key in &locks.garbage {
                 if seen.insert(key.clone()) {
                     tracing::warn!(%key, "a key under the lock prefix is not an RC lock; ignoring it");
@@ -457,6 +460,11 @@ impl Farm {
                 tickets.remove(id);
             }
         }
+        // A ticket is for a task's next pass: one of an RC this farm no longer serves (deleted,
+        // handed over, fenced before its pass) would be kept for ever.
+        ctx.pod_tickets
+            .lock()
+            .retain(|id, _| owned.tasks.contains_key(id) || claimed.contains(id));
 
         // A mutation lock our session holds on an RC we do not serve would stop its owner from
         // ever moving a pod (it waits for "another session"). It happens when a task is stopped

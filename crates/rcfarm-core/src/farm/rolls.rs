@@ -146,8 +146,9 @@ impl Farm {
         let (holders, garbage) = parse_roll_locks(&lock_snap.value);
         {
             let mut seen = self.garbage_locks_reported.lock();
+            seen.rolls.retain(|k| garbage.contains(k));
             for key in garbage {
-                if seen.insert(key.clone()) {
+                if seen.rolls.insert(key.clone()) {
                     tracing::warn!(%key, "a key under lock/rolls/ is not a roll lock; ignoring it");
                 }
             }

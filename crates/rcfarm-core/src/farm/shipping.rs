@@ -23,7 +23,7 @@ impl Farm {
         tokio::spawn(async move {
             let mut backoff = Backoff::new(Duration::from_secs(1), Duration::from_secs(60));
             loop {
-                match AuditStore::connect(&url).await {
+                match AuditStore::connect(url.expose()).await {
                     Ok(store) => {
                         tracing::info!(db = %store.url(), "audit database ready");
                         // `send_replace`, not `send`: with no receiver at this moment (no HTTP

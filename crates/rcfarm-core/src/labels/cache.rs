@@ -554,6 +554,22 @@ impl LabelCache {
         self.watched.read().state.entries.len()
     }
 
+    /// Each value label `key` takes, with how many entries carry it (from the index: no scan).
+    pub fn value_counts(&self, key: &str) -> Vec<(String, usize)> {
+        self.watched
+            .read()
+            .state
+            .inverted
+            .get(key)
+            .map(|values| {
+                values
+                    .iter()
+                    .map(|(v, ids)| (v.clone(), ids.len()))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
     /// Ids starting with `prefix`, sorted (for pods: `"<node>/"` lists a node's pods).
     pub fn ids_with_prefix(&self, prefix: &str) -> Vec<String> {
         self.watched.read().state.ids_with_prefix(prefix)

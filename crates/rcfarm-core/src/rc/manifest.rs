@@ -18,6 +18,9 @@ pub struct Manifest {
     raw: Arc<str>,
     pod_id: String,
     digest: String,
+    /// Whether the manifest has a `status_port`: only then does P2's preparer check the pod's
+    /// health; without one it writes "passing" once, whatever runs.
+    health_checked: bool,
 }
 
 impl fmt::Debug for Manifest {
@@ -70,10 +73,15 @@ impl Manifest {
         };
         validate_pod_id(&pod_id).map_err(|why| ManifestError::BadId(pod_id.clone(), why))?;
         let digest = hex::encode(Sha256::digest(canonical_bytes(&canonical)));
+        let health_checked = map
+            .get("status_port")
+            .and_then(Value::as_u64)
+            .is_some_and(|p| p > 0);
         Ok(Manifest {
             raw: shared.clone(),
             pod_id,
             digest,
+            health_checked,
         })
     }
 
@@ -91,6 +99,11 @@ impl Manifest {
     /// only in formatting, key order or comments.
     pub fn digest(&self) -> &str {
         &self.digest
+    }
+
+    /// Whether P2's preparer checks this pod's health (it has a `status_port`).
+    pub fn health_checked(&self) -> bool {
+        self.health_checked
     }
 }
 

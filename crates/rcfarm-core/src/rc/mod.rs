@@ -7,7 +7,7 @@ pub mod model;
 pub use manifest::{Manifest, ManifestError, RESTART_CONFIG_KEY, RestartError};
 pub use model::{
     AllocationStrategy, CHANGE_MARKER, DesiredState, InvalidRc, POD_ID_LABEL, RC_ID_LABEL,
-    RC_LOCK_PREFIX, RC_PREFIX, RawRc, Rc, RcId, RcProblem,
+    RC_LOCK_PREFIX, RC_PREFIX, RETIRE_MARKER, RawRc, Rc, RcId, RcProblem,
 };
 pub mod store;
 

@@ -21,6 +21,12 @@ pub const POD_ID_LABEL: &str = "pod_id";
 /// The field rcfarm's own writers stamp on an RC record with the id of the change's audit
 /// record, so the owning farm can tell those changes (audited already) from direct KV writes.
 pub const CHANGE_MARKER: &str = "rcfarm_change_id";
+/// The field a rolling update stamps on its old RC when it retires it (the new RC complete, the
+/// old one enabled at a count to remove its leftover pods): `{"roll": <id>, "replicas": N}`.
+/// The roll charged the farm's removal budget for the capacity that goes (see
+/// `crate::failsafe`), so the old RC's task does not charge it again while its record is as
+/// the roll wrote it. Any other change of the record drops it.
+pub const RETIRE_MARKER: &str = "rcfarm_retired_by";
 
 /// An RC's id: a UUID, written in its canonical lowercase form.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -74,6 +80,12 @@ impl RcId {
     /// P2's node-transfer lock: held by anyone, it freezes the RC's node transfers.
     pub fn node_transfer_lock_key(&self) -> String {
         format!("{RC_LOCK_PREFIX}{self}/node_transfer")
+    }
+
+    /// P2's status keys of the RC (its node transfer in flight, and rcfarm's record of when it
+    /// started, beside it): `status/replication_controllers/<id>/`.
+    pub fn status_prefix(&self) -> String {
+        format!("status/replication_controllers/{self}/")
     }
 
     /// The value a node transfer writes into the mutation lock it holds.
@@ -401,6 +413,15 @@ impl Rc {
 
     pub fn pod_id(&self) -> &str {
         self.manifest.pod_id()
+    }
+
+    /// The roll that retired this RC and the replica count it left it at, if the record is
+    /// as that roll wrote it ([`RETIRE_MARKER`], and the count unchanged since).
+    pub fn retired_by(&self) -> Option<RcId> {
+        let m = self.raw.extra.get(RETIRE_MARKER)?;
+        let roll = RcId::parse(m.get("roll")?.as_str()?).ok()?;
+        let replicas = m.get("replicas")?.as_u64()?;
+        (replicas == self.replicas_desired && !self.disabled).then_some(roll)
     }
 
     /// The labels the RC puts on each of its pods: its `pod_labels` plus `pod_id` and

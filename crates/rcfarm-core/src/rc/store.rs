@@ -67,11 +67,27 @@ pub enum Mutation {
     SetNodeSelector(String),
     SetPodLabels(LabelSet),
     SetStrategy(AllocationStrategy),
+    /// A rolling update's retirement of its old RC: enabled at `replicas`, marked as retired by
+    /// `roll` ([`super::RETIRE_MARKER`]).
+    Retire {
+        roll: RcId,
+        replicas: u64,
+    },
 }
 
 impl Mutation {
     fn apply(&self, raw: &mut RawRc) {
+        // The retirement mark holds only for the record as the roll wrote it.
+        raw.extra.remove(super::RETIRE_MARKER);
         match self {
+            Mutation::Retire { roll, replicas } => {
+                raw.replicas_desired = Some(*replicas as i64);
+                raw.disabled = false;
+                raw.extra.insert(
+                    super::RETIRE_MARKER.to_string(),
+                    json!({"roll": roll, "replicas": replicas}),
+                );
+            }
             Mutation::SetReplicas(n) => raw.replicas_desired = Some(*n as i64),
             Mutation::AddReplicas(d) => {
                 let cur = raw.replicas_desired.unwrap_or(0).max(0);
@@ -449,15 +465,58 @@ impl RcStore {
         Ok(TxnOp::cas(rc.id.key(), new.raw.to_json(), rc.modify_index))
     }
 
-    /// Deletes an RC and its labels. Refused while it still wants replicas, unless forced:
-    /// deleting an RC never unschedules its pods, so an operator scales it to 0 first.
+    /// The nodes where a pod of RC `id` runs (its label names the RC), for pods of `pod_id`
+    /// (every pod id when `None`: the record cannot be read).
+    pub async fn pod_nodes(
+        &self,
+        id: RcId,
+        pod_id: Option<&str>,
+    ) -> Result<Vec<String>, RcStoreError> {
+        let prefix = LabelType::Pod.prefix();
+        let (keys, _) = self
+            .consul
+            .kv_keys(&prefix, None, &QueryOptions::default())
+            .await?;
+        let candidates: Vec<String> = keys
+            .into_iter()
+            .filter(|k| {
+                k.strip_prefix(&prefix)
+                    .and_then(crate::labels::split_pod_label_id)
+                    .is_some_and(|(_, p)| pod_id.is_none_or(|want| p == want))
+            })
+            .collect();
+        let me = id.to_string();
+        let found = self.consul.read_keys(&candidates).await?;
+        let mut nodes: Vec<String> = found
+            .values()
+            .filter(|kv| {
+                crate::labels::parse_labels(kv.value_bytes())
+                    .ok()
+                    .and_then(|l| l.get(super::RC_ID_LABEL).cloned())
+                    .is_some_and(|rc| rc == me)
+            })
+            .filter_map(|kv| {
+                kv.key
+                    .strip_prefix(&prefix)
+                    .and_then(crate::labels::split_pod_label_id)
+                    .map(|(n, _)| n.to_string())
+            })
+            .collect();
+        nodes.sort();
+        Ok(nodes)
+    }
+
+    /// Deletes an RC and its labels, and returns with the write the nodes where its pods are
+    /// left running (only with `force`). Refused while it still wants replicas or still has
+    /// pods, unless forced: deleting an RC never unschedules its pods, so an operator scales
+    /// it to 0 and waits for its pods to go first (a pod left behind is managed by nothing).
     pub async fn delete(
         &self,
         id: RcId,
         force: bool,
         actor: &str,
         dry_run: bool,
-    ) -> Result<Written, RcStoreError> {
+    ) -> Result<(Written, Vec<String>), RcStoreError> {
         for attempt in 0..self.retries {
             Self::pause(attempt).await;
             let (entry, _) = self
@@ -467,21 +526,30 @@ impl RcStore {
             let entry = entry.ok_or(RcStoreError::NotFound(id))?;
             let raw = RawRc::from_json(entry.value_bytes()).ok();
             let replicas = raw.as_ref().and_then(|r| r.replicas_desired);
-            if !force && replicas != Some(0) {
+            let pod_id = raw
+                .as_ref()
+                .and_then(|r| super::Manifest::parse(&r.manifest).ok())
+                .map(|m| m.pod_id().to_string());
+            // Counted after the record was read: the delete is guarded by that version, so a
+            // scale-up meanwhile fails it and it is counted again.
+            let left = self.pod_nodes(id, pod_id.as_deref()).await?;
+            if !force && (replicas != Some(0) || !left.is_empty()) {
                 let why = match replicas {
+                    Some(0) => format!(
+                        "it still has {} pod{} (on {}): its replicas are 0, but they are not all removed yet",
+                        left.len(),
+                        if left.len() == 1 { "" } else { "s" },
+                        left.join(", ")
+                    ),
                     Some(n) => format!("it has {n} desired replicas"),
                     None => {
                         "its record cannot be read, so its replica count is unknown".to_string()
                     }
                 };
                 return Err(RcStoreError::Refused(format!(
-                    "not deleting replication controller {id}: {why}. Scale it to 0 first (rcctl rc scale {id} 0 --wait) so its pods are removed, or pass --force to delete it and leave its pods running"
+                    "not deleting replication controller {id}: {why}. Scale it to 0 and wait for its pods to go (rcctl rc scale {id} 0 --wait), then delete it; or pass --force to delete it now and leave its pods running, managed by nothing"
                 )));
             }
-            let pod_id = raw
-                .as_ref()
-                .and_then(|r| super::Manifest::parse(&r.manifest).ok())
-                .map(|m| m.pod_id().to_string());
             let audit = AuditRecord::new(
                 events::RC_DELETED,
                 json!({
@@ -490,27 +558,36 @@ impl RcStore {
                     "actor": actor,
                     "replicas_desired": replicas,
                     "forced": force,
+                    "pods_left": left,
                 }),
             );
             let ops = vec![
                 TxnOp::delete_cas(id.key(), entry.modify_index),
                 LabelStore::delete_op(LabelType::ReplicationController, &id.to_string()),
+                // Its node transfer's status, P2's and rcfarm's, goes with it.
+                TxnOp::delete_tree(id.status_prefix()),
                 audit.txn_op(),
             ];
             if dry_run {
-                return Ok(Written {
-                    rc: None,
-                    ops,
-                    committed: false,
-                });
+                return Ok((
+                    Written {
+                        rc: None,
+                        ops,
+                        committed: false,
+                    },
+                    left,
+                ));
             }
             match self.consul.txn(&ops).await {
                 Ok(_) => {
-                    return Ok(Written {
-                        rc: None,
-                        ops,
-                        committed: true,
-                    });
+                    return Ok((
+                        Written {
+                            rc: None,
+                            ops,
+                            committed: true,
+                        },
+                        left,
+                    ));
                 }
                 Err(e) if e.failed_at(0, TxnFailure::IndexStale) => continue,
                 Err(e) => return Err(e.into()),

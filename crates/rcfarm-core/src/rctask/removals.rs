@@ -1,66 +1,57 @@
-//! The RC task's side of the farm's failsafe ([`crate::failsafe`]): every action that removes
-//! pods (a scale-down, a replacement of an older pod id, a repair that rewrites an intent
-//! running another manifest, the start of a node transfer) asks the farm's removal budget
-//! first and does only what it was granted; an RC held reports `RemovalsHeld` (condition,
-//! metric, one audit record per episode). Taking over pods a rolling update gave up is not
-//! counted here: the roll's step was (each removal is counted once, where it is decided).
+//! The RC task's side of the farm's failsafe ([`crate::failsafe`]): an action that takes
+//! capacity away (a scale-down, a replacement of an older pod id, a repair that rewrites an
+//! intent running another manifest) asks the farm's removal budget first and does only what
+//! it was granted, spending the grant as its writes commit; one whose pods go with a
+//! replacement already up (a node transfer's end), or whose lost capacity its rolling update
+//! charged (a retired old RC), is not charged, but waits like every removal while the
+//! tripwire is tripped. What counts is [`crate::rctask::plan::removals`]. An RC held reports
+//! `RemovalsHeld` (condition, metric, one audit record per episode). Taking over pods a
+//! rolling update gave up removes nothing of this RC's.
 
 use serde_json::json;
 
-use super::outcome::{Gated, TaskError};
-use super::plan::{Action, Observed};
+use super::outcome::{Gated, GrantedRemovals, TaskError};
+use super::plan::{Action, Observed, removals, within_grant};
 use super::worker::Worker;
 use crate::audit::{AuditRecord, events};
 use crate::rc::Rc;
 use crate::scheduler::NodeName;
 
 impl Worker {
-    /// How many pods `action` would remove, and which nodes it may touch for free.
-    fn removals_of(&self, rc: &Rc, action: &Action) -> (Vec<NodeName>, Vec<NodeName>) {
-        match action {
-            Action::Unschedule(t) | Action::Replace(t) => (t.clone(), Vec::new()),
-            // Rewriting a missing intent removes nothing; rewriting one that runs another
-            // manifest replaces the pod.
-            Action::Repair(t) => t.iter().cloned().partition(|n| {
-                self.ctx
-                    .intents
-                    .runs_other(n, rc.pod_id(), rc.manifest.digest())
-            }),
-            Action::StartTransfer { old, .. } => (vec![old.clone()], Vec::new()),
-            _ => (Vec::new(), Vec::new()),
-        }
-    }
-
-    /// Asks the farm's removal budget for what `action` removes.
-    pub(super) fn gate_removals(&self, rc: &Rc, action: Action) -> Gated {
-        let (costly, free) = self.removals_of(rc, &action);
-        if costly.is_empty() {
-            return Gated::Go { action, granted: 0 };
-        }
-        let grant = self.ctx.failsafe.take(costly.len() as u64);
-        let granted = grant.granted as usize;
-        if granted == 0 && free.is_empty() {
-            return Gated::Held(grant.held.unwrap_or_default());
-        }
-        if granted == costly.len() {
+    /// Asks the farm's failsafe for what `action` removes.
+    pub(super) fn gate_removals(&self, o: &Observed<'_>, action: Action) -> Gated {
+        let cost = removals(&action, o);
+        if !cost.any() {
             return Gated::Go {
                 action,
-                granted: grant.granted,
+                removals: GrantedRemovals::default(),
             };
         }
-        // The plan orders its victims (ineligible, unhealthy, then by name): keep its first.
-        let keep: Vec<NodeName> = costly.into_iter().take(granted).chain(free).collect();
-        let action = match action {
-            Action::Unschedule(_) => Action::Unschedule(keep),
-            Action::Replace(_) => Action::Replace(keep),
-            Action::Repair(t) => {
-                Action::Repair(t.into_iter().filter(|n| keep.contains(n)).collect())
+        if let Some(why) = self.ctx.failsafe.tripped() {
+            // Only what removes nothing goes ahead (a missing intent rewritten).
+            if cost.harmless.is_empty() {
+                return Gated::Held(why);
             }
-            other => other,
+            return Gated::Go {
+                action: Action::Repair(cost.harmless),
+                removals: GrantedRemovals::default(),
+            };
+        }
+        if cost.counted.is_empty() {
+            return Gated::Go {
+                action,
+                removals: GrantedRemovals::default(),
+            };
+        }
+        let (reservation, held) = self.ctx.failsafe.reserve(cost.counted.len() as u64);
+        let granted = reservation.left() as usize;
+        let Some(action) = within_grant(action, &cost, granted) else {
+            return Gated::Held(held.unwrap_or_default());
         };
+        let keep: Vec<NodeName> = cost.counted.into_iter().take(granted).collect();
         Gated::Go {
             action,
-            granted: grant.granted,
+            removals: GrantedRemovals::new(reservation, keep),
         }
     }
 

@@ -7,8 +7,8 @@ use std::time::Duration;
 use serde_json::{Value, json};
 
 use super::intents::IntentState;
-use super::outcome::{Applied, TaskError};
-use super::plan::{Observed, Transfer};
+use super::outcome::{Applied, GrantedRemovals, TaskError};
+use super::plan::{Action, Observed, Transfer};
 use super::transfers::status_key;
 use super::worker::Worker;
 use crate::audit::{AuditRecord, events};
@@ -26,15 +26,50 @@ impl Worker {
             .transfers
             .transfer(self.id, self.transfer_since)
             .await?;
+        let recorded = stored.as_ref().is_some_and(|t| t.started_at.is_some());
         let stored = Transfer::resumed(stored, self.transfer.as_ref(), self.ctx.clock.wall());
+        let same = |a: &Option<Transfer>, b: &Option<Transfer>| {
+            a.as_ref().map(|t| &t.id) == b.as_ref().map(|t| &t.id)
+        };
         if let Some(t) = &stored
-            && self.transfer.as_ref() != Some(t)
+            && !same(&self.transfer, &stored)
         {
             tracing::info!(old = %t.old_node, new = %t.new_node, "resuming a node transfer in flight");
+            // Timed on this farm's monotonic clock from its recorded start: a wall-clock
+            // step later moves nothing, and only the takeover itself reads the calendar.
+            let ran = t
+                .started_at
+                .map(|at| self.ctx.clock.wall_since(at))
+                .unwrap_or_default()
+                .min(self.ctx.config.transfer_timeout);
+            let now = self.ctx.clock.now();
+            self.transfer_started = Some(now.checked_sub(ran).unwrap_or(now));
+            if !recorded {
+                // Started by P2 (no start recorded anywhere): record when this farm first saw
+                // it, so a handover does not start its timeout again.
+                self.commit(
+                    vec![TxnOp::set(
+                        super::transfers::rcfarm_status_key(self.id),
+                        super::transfers::rcfarm_status(t),
+                    )],
+                    vec![],
+                )
+                .await?;
+            }
+        }
+        if stored.is_none() {
+            self.transfer_started = None;
         }
         self.transfer = stored;
         self.transfer_loaded = true;
         Ok(())
+    }
+
+    /// How long the transfer in flight has run (monotonic).
+    pub(super) fn transfer_age(&self) -> Duration {
+        self.transfer_started
+            .map(|s| self.ctx.clock.now().saturating_duration_since(s))
+            .unwrap_or_default()
     }
 
     pub(super) fn transfer_details(
@@ -68,11 +103,8 @@ impl Worker {
         old: NodeName,
         new: Option<NodeName>,
     ) -> Result<Applied, TaskError> {
-        // The farm's view of the lock tree may lag: read P2's node-transfer lock itself before
-        // anything is allocated or written (rcfarm does not take it, as P2's farm does not).
-        if let Some(holder) = self.node_transfer_holder().await? {
-            return Ok(Applied::Frozen(holder));
-        }
+        // The mutation lock is ours (`apply` took it: a start is what waits for a lock).
+        let store = RcStore::new(self.ctx.consul.clone());
         let (new, allocated) = match new {
             Some(n) => (n, false),
             None => match self
@@ -83,21 +115,14 @@ impl Worker {
             {
                 Ok(mut got) if !got.is_empty() => (got.remove(0), true),
                 Ok(_) | Err(SchedulerError::AllocationUnsupported(_)) => {
+                    let _ = store
+                        .release_mutation(self.id, &self.session, &self.id.node_transfer_holder())
+                        .await;
                     return Ok(Applied::AllocationExhausted);
                 }
                 Err(e) => return Err(e.into()),
             },
         };
-        let store = RcStore::new(self.ctx.consul.clone());
-        if !store
-            .acquire_mutation(self.id, &self.session, &self.id.node_transfer_holder())
-            .await?
-        {
-            if allocated {
-                self.deallocate(rc, std::slice::from_ref(&new)).await;
-            }
-            return Ok(Applied::MutationLocked);
-        }
         let t = Transfer {
             old_node: old.clone(),
             new_node: new.clone(),
@@ -113,8 +138,12 @@ impl Worker {
                 serde_json::to_vec(&json!({"node_transfer": t})).unwrap_or_default(),
                 0,
             ),
+            TxnOp::set(
+                super::transfers::rcfarm_status_key(self.id),
+                super::transfers::rcfarm_status(&t),
+            ),
         ];
-        ops.extend(self.schedule_ops(rc, &new));
+        ops.extend(self.schedule_ops(rc, &new, o));
         let start = AuditRecord::new(
             events::NODE_TRANSFER_START,
             Value::Object(self.transfer_details(rc, &t, rc.replicas_desired)),
@@ -131,6 +160,7 @@ impl Worker {
                     IntentState::Digest(rc.manifest.digest().to_string()),
                 );
                 self.transfer = Some(t);
+                self.transfer_started = Some(self.ctx.clock.now());
                 Ok(Applied::Done)
             }
             Err(e) if e.outcome_unknown() => {
@@ -152,6 +182,27 @@ impl Worker {
                 Err(e)
             }
         }
+    }
+
+    /// Takes the RC's mutation lock for what `action` starts, when it needs it
+    /// ([`super::plan::needs_mutation_lock`]): `None` when the action may go ahead (the lock
+    /// ours, or not needed), else what stops it now. The farm's view of the lock tree may lag:
+    /// P2's node-transfer lock is read from Consul itself first (rcfarm does not take it, as
+    /// P2's farm does not).
+    pub(super) async fn lock_for(&self, action: &Action) -> Result<Option<Applied>, TaskError> {
+        if !super::plan::needs_mutation_lock(action) {
+            return Ok(None);
+        }
+        if let Some(holder) = self.node_transfer_holder().await? {
+            return Ok(Some(Applied::Frozen(holder)));
+        }
+        if self.holds_mutation_lock() {
+            return Ok(None);
+        }
+        let took = RcStore::new(self.ctx.consul.clone())
+            .acquire_mutation(self.id, &self.session, &self.id.node_transfer_holder())
+            .await?;
+        Ok((!took).then_some(Applied::MutationLocked))
     }
 
     /// Who holds P2's node-transfer lock, read from Consul now.
@@ -212,34 +263,34 @@ impl Worker {
         Ok(())
     }
 
-    /// Completes (`rollback: None`) or rolls back a transfer in one transaction.
+    /// Completes (`rollback: None`) or rolls back a transfer in one transaction, fenced by the
+    /// RC's ownership lock and guarded by its version like every write of the task. It never
+    /// takes the mutation lock: a transfer took it to start, and what is in flight ends
+    /// without waiting for a lock it no longer holds (a rolling update that took it after a
+    /// handover waits for this end; see docs/architecture.md, "Locks").
     pub(super) async fn finish_transfer(
         &mut self,
         rc: &Rc,
         o: &Observed<'_>,
         rollback: Option<String>,
+        removals: &mut GrantedRemovals,
     ) -> Result<Applied, TaskError> {
         let Some(t) = self.transfer.clone() else {
             return Ok(Applied::Done);
         };
         let store = RcStore::new(self.ctx.consul.clone());
-        // A transfer resumed after a farm change needs the mutation lock again.
-        if !self.holds_mutation_lock()
-            && !store
-                .acquire_mutation(self.id, &self.session, &self.id.node_transfer_holder())
-                .await?
-        {
-            return Ok(Applied::MutationLocked);
-        }
         let drop_node = if rollback.is_some() {
             &t.new_node
         } else {
             &t.old_node
         };
         let mut nodes: BTreeSet<NodeName> = o.current.keys().cloned().collect();
-        let mut ops = vec![TxnOp::delete(status_key(self.id))];
+        let mut ops = vec![
+            TxnOp::delete(status_key(self.id)),
+            TxnOp::delete(super::transfers::rcfarm_status_key(self.id)),
+        ];
         if let Some(pod) = o.current.get(drop_node) {
-            ops.extend(self.unschedule_ops(rc, drop_node, pod));
+            ops.extend(self.unschedule_ops(rc, drop_node, pod, o));
             nodes.remove(drop_node);
         }
         let mut details = self.transfer_details(rc, &t, rc.replicas_desired);
@@ -250,26 +301,23 @@ impl Worker {
             }
             None => events::NODE_TRANSFER_COMPLETION,
         };
-        self.commit_for(
-            rc,
-            ops,
-            vec![
-                AuditRecord::new(event, Value::Object(details)),
-                self.retarget(rc, &nodes),
-            ],
-        )
-        .await?;
-        // P2 kept a histogram of transfer durations; a transfer P2 started without a start time
-        // counts from when this task first read it.
-        let took = t
-            .started_at
-            .and_then(|s| (self.ctx.clock.wall() - s).to_std().ok())
-            .unwrap_or_default();
+        let r = self
+            .commit_for(
+                rc,
+                ops,
+                vec![
+                    AuditRecord::new(event, Value::Object(details)),
+                    self.retarget(rc, &nodes),
+                ],
+            )
+            .await;
+        removals.settled(std::slice::from_ref(drop_node), r)?;
+        // P2 kept a histogram of transfer durations.
         metrics::histogram!(
             "rcfarm_transfer_duration_seconds",
             "outcome" => if rollback.is_some() { "rolled_back" } else { "completed" }
         )
-        .record(took.as_secs_f64());
+        .record(self.transfer_age().as_secs_f64());
         match &rollback {
             Some(reason) => {
                 tracing::warn!(old = %t.old_node, new = %t.new_node, %reason, "node transfer rolled back")
@@ -278,9 +326,12 @@ impl Worker {
         }
         self.ctx.intents.remove(drop_node, rc.pod_id());
         self.transfer = None;
-        let _ = store
-            .release_mutation(self.id, &self.session, &self.id.node_transfer_holder())
-            .await;
+        self.transfer_started = None;
+        if self.holds_mutation_lock() {
+            let _ = store
+                .release_mutation(self.id, &self.session, &self.id.node_transfer_holder())
+                .await;
+        }
         self.deallocate(rc, std::slice::from_ref(drop_node)).await;
         Ok(Applied::Done)
     }

@@ -22,26 +22,74 @@ pub const STATUS_PREFIX: &str = "status/replication_controllers/";
 
 /// P2's status key of an RC, where its node transfer in flight is kept.
 pub fn status_key(id: RcId) -> String {
-    format!("{STATUS_PREFIX}{id}/replication_controller")
+    format!("{}replication_controller", id.status_prefix())
+}
+
+/// rcfarm's own status key of an RC, beside P2's (another namespace of P2's status store,
+/// which P2's tools leave alone): `{"node_transfer": {"id", "started_at"}}`, when the transfer
+/// in flight started, so that whichever farm serves the RC next times it out from there,
+/// including a transfer P2 started (P2 records no start).
+pub fn rcfarm_status_key(id: RcId) -> String {
+    format!("{}rcfarm", id.status_prefix())
+}
+
+/// The value of [`rcfarm_status_key`] for `t`.
+pub fn rcfarm_status(t: &Transfer) -> Vec<u8> {
+    serde_json::json!({"node_transfer": {"id": t.id, "started_at": t.started_at}})
+        .to_string()
+        .into_bytes()
 }
 
 /// The node transfers in a listing of [`STATUS_PREFIX`], by RC. Keys other than an RC's status
-/// key, and values without a readable `node_transfer`, are left out.
+/// keys, and values without a readable `node_transfer`, are left out. A transfer's start is
+/// its own (farms before rcfarm's own key wrote it into P2's), else the one rcfarm's key
+/// records for the same transfer id.
 pub fn parse_transfers(entries: &[KvPair]) -> BTreeMap<RcId, Transfer> {
-    entries
-        .iter()
-        .filter_map(|e| {
-            let id = e
-                .key
-                .strip_prefix(STATUS_PREFIX)?
-                .strip_suffix("/replication_controller")?
-                .parse()
-                .ok()?;
-            let v: Value = serde_json::from_slice(e.value_bytes()).ok()?;
-            let t = serde_json::from_value(v.get("node_transfer")?.clone()).ok()?;
-            Some((id, t))
-        })
-        .collect()
+    let mut transfers = BTreeMap::new();
+    let mut starts: BTreeMap<RcId, (String, chrono::DateTime<chrono::Utc>)> = BTreeMap::new();
+    for e in entries {
+        let Some(rest) = e.key.strip_prefix(STATUS_PREFIX) else {
+            continue;
+        };
+        let Some((id, namespace)) = rest.split_once('/') else {
+            continue;
+        };
+        let Ok(id) = id.parse::<RcId>() else {
+            continue;
+        };
+        let Ok(v) = serde_json::from_slice::<Value>(e.value_bytes()) else {
+            continue;
+        };
+        let Some(t) = v.get("node_transfer") else {
+            continue;
+        };
+        match namespace {
+            "replication_controller" => {
+                if let Ok(t) = serde_json::from_value::<Transfer>(t.clone()) {
+                    transfers.insert(id, t);
+                }
+            }
+            "rcfarm" => {
+                let tid = t.get("id").and_then(Value::as_str);
+                let at = t
+                    .get("started_at")
+                    .and_then(|a| serde_json::from_value(a.clone()).ok());
+                if let (Some(tid), Some(at)) = (tid, at) {
+                    starts.insert(id, (tid.to_string(), at));
+                }
+            }
+            _ => {}
+        }
+    }
+    for (id, t) in transfers.iter_mut() {
+        if t.started_at.is_none()
+            && let Some((tid, at)) = starts.get(id)
+            && *tid == t.id
+        {
+            t.started_at = Some(*at);
+        }
+    }
+    transfers
 }
 
 struct Listing {

@@ -12,12 +12,12 @@ use tracing::Instrument;
 
 use super::intents::IntentView;
 use super::outcome::{Applied, Gated, TaskError};
-use super::plan::{Observed, Transfer, plan};
+use super::plan::{Neighbours, Observed, Transfer, plan};
 use super::status::StatusRegistry;
 use crate::clock::Clock;
 use crate::consul::{Consul, ConsulError, SessionId};
 use crate::health::HealthCache;
-use crate::labels::{LabelCache, Selector, split_pod_label_id};
+use crate::labels::{LabelCache, LabelSet, Selector, split_pod_label_id};
 use crate::rc::{DesiredState, InvalidRc, LockView, POD_ID_LABEL, RC_ID_LABEL, Rc, RcId, RcStore};
 use crate::scheduler::{NodeName, NodeSet, Scheduler};
 use crate::task::{Inbox, Next, PassFuture};
@@ -83,6 +83,9 @@ pub struct TaskContext {
     /// read (taken over from another farm, or after a farm left): the task waits for the read
     /// of that ticket ([`crate::consul::Demand`]) before its first plan.
     pub pod_tickets: parking_lot::Mutex<HashMap<RcId, u64>>,
+    /// For each RC a rolling update moves replicas onto (its new RC), the RC it moves them
+    /// from, per the farm's watch of `rolls/`: the only RC whose given-up pods it takes over.
+    pub roll_sources: parking_lot::RwLock<Arc<HashMap<RcId, RcId>>>,
     pub config: TaskConfig,
     pub clock: Clock,
 }
@@ -142,6 +145,7 @@ pub fn spawn(
             transfer: None,
             transfer_loaded: false,
             transfer_since: now,
+            transfer_started: None,
             unconfirmed_alloc: None,
             unmet: None,
             frozen: None,
@@ -175,6 +179,9 @@ pub(super) struct Worker {
     pub(super) transfer_loaded: bool,
     /// The transfer must be learnt from a read sent after this (the claim, or a failed pass).
     pub(super) transfer_since: tokio::time::Instant,
+    /// When the transfer in flight started, on this farm's monotonic clock (its recorded
+    /// start, carried over at a takeover).
+    pub(super) transfer_started: Option<tokio::time::Instant>,
     /// A node allocated for a transfer whose start had an unknown outcome: kept if the
     /// transfer turns out to be in flight, given back otherwise.
     pub(super) unconfirmed_alloc: Option<NodeName>,
@@ -443,8 +450,8 @@ impl Worker {
                 });
                 break;
             };
-            let (action, granted) = match self.gate_removals(rc, action) {
-                Gated::Go { action, granted } => (action, granted),
+            let (action, mut removals) = match self.gate_removals(&o, action) {
+                Gated::Go { action, removals } => (action, removals),
                 Gated::Held(why) => {
                     self.settle_held(rc, &o, Some(why.clone())).await?;
                     held = Some(why);
@@ -452,16 +459,8 @@ impl Worker {
                 }
             };
             tracing::debug!(?action, "applying");
-            let applied = match self.apply(rc, &o, action).await {
-                Ok(a) => a,
-                Err(e) => {
-                    // Refused before anything was written: the removals were not made.
-                    if matches!(e, TaskError::Stale | TaskError::Fenced) {
-                        self.ctx.failsafe.refund(granted);
-                    }
-                    return Err(e);
-                }
-            };
+            // What the action's writes did not remove goes back to the budget with `removals`.
+            let applied = self.apply(rc, &o, action, &mut removals).await?;
             match applied {
                 Applied::Done => {}
                 Applied::AllocationExhausted => allocation_exhausted = true,
@@ -507,7 +506,7 @@ impl Worker {
             .scheduler
             .eligible_set(&rc.manifest, &rc.node_selector)
             .await?;
-        let health: BTreeMap<NodeName, _> = self
+        let mut health: BTreeMap<NodeName, _> = self
             .ctx
             .health
             .for_pod(rc.pod_id())
@@ -515,6 +514,31 @@ impl Worker {
             .map(|(n, h)| (NodeName::from(n), h))
             .collect();
         let health_in_use = !health.is_empty();
+        if let Some(t) = &self.transfer {
+            // The transfer completes on its new pod's health: a result from before the node
+            // ran it (a pod of this id that ran there earlier) says nothing of it.
+            let fresh = match self.ctx.health.status_with_index(rc.pod_id(), &t.new_node) {
+                Some((_, hi)) => {
+                    let (reality, _) = self
+                        .ctx
+                        .consul
+                        .kv_get(
+                            &format!("reality/{}/{}", t.new_node, rc.pod_id()),
+                            &crate::consul::QueryOptions::default(),
+                        )
+                        .await?;
+                    crate::health::speaks_of_reality(
+                        hi,
+                        reality.map(|r| r.modify_index),
+                        rc.manifest.health_checked(),
+                    )
+                }
+                None => true,
+            };
+            if !fresh {
+                health.remove(&t.new_node);
+            }
+        }
         let mut bad_intents =
             self.ctx
                 .intents
@@ -532,7 +556,44 @@ impl Worker {
                 bad_intents.insert(node.clone());
             }
         }
-        let (takeover, occupied) = self.neighbours(rc);
+        // The labels every write planned from this view is guarded by, as seen now: the
+        // RC's own pods (of any pod id) and other RCs' pods of this pod id. A node with no
+        // label here is written create-only.
+        let mut labels_seen: BTreeMap<String, (LabelSet, u64)> = BTreeMap::new();
+        for (node, pod) in &current {
+            let id = crate::labels::pod_label_id(node, pod);
+            if let Some((l, i)) = self.ctx.pods.get_with_index(&id) {
+                labels_seen.insert(id, (Arc::unwrap_or_clone(l), i));
+            }
+        }
+        let mut nb = self.neighbours(rc, &mut labels_seen, &BTreeSet::new());
+        if !nb.unconfirmed.is_empty() {
+            // A disabled RC with pods of our pod id it no longer wants, and no roll record
+            // naming it: P2's `p2-rctl rolling-update` moves replicas without one, holding
+            // both RCs' mutation locks. The farm's view of the lock tree may lag the roller's
+            // first step: ask Consul, rather than place the new pods elsewhere.
+            let confirmed = self.rolled_by_one_session(&nb.unconfirmed).await?;
+            nb = self.neighbours(rc, &mut labels_seen, &confirmed);
+        }
+        let Neighbours {
+            takeover, occupied, ..
+        } = nb;
+        let runs_other = current
+            .iter()
+            .filter(|(node, pod)| self.ctx.intents.runs_other(node, pod, rc.manifest.digest()))
+            .map(|(node, _)| node.clone())
+            .collect();
+        let (retiring, in_roll) = {
+            let sources = self.ctx.roll_sources.read();
+            let retiring = rc
+                .retired_by()
+                .is_some_and(|roll| sources.get(&roll) == Some(&self.id));
+            let in_roll = sources
+                .iter()
+                .find(|(new, old)| **new == self.id || **old == self.id)
+                .map(|(roll, _)| format!("rolling update {roll}"));
+            (retiring, in_roll)
+        };
         let locked_elsewhere = mutation_locked_elsewhere
             || (self.ctx.locks.borrow().mutation(self.id).is_some() && !self.holds_mutation_lock());
         Ok(Observed {
@@ -545,6 +606,7 @@ impl Worker {
             transfer: self.transfer.clone(),
             takeover,
             occupied,
+            labels_seen,
             allocation_exhausted,
             mutation_locked_elsewhere: locked_elsewhere,
             transfer_static: self.ctx.config.transfer_static,
@@ -554,8 +616,11 @@ impl Worker {
                 .borrow()
                 .node_transfer(self.id)
                 .map(|(s, _)| format!("session {s}")),
-            now: self.ctx.clock.wall(),
+            transfer_age: self.transfer_age(),
             transfer_timeout: self.ctx.config.transfer_timeout,
+            runs_other,
+            retiring,
+            in_roll,
         })
     }
 
@@ -613,13 +678,22 @@ impl Worker {
             .is_some_and(|(s, v)| *s == self.session && *v == self.id.node_transfer_holder())
     }
 
-    /// Where other RCs run this RC's pod id: the nodes to take over first when growing, and
-    /// the nodes to keep off. An RC that is disabled and runs more pods than it wants has given
-    /// those pods up (a rolling update moved its replicas: rcfarm's, or `p2-rctl
-    /// rolling-update`'s, which writes no roll record): up to that many are taken over in place
-    /// (unhealthy ones first, then by name), as the roll's arithmetic assumes. Every other
-    /// RC's pod of this pod id is left alone.
-    fn neighbours(&self, rc: &Rc) -> (Vec<NodeName>, BTreeSet<NodeName>) {
+    /// Where other RCs run this RC's pod id: the nodes to take over first when growing, the
+    /// nodes to keep off, and every such pod's labels with their `ModifyIndex` (the writes
+    /// planned from this view are guarded by them). Only a rolling update's own new RC takes
+    /// pods over: an RC that is disabled and runs more pods than it wants has given those pods
+    /// up to the RC a roll moves its replicas to (a roll record `rolls/<this RC>` naming it as
+    /// old, or, for `p2-rctl rolling-update`, which writes no record, both RCs' mutation locks
+    /// held by one session with one value). Up to that many are taken over in place (unhealthy
+    /// ones first, then by name), as the roll's arithmetic assumes. Every other RC's pod of
+    /// this pod id is left alone: an unrelated RC that took a roll's given-up pod (for a node
+    /// transfer, say) would overwrite what the roll's new RC had just written.
+    fn neighbours(
+        &self,
+        rc: &Rc,
+        seen: &mut BTreeMap<String, (LabelSet, u64)>,
+        confirmed: &BTreeSet<RcId>,
+    ) -> Neighbours {
         let me = self.id.to_string();
         // Other RCs' pods of this pod id: RC → (healthy, node).
         let mut others: BTreeMap<String, Vec<(bool, NodeName)>> = BTreeMap::new();
@@ -631,13 +705,12 @@ impl Worker {
             let Some((node, pod)) = split_pod_label_id(&id) else {
                 continue;
             };
-            let Some(owner) = self
-                .ctx
-                .pods
-                .get(&id)
-                .and_then(|l| l.get(RC_ID_LABEL).cloned())
-                .filter(|o| *o != me)
-            else {
+            let Some((labels, index)) = self.ctx.pods.get_with_index(&id) else {
+                continue;
+            };
+            let owner = labels.get(RC_ID_LABEL).cloned();
+            seen.insert(id.clone(), (Arc::unwrap_or_clone(labels), index));
+            let Some(owner) = owner.filter(|o| *o != me) else {
                 continue;
             };
             let healthy = self
@@ -651,27 +724,45 @@ impl Worker {
                 .push((healthy, NodeName::from(node)));
         }
         let listing = self.ctx.rcs.borrow().clone();
-        let mut occupied = BTreeSet::new();
-        let mut takeover: Vec<(bool, NodeName)> = Vec::new();
-        for (owner, mut pods) in others {
-            let given_up = RcId::parse(&owner)
-                .ok()
-                .and_then(|id| listing.as_ref()?.rcs.get(&id).cloned())
-                .filter(|o| o.disabled)
-                .map_or(0, |o| {
-                    pods.len().saturating_sub(o.replicas_desired as usize)
-                });
-            pods.sort();
-            for (i, p) in pods.into_iter().enumerate() {
-                if i < given_up {
-                    takeover.push(p);
-                } else {
-                    occupied.insert(p.1);
-                }
-            }
-        }
-        takeover.sort();
-        (takeover.into_iter().map(|(_, n)| n).collect(), occupied)
+        let source = self.ctx.roll_sources.read().get(&self.id).copied();
+        let locks = self.ctx.locks.borrow().clone();
+        super::plan::neighbours(
+            others,
+            |owner| {
+                let id = RcId::parse(owner).ok()?;
+                let rc = listing.as_ref()?.rcs.get(&id)?;
+                Some((id, rc.disabled, rc.replicas_desired))
+            },
+            |g| {
+                source == Some(g)
+                    || confirmed.contains(&g)
+                    || locks.mutation(g).is_some_and(|theirs| {
+                        locks.mutation(self.id).is_some_and(|ours| ours == theirs)
+                    })
+            },
+        )
+    }
+
+    /// Of `givers` (disabled RCs with pods of our pod id they no longer want), those whose
+    /// mutation lock and ours one session holds with one value, as Consul says now: a roller
+    /// that writes no roll record moves their replicas onto us.
+    async fn rolled_by_one_session(&self, givers: &[RcId]) -> Result<BTreeSet<RcId>, TaskError> {
+        let keys: Vec<String> = givers
+            .iter()
+            .chain([&self.id])
+            .map(|id| id.mutation_lock_key())
+            .collect();
+        let found = self.ctx.consul.read_keys(&keys).await?;
+        let holder = |id: &RcId| {
+            let kv = found.get(&id.mutation_lock_key())?;
+            Some((kv.session.clone()?, kv.value_bytes().to_vec()))
+        };
+        let ours = holder(&self.id);
+        Ok(givers
+            .iter()
+            .filter(|g| ours.is_some() && holder(g) == ours)
+            .copied()
+            .collect())
     }
 }
 

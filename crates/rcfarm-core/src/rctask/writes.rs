@@ -6,7 +6,7 @@ use std::collections::BTreeSet;
 use serde_json::json;
 
 use super::intents::{IntentState, intent_key};
-use super::outcome::{Applied, TaskError};
+use super::outcome::{Applied, GrantedRemovals, TaskError};
 use super::plan::{Action, Observed};
 use super::worker::Worker;
 use crate::audit::{AuditRecord, events};
@@ -21,6 +21,32 @@ const TXN_OVERHEAD: usize = 4;
 /// Body bytes kept free for the checks [`Worker::commit_for`] adds (two ops with a key and a
 /// session or index each) beside the audit record, whose size is reckoned apart.
 const CHECKS_BYTES: usize = 1024;
+
+/// The ops that write a pod of `rc` on `node` (its intent, and its labels guarded by the
+/// label as the plan saw it in `labels_seen`, by pod label id; create-only where it saw none).
+/// The intent key is shared by every RC with this pod id, and the label says which RC the pod
+/// is: a label that changed since the plan (another RC took the node, or the pod) fails the
+/// whole write, intent included.
+pub fn pod_write_ops(
+    rc: &Rc,
+    node: &str,
+    labels_seen: &std::collections::BTreeMap<String, (LabelSet, u64)>,
+) -> Vec<TxnOp> {
+    let pod = rc.pod_id();
+    let id = pod_label_id(node, pod);
+    let (existing, index) = labels_seen.get(&id).cloned().unwrap_or_default();
+    vec![
+        TxnOp::set(intent_key(node, pod), rc.manifest.raw().as_bytes().to_vec()),
+        LabelStore::apply_op(
+            LabelType::Pod,
+            &id,
+            &existing,
+            index,
+            &rc.labels_for_pods(),
+            &[],
+        ),
+    ]
+}
 
 impl Worker {
     /// Commits a write planned against `rc`: fenced by the ownership lock, and refused if the
@@ -123,40 +149,34 @@ impl Worker {
         }
     }
 
-    pub(super) fn schedule_ops(&self, rc: &Rc, node: &str) -> Vec<TxnOp> {
-        let pod = rc.pod_id();
-        let id = pod_label_id(node, pod);
-        let (existing, index) = self
-            .ctx
-            .pods
-            .get_with_index(&id)
-            .map(|(l, i)| (std::sync::Arc::unwrap_or_clone(l), i))
-            .unwrap_or_default();
-        vec![
-            TxnOp::set(intent_key(node, pod), rc.manifest.raw().as_bytes().to_vec()),
-            LabelStore::apply_op(
-                LabelType::Pod,
-                &id,
-                &existing,
-                index,
-                &rc.labels_for_pods(),
-                &[],
-            ),
-        ]
+    /// Writes a pod of `rc` on `node`, guarded by what the plan `o` saw ([`pod_write_ops`]):
+    /// a refused write makes the task plan again from what is there now.
+    pub(super) fn schedule_ops(&self, rc: &Rc, node: &str, o: &Observed<'_>) -> Vec<TxnOp> {
+        pod_write_ops(rc, node, &o.labels_seen)
     }
 
-    pub(super) fn unschedule_ops(&self, rc: &Rc, node: &str, pod: &str) -> Vec<TxnOp> {
+    /// Removes the pod `pod` of `rc` from `node`: its intent, and its labels guarded by the
+    /// label as the plan saw it (so a pod another RC took over since is left alone).
+    pub(super) fn unschedule_ops(
+        &self,
+        rc: &Rc,
+        node: &str,
+        pod: &str,
+        o: &Observed<'_>,
+    ) -> Vec<TxnOp> {
         let id = pod_label_id(node, pod);
         let mut ops = vec![TxnOp::delete(intent_key(node, pod))];
-        if let Some((existing, index)) = self.ctx.pods.get_with_index(&id) {
+        // A pod is the RC's because its label says so: the plan saw one (a pod without a label
+        // is no pod of any RC's, and is not written here).
+        if let Some((existing, index)) = o.labels_seen.get(&id) {
             let mut remove: Vec<String> = rc.pod_labels.keys().cloned().collect();
             remove.push(POD_ID_LABEL.to_string());
             remove.push(RC_ID_LABEL.to_string());
             ops.push(LabelStore::apply_op(
                 LabelType::Pod,
                 &id,
-                &existing,
-                index,
+                existing,
+                *index,
                 &LabelSet::new(),
                 &remove,
             ));
@@ -179,17 +199,22 @@ impl Worker {
         )
     }
 
+    /// Applies `action`, spending `removals` as its writes commit.
     pub(super) async fn apply(
         &mut self,
         rc: &Rc,
         o: &Observed<'_>,
         action: Action,
+        removals: &mut GrantedRemovals,
     ) -> Result<Applied, TaskError> {
+        if let Some(stopped) = self.lock_for(&action).await? {
+            return Ok(stopped);
+        }
         let mut nodes: BTreeSet<NodeName> = o.current.keys().cloned().collect();
         match action {
-            Action::Schedule(targets) => self.write_pods(rc, o, &targets, false).await,
-            Action::Replace(targets) => self.write_pods(rc, o, &targets, false).await,
-            Action::Repair(targets) => self.write_pods(rc, o, &targets, true).await,
+            Action::Schedule(targets) => self.write_pods(rc, o, &targets, false, removals).await,
+            Action::Replace(targets) => self.write_pods(rc, o, &targets, false, removals).await,
+            Action::Repair(targets) => self.write_pods(rc, o, &targets, true, removals).await,
             Action::Unschedule(targets) => {
                 let per_node: Vec<Vec<TxnOp>> = targets
                     .iter()
@@ -199,7 +224,7 @@ impl Worker {
                             .get(node)
                             .map(String::as_str)
                             .unwrap_or(rc.pod_id());
-                        self.unschedule_ops(rc, node, pod)
+                        self.unschedule_ops(rc, node, pod, o)
                     })
                     .collect();
                 // The node set only shrinks: its record is biggest before the first batch.
@@ -211,8 +236,10 @@ impl Worker {
                     for node in chunk {
                         nodes.remove(node);
                     }
-                    self.commit_for(rc, ops, vec![self.retarget(rc, &nodes)])
-                        .await?;
+                    let r = self
+                        .commit_for(rc, ops, vec![self.retarget(rc, &nodes)])
+                        .await;
+                    removals.settled(chunk, r)?;
                     for node in chunk {
                         self.ctx.intents.remove(node, rc.pod_id());
                     }
@@ -244,8 +271,10 @@ impl Worker {
                 Err(e) => Err(e.into()),
             },
             Action::StartTransfer { old, new } => self.start_transfer(rc, o, old, new).await,
-            Action::CompleteTransfer => self.finish_transfer(rc, o, None).await,
-            Action::RollbackTransfer(reason) => self.finish_transfer(rc, o, Some(reason)).await,
+            Action::CompleteTransfer => self.finish_transfer(rc, o, None, removals).await,
+            Action::RollbackTransfer(reason) => {
+                self.finish_transfer(rc, o, Some(reason), removals).await
+            }
         }
     }
 
@@ -269,6 +298,7 @@ impl Worker {
         o: &Observed<'_>,
         targets: &[NodeName],
         repair: bool,
+        removals: &mut GrantedRemovals,
     ) -> Result<Applied, TaskError> {
         let mut nodes: BTreeSet<NodeName> = o.current.keys().cloned().collect();
         // Up to four ops per node (a replacement removes the old pod's intent and labels).
@@ -277,9 +307,9 @@ impl Worker {
             .map(|node| {
                 let mut ops = Vec::new();
                 if let Some(old_pod) = o.current.get(node).filter(|p| p.as_str() != rc.pod_id()) {
-                    ops.extend(self.unschedule_ops(rc, node, old_pod));
+                    ops.extend(self.unschedule_ops(rc, node, old_pod, o));
                 }
-                ops.extend(self.schedule_ops(rc, node));
+                ops.extend(self.schedule_ops(rc, node, o));
                 ops
             })
             .collect();
@@ -304,7 +334,8 @@ impl Worker {
             } else {
                 self.retarget(rc, &nodes)
             };
-            self.commit_for(rc, ops, vec![audit]).await?;
+            let r = self.commit_for(rc, ops, vec![audit]).await;
+            removals.settled(chunk, r)?;
             for node in chunk {
                 self.ctx.intents.set(
                     node,

@@ -101,11 +101,12 @@ impl Worker {
             RollAction::Start {
                 disable_old,
                 enable_new,
+                adopt,
             } => {
                 let audit = AuditRecord::new(
                     events::ROLL_STARTED,
                     details(
-                        json!({"disabled_old": disable_old, "enabled_new": enable_new, "counts": counts, "desired_replicas": u.desired_replicas, "minimum_replicas": u.minimum_replicas}),
+                        json!({"disabled_old": disable_old, "enabled_new": enable_new, "adopted": adopt, "counts": counts, "desired_replicas": u.desired_replicas, "minimum_replicas": u.minimum_replicas}),
                     ),
                 );
                 guards.extend(checks);
@@ -123,11 +124,23 @@ impl Worker {
                     &started,
                     &[],
                 ));
+                let mut old_changes = Vec::new();
+                let mut new_changes = Vec::new();
                 if *disable_old {
-                    ops.push(rewrite(&old, &[Mutation::Disable], &audit)?);
+                    old_changes.push(Mutation::Disable);
                 }
                 if *enable_new {
-                    ops.push(rewrite(&new, &[Mutation::Enable], &audit)?);
+                    new_changes.push(Mutation::Enable);
+                }
+                if *adopt > 0 {
+                    old_changes.push(Mutation::AddReplicas(-(*adopt as i64)));
+                    new_changes.push(Mutation::AddReplicas(*adopt as i64));
+                }
+                if !old_changes.is_empty() {
+                    ops.push(rewrite(&old, &old_changes, &audit)?);
+                }
+                if !new_changes.is_empty() {
+                    ops.push(rewrite(&new, &new_changes, &audit)?);
                 }
                 (vec![audit], false)
             }
@@ -158,20 +171,26 @@ impl Worker {
                 )?);
                 (vec![audit], false)
             }
-            RollAction::RetireOld => {
+            RollAction::RetireOld { old_to, charge } => {
                 let audit = AuditRecord::new(
                     events::ROLL_STEP,
                     details(json!({
                         "action": "retire_old",
-                        "old_replicas": {"old": old.replicas_desired, "new": 0},
+                        "old_replicas": {"old": old.replicas_desired, "new": old_to},
                         "counts": counts,
+                        // The old RC's pods no new pod replaced: charged to this farm's
+                        // removal budget here, not again by the old RC's task.
+                        "lost_capacity": charge,
                         "reason": "the new RC is complete; the old RC removes the pods it did not hand over",
                     })),
                 );
                 guards.extend(checks);
                 ops.push(rewrite(
                     &old,
-                    &[Mutation::SetReplicas(0), Mutation::Enable],
+                    &[Mutation::Retire {
+                        roll: self.id,
+                        replicas: *old_to,
+                    }],
                     &audit,
                 )?);
                 (vec![audit], false)
@@ -200,6 +219,8 @@ impl Worker {
                 )];
                 if !u.leave_old {
                     ops.push(TxnOp::delete_cas(old.id.key(), old.modify_index));
+                    // The old RC's transfer status (P2's and rcfarm's) goes with it.
+                    ops.push(TxnOp::delete_tree(old.id.status_prefix()));
                     ops.push(LabelStore::delete_op(
                         LabelType::ReplicationController,
                         &old.id.to_string(),
@@ -281,8 +302,12 @@ impl Worker {
                 // Nothing the farm's views show changed; the next look reads the control.
                 return Ok(());
             }
-            RollAction::RetireOld => {
-                tracing::info!("the new RC is complete; the old RC removes its leftover pods")
+            RollAction::RetireOld { old_to, charge } => {
+                tracing::info!(
+                    old_to,
+                    charge,
+                    "the new RC is complete; the old RC removes its leftover pods"
+                )
             }
             // Invariant: returned at the top of `apply`.
             RollAction::DeleteOrphan => unreachable!("applied by delete_orphan"),

@@ -24,7 +24,8 @@ pub use control::{
 };
 pub use history::{DEFAULT_REVISIONS, HISTORY_PREFIX, History, HistorySeen, Revision, history_key};
 pub use plan::{
-    LockState, RcCounts, RollAction, RollObserved, RollPlan, WaitKind, plan, roll_algorithm,
+    DeadlineClock, LockState, RcCounts, RollAction, RollObserved, RollPlan, WaitKind,
+    deadline_clock, plan, roll_algorithm,
 };
 pub use record::{
     InvalidRoll, ROLL_LOCK_PREFIX, ROLL_PREFIX, Roll, RollId, RollProblem, Update, roll_key,

@@ -7,7 +7,6 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
-use chrono::{DateTime, Utc};
 use serde_json::json;
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
@@ -15,7 +14,9 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use super::control::{ControlSeen, RollControl, RollFailure, control_key};
-use super::plan::{LockState, RcCounts, RollAction, RollObserved, RollPlan, WaitKind, plan};
+use super::plan::{
+    DeadlineClock, LockState, RcCounts, RollAction, RollObserved, RollPlan, WaitKind, plan,
+};
 use super::record::{InvalidRoll, Roll, RollId};
 use super::status::RollStatusRegistry;
 use crate::audit::{AuditRecord, events};
@@ -139,6 +140,13 @@ impl From<FenceError> for RollError {
     }
 }
 
+impl RollError {
+    /// A write that may or may not have been applied (Consul unreachable, or the answer lost).
+    pub(super) fn outcome_unknown(&self) -> bool {
+        matches!(self, RollError::Consul(e) if e.is_retryable())
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub(super) enum RollError {
     #[error("fenced: this farm no longer holds the roll's lock")]
@@ -179,7 +187,8 @@ pub fn spawn(
             stuck_since: None,
             alerted: None,
             lowest_healthy: None,
-            last_progress: now,
+            deadline_spent: Duration::ZERO,
+            counting_since: None,
             best_new_up: None,
             held: false,
             backoff: Backoff::new(Duration::from_millis(200), Duration::from_secs(30)),
@@ -196,16 +205,20 @@ pub(super) struct Worker {
     pub(super) inbox: Inbox<RollState>,
     pub(super) events: mpsc::UnboundedSender<RollEvent>,
     pub(super) invalid_reported: Option<u64>,
-    /// Since when a step has been safe without interruption (the roll delay counts from here).
-    pub(super) ready_since: Option<DateTime<Utc>>,
+    /// Since when a step has been safe without interruption, on the monotonic clock (the roll
+    /// delay counts from here).
+    pub(super) ready_since: Option<Instant>,
     /// Since when the roll has waited without moving, and what for last.
     pub(super) stuck_since: Option<Instant>,
     /// The stall reason reported, if a stall is reported.
     pub(super) alerted: Option<String>,
     pub(super) lowest_healthy: Option<u64>,
-    /// When a new pod last became up (or the roll stepped, or was resumed): the progress
-    /// deadline counts from here. Per owner: a handover starts it again.
-    pub(super) last_progress: Instant,
+    /// The progress deadline's clock: the time since a new pod last became up (or the roll
+    /// stepped, or was resumed) in which the roll could have moved and waited only for its new
+    /// pods, as closed spans, and since when the current span runs. Waits on a lock, a
+    /// transfer, held removals, the old RC or an operator do not count.
+    pub(super) deadline_spent: Duration,
+    pub(super) counting_since: Option<Instant>,
     /// The most new pods seen up.
     pub(super) best_new_up: Option<u64>,
     /// Whether the roll's steps are held by the farm's removal budget (audited once per
@@ -421,7 +434,7 @@ impl Worker {
                     Some((WaitKind::Delay, _)) => {
                         let waited = self
                             .ready_since
-                            .map(|t| (self.ctx.clock.wall() - t).to_std().unwrap_or_default())
+                            .map(|t| self.ctx.clock.now().saturating_duration_since(t))
                             .unwrap_or_default();
                         roll.update
                             .roll_delay
@@ -437,24 +450,22 @@ impl Worker {
             // Taking the mutation locks moves nothing: a farm that takes a roll over takes them
             // first, and its progress deadline goes on from the previous owner's last step.
             let moves_pods = !matches!(action, RollAction::Lock);
-            // The planner saw room for this step's removals; another task may have spent it
-            // since: then plan again.
-            let removals = match &action {
-                RollAction::Step { remove, .. } => *remove,
+            // Only a retirement's lost capacity is charged. The planner saw room for it;
+            // another task may have spent it since: then plan again. What the write does not
+            // make (refused) goes back with the reservation.
+            let charge = match &action {
+                RollAction::RetireOld { charge, .. } => *charge,
                 _ => 0,
             };
-            let grant = self.ctx.failsafe.take(removals);
-            if grant.granted < removals {
-                self.ctx.failsafe.refund(grant.granted);
+            let (mut reservation, _) = self.ctx.failsafe.reserve(charge);
+            if reservation.left() < charge {
                 continue;
             }
-            if let Err(e) = self.apply(roll, &o, action).await {
-                // Refused before anything was written: the removals were not made.
-                if matches!(e, RollError::Stale(_) | RollError::Fenced) {
-                    self.ctx.failsafe.refund(removals);
-                }
-                return Err(e);
+            let r = self.apply(roll, &o, action).await;
+            if r.is_ok() || r.as_ref().is_err_and(RollError::outcome_unknown) {
+                reservation.spend(charge);
             }
+            r?;
             self.progressed(moves_pods);
             if done {
                 return Ok(Outcome::Done);
@@ -539,11 +550,14 @@ impl Worker {
         // What the pods' nodes run, and the roll's labels, in one read.
         let labels_key = LabelType::Rolls.key(&self.id.to_string());
         let ctl_key = control_key(self.id);
+        // And the RCs' node transfers in flight (P2's status keys, rcfarm's beside them).
+        let status_keys = [u.old_rc, u.new_rc].map(crate::rctask::status_key);
         let keys: Vec<String> = old_pods
             .iter()
             .chain(&new_pods)
             .map(|(n, p)| reality_key(n, p))
             .chain([labels_key.clone(), ctl_key.clone()])
+            .chain(status_keys.iter().cloned())
             .collect::<BTreeSet<_>>()
             .into_iter()
             .collect();
@@ -590,10 +604,22 @@ impl Worker {
                 rc.disabled,
                 rc.manifest.digest(),
                 pods.iter().map(|(node, pod)| {
-                    (
-                        runs(reality.get(&reality_key(node, pod))),
-                        self.ctx.health.status(pod, node),
-                    )
+                    let real = reality.get(&reality_key(node, pod));
+                    // Only a health result newer than what the node reports running speaks of
+                    // the pod running there now (a pod replaced in place keeps its key).
+                    let health = self
+                        .ctx
+                        .health
+                        .status_with_index(pod, node)
+                        .filter(|(_, hi)| {
+                            crate::health::speaks_of_reality(
+                                *hi,
+                                real.map(|r| r.modify_index),
+                                rc.manifest.health_checked(),
+                            )
+                        })
+                        .map(|(h, _)| h);
+                    (runs(real), health)
                 }),
             )
         };
@@ -617,9 +643,33 @@ impl Worker {
         let lock_state = |id: RcId| match locks.mutation(id) {
             None => LockState::Free,
             Some((s, v)) if *s == self.session && *v == holder => LockState::Ours,
-            Some((s, v)) => LockState::Elsewhere(format!("session {s} ({v})")),
+            Some((s, v)) => LockState::Elsewhere(describe_holder(&locks, s, v)),
         };
-        let now = self.ctx.clock.wall();
+        let transfer = [
+            ("old", u.old_rc, &status_keys[0]),
+            ("new", u.new_rc, &status_keys[1]),
+        ]
+        .into_iter()
+        .find_map(|(which, id, key)| {
+            let t = reality
+                .get(key)
+                .and_then(|kv| serde_json::from_slice::<serde_json::Value>(kv.value_bytes()).ok())?
+                .get("node_transfer")?
+                .clone();
+            let t: crate::rctask::Transfer = serde_json::from_value(t).ok()?;
+            let rc = match which {
+                "old" => old.as_ref().ok(),
+                _ => new.as_ref().ok(),
+            };
+            Some(describe_transfer(
+                &locks,
+                which,
+                id,
+                &t,
+                rc.map(|r| r.disabled),
+            ))
+        });
+        let now = self.ctx.clock.now();
         let observed = RollObserved {
             update: u,
             old: old_counts.ok_or_else(|| old.clone().err().unwrap_or_default()),
@@ -627,8 +677,11 @@ impl Worker {
             old_lock: lock_state(u.old_rc),
             new_lock: lock_state(u.new_rc),
             conflict,
-            now,
-            ready_since: self.ready_since,
+            transfer,
+            ready_for: self
+                .ready_since
+                .map(|t| now.saturating_duration_since(t))
+                .unwrap_or_default(),
             started: labels.0.contains_key(STARTED_LABEL),
             old_missing,
             paused,
@@ -643,6 +696,12 @@ impl Worker {
                 (u64::MAX, _) => None,
                 (room, why) => Some((room, why.unwrap_or_default())),
             },
+            tripped: self.ctx.failsafe.tripped(),
+            old_served_by: locks
+                .holders
+                .get(&u.old_rc)
+                .and_then(|h| h.ownership.as_ref())
+                .map(|(s, name)| format!("{name}, session {s}")),
         };
         let planned = plan(&observed);
         if planned.step_ready {
@@ -689,13 +748,21 @@ impl Worker {
             s.new = o.new_counts;
             s.waiting = o.planned.waiting.clone();
             s.lowest_healthy = lowest;
-            for (kind, condition) in [
-                (WaitKind::Failed, "Failed"),
-                (WaitKind::Paused, "Paused"),
-                (WaitKind::Blocked, "Blocked"),
-                (WaitKind::RemovalsHeld, "RemovalsHeld"),
-            ] {
-                let why = o.planned.waiting.as_ref().filter(|(k, _)| *k == kind);
+            // A wait on a lock or a transfer in flight is shown as Blocked, with who holds it
+            // and what lets it go: never as a stall or a failure.
+            let condition_of = |k: WaitKind| match k {
+                WaitKind::Failed => Some("Failed"),
+                WaitKind::Paused => Some("Paused"),
+                WaitKind::Blocked | WaitKind::Lock | WaitKind::Transfer => Some("Blocked"),
+                WaitKind::RemovalsHeld => Some("RemovalsHeld"),
+                _ => None,
+            };
+            for condition in ["Failed", "Paused", "Blocked", "RemovalsHeld"] {
+                let why = o
+                    .planned
+                    .waiting
+                    .as_ref()
+                    .filter(|(k, _)| condition_of(*k) == Some(condition));
                 s.set_condition(condition, why.map(|(_, why)| why.clone()));
             }
         });
@@ -712,47 +779,51 @@ impl Worker {
         o: &Observation,
     ) -> Result<Deadline, RollError> {
         let up = o.new_counts.map_or(0, |c| c.healthy);
+        let now = self.ctx.clock.now();
         match self.best_new_up {
             // This farm's first look: the clock goes on from the progress the roll's previous
-            // owner recorded, unless more new pods are up than then.
+            // owner recorded, unless more new pods are up than then. (What of that time the
+            // roll spent blocked is not recorded: it counts, at most one deadline.)
             None => {
                 self.best_new_up = Some(up);
-                self.last_progress = self.ctx.clock.now();
+                self.deadline_spent = Duration::ZERO;
+                self.counting_since = None;
                 let recorded = o.control.control.as_ref().ok().and_then(|c| c.progress);
                 if let Some(p) = recorded.filter(|p| up <= p.new_up) {
-                    let since = (self.ctx.clock.wall() - p.at).to_std().unwrap_or_default();
-                    self.last_progress = self
-                        .ctx
-                        .clock
-                        .now()
-                        .checked_sub(since.min(o.deadline))
-                        .unwrap_or(self.last_progress);
+                    self.deadline_spent = self.ctx.clock.wall_since(p.at).min(o.deadline);
                 }
             }
             Some(b) if up > b => {
                 self.best_new_up = Some(up);
-                self.last_progress = self.ctx.clock.now();
+                self.restart_deadline();
             }
             Some(_) => {}
         }
-        let Some((kind, why)) = &o.planned.waiting else {
-            return Ok(Deadline::Running);
-        };
-        // A paused roll's deadline starts again on its resume; a delay means a step is ready,
-        // and so does a hold by the farm's removal budget (the window, not the pods, waits).
-        if matches!(
-            kind,
-            WaitKind::Paused | WaitKind::Delay | WaitKind::Failed | WaitKind::RemovalsHeld
-        ) {
-            self.last_progress = self.ctx.clock.now();
-            return Ok(Deadline::Running);
+        match super::plan::deadline_clock(o.planned.waiting.as_ref().map(|w| w.0), o.new_counts) {
+            DeadlineClock::Restart => {
+                self.restart_deadline();
+                return Ok(Deadline::Running);
+            }
+            DeadlineClock::Pause => {
+                self.pause_deadline(now);
+                return Ok(Deadline::Running);
+            }
+            DeadlineClock::Count => {}
         }
-        if self.last_progress.elapsed() < o.deadline {
+        let why = o
+            .planned
+            .waiting
+            .as_ref()
+            .map(|w| w.1.clone())
+            .unwrap_or_default();
+        let since = *self.counting_since.get_or_insert(now);
+        if self.deadline_spent + now.saturating_duration_since(since) < o.deadline {
             return Ok(Deadline::Running);
         }
         let deadline = format_go_duration(o.deadline);
+        let wanted = o.new_counts.map_or(0, |c| c.desired);
         let reason = format!(
-            "no new pod became up for {deadline} ({up} of {} new pods up): {why}",
+            "no new pod became up for {deadline} of waiting on them ({up} of the {wanted} new pods scheduled are up, the roll's target is {}): {why}",
             roll.update.desired_replicas
         );
         tracing::warn!(%reason, "rolling update failed");
@@ -829,9 +900,15 @@ impl Worker {
         };
         if matches!(
             kind,
-            WaitKind::Delay | WaitKind::Paused | WaitKind::Failed | WaitKind::RemovalsHeld
+            WaitKind::Delay
+                | WaitKind::Paused
+                | WaitKind::Failed
+                | WaitKind::RemovalsHeld
+                | WaitKind::Lock
+                | WaitKind::Transfer
         ) {
-            // Waiting on purpose.
+            // Waiting on purpose, or on something named with what lets it go (Blocked): not a
+            // stall.
             self.stuck_since = None;
             return Ok(());
         }
@@ -918,11 +995,25 @@ impl Worker {
         ))
     }
 
+    /// The progress deadline starts again (a new pod up, a step, a pause or a delay).
+    fn restart_deadline(&mut self) {
+        self.deadline_spent = Duration::ZERO;
+        self.counting_since = None;
+    }
+
+    /// The progress deadline stops counting (the roll waits on something else than its new
+    /// pods); what it counted stays.
+    fn pause_deadline(&mut self, now: Instant) {
+        if let Some(since) = self.counting_since.take() {
+            self.deadline_spent += now.saturating_duration_since(since);
+        }
+    }
+
     /// The roll moved.
     fn progressed(&mut self, pods_moved: bool) {
         self.stuck_since = None;
         if pods_moved {
-            self.last_progress = self.ctx.clock.now();
+            self.restart_deadline();
         }
         if self.alerted.take().is_some() {
             tracing::info!("rolling update progresses again");
@@ -931,6 +1022,57 @@ impl Worker {
             });
         }
     }
+}
+
+/// Who holds an RC's mutation lock, in words an operator can act on: which roll, node transfer
+/// or other session, and what lets it go.
+pub(super) fn describe_holder(locks: &LockView, session: &str, value: &str) -> String {
+    let farm = locks
+        .holders
+        .values()
+        .filter_map(|h| h.ownership.as_ref())
+        .find(|(s, _)| s == session)
+        .map(|(_, name)| name.clone());
+    let by = farm.map(|f| format!(" by {f}")).unwrap_or_default();
+    if let Some(roll) = value.strip_prefix(ROLL_HOLDER_PREFIX) {
+        format!(
+            "rolling update {roll}{by} (session {session}), until it completes: `rcctl roll show {roll}`, or `rcctl roll abort {roll}` to let it go"
+        )
+    } else if let Some(rc) = value.strip_prefix("rc-node-transfer-") {
+        format!(
+            "a node transfer of RC {rc}{by} (session {session}), until the transfer ends: its new pod passes its health check, or the farm's --transfer-timeout rolls it back"
+        )
+    } else {
+        format!(
+            "session {session} (lock value {value:?}), not a farm's: a tool such as P2's `p2-rctl rolling-update` holds it until it ends; to let it go, destroy that session (`curl -X PUT $CONSUL_HTTP_ADDR/v1/session/destroy/{session}`)"
+        )
+    }
+}
+
+/// A node transfer in flight on one of a roll's RCs, in words: where, and what ends it.
+fn describe_transfer(
+    locks: &LockView,
+    which: &str,
+    id: RcId,
+    t: &crate::rctask::Transfer,
+    disabled: Option<bool>,
+) -> String {
+    let mut why = format!(
+        "a node transfer is in flight on the {which} RC {id} ({} → {}): the roll takes the RCs' mutation locks once it ends, which it does by itself (its new pod passes its health check, or the farm's --transfer-timeout rolls it back)",
+        t.old_node, t.new_node
+    );
+    if let Some((session, _)) = locks.node_transfer(id) {
+        why.push_str(&format!(
+            "; it is frozen while session {session} holds {}: release that lock, or destroy the session (`curl -X PUT $CONSUL_HTTP_ADDR/v1/session/destroy/{session}`)",
+            id.node_transfer_lock_key()
+        ));
+    }
+    if disabled == Some(true) {
+        why.push_str(&format!(
+            "; RC {id} is disabled, which holds the transfer where it is: `rcctl rc enable {id}`"
+        ));
+    }
+    why
 }
 
 #[cfg(test)]

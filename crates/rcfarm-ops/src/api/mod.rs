@@ -184,7 +184,9 @@ async fn rcs(
         .map_err(|e| ApiError(StatusCode::BAD_REQUEST, format!("selector: {e}")))?;
     let ov = load(&s).await?;
     let rcs: Vec<&RcOverview> = ov.select(&sel);
-    Ok(Json(json!({"rcs": rcs, "index": ov.index})))
+    Ok(Json(
+        json!({"rcs": rcs, "index": ov.index, "orphaned_pods": ov.orphans}),
+    ))
 }
 
 async fn rc(
@@ -495,6 +497,10 @@ pub fn describe_metrics() {
         (
             "rcfarm_rcs_unowned",
             "RCs in Consul whose lock no session holds, as this farm sees them",
+        ),
+        (
+            "rcfarm_orphaned_pods",
+            "pods whose label names an RC that no longer exists: nothing manages them (an RC deleted with --force, by P2's CLI or a KV write)",
         ),
         (
             "rcfarm_transfer_timeout_seconds",

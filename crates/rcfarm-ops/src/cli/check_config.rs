@@ -497,7 +497,7 @@ consul-ssl-verify = "maybe"
                     "scheduler",
                     "invalid value \"magic\"; possible values: label, pool",
                 ),
-                (7, "http", "give an address like 127.0.0.1:9090, or off"),
+                (7, "http", "give an address like 127.0.0.1:8791, or off"),
                 (8, "audit-db", "--audit-db"),
                 (9, "pool-capacity", "invalid value \"-1\""),
                 (10, "session-ttl", "--session-ttl must be at least 1s"),
@@ -535,7 +535,7 @@ consul-ssl-verify = "maybe"
 consul = "https://consul.internal:8501"
 farm-id = "farm-a"
 session-ttl = "20s"
-http = "0.0.0.0:9090"
+http = "0.0.0.0:8791"
 audit-db = "postgres://rcfarm@db.internal/rcfarm"
 audit-shipping = false
 scheduler = "pool"

@@ -7,8 +7,9 @@ use std::path::PathBuf;
 use super::CliError;
 use crate::consul::{ConsulConfig, TlsConfig, parse_go_bool, with_https};
 
-/// Consul connection options shared by every command that talks to Consul.
-#[derive(Debug, Clone, clap::Args)]
+/// Consul connection options shared by every command that talks to Consul. Its `Debug`
+/// never shows the token or a header's value.
+#[derive(Clone, clap::Args)]
 pub struct ConsulArgs {
     /// Consul's HTTP API: `http://host:port`, or `https://host:port` for TLS (a bare
     /// `host:port` is http, or https with CONSUL_HTTP_SSL=true).
@@ -86,6 +87,30 @@ pub struct ConsulArgs {
     /// A header sent on every request to Consul (repeat for several), as P2's tools' --header.
     #[arg(long = "header", global = true, value_name = "NAME=VALUE")]
     pub headers: Vec<String>,
+}
+
+impl std::fmt::Debug for ConsulArgs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ConsulArgs")
+            .field("consul", &self.consul)
+            .field("consul_token", &self.consul_token.as_ref().map(|_| "***"))
+            .field("consul_token_file", &self.consul_token_file)
+            .field("consul_ca_file", &self.consul_ca_file)
+            .field("consul_ca_path", &self.consul_ca_path)
+            .field("consul_client_cert", &self.consul_client_cert)
+            .field("consul_client_key", &self.consul_client_key)
+            .field("consul_tls_server_name", &self.consul_tls_server_name)
+            .field("consul_ssl_verify", &self.consul_ssl_verify)
+            .field(
+                "headers",
+                &self
+                    .headers
+                    .iter()
+                    .map(|h| format!("{}=***", h.split_once('=').map_or(h.as_str(), |(k, _)| k)))
+                    .collect::<Vec<_>>(),
+            )
+            .finish()
+    }
 }
 
 /// Whether the user typed `--flag` (or `--flag=…`, or an alias) on this process's command line.

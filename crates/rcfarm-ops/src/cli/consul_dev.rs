@@ -8,7 +8,8 @@ use std::time::Duration;
 use super::{CliError, parse_duration_flag, shutdown_signal};
 use crate::server::{Compat, EmbeddedServer, ServerConfig};
 
-#[derive(Debug, clap::Args)]
+/// Its `Debug` never shows the ACL token.
+#[derive(clap::Args)]
 pub struct ConsulDevArgs {
     /// Address to serve the Consul HTTP API on. Loopback unless you say otherwise.
     #[arg(
@@ -47,6 +48,15 @@ pub struct ConsulDevArgs {
     /// and session JSON, legacy ACL answers; see docs/consul-backends.md) or 1.x.
     #[arg(long, env = "RCFARM_CONSUL_DEV_COMPAT", default_value = "1.x", value_parser = parse_compat)]
     pub compat: Compat,
+}
+
+impl std::fmt::Debug for ConsulDevArgs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The server's config shows every setting, the token hidden.
+        f.debug_tuple("ConsulDevArgs")
+            .field(&self.to_config())
+            .finish()
+    }
 }
 
 fn parse_compat(s: &str) -> Result<Compat, String> {

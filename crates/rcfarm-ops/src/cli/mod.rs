@@ -12,6 +12,7 @@ mod config;
 mod connection;
 mod consul_dev;
 mod logging;
+mod model_check;
 mod rcctl;
 mod serve;
 mod simulate;
@@ -101,6 +102,9 @@ enum RcfarmCommand {
     Bench(BenchCommand),
     /// Crash, stall and restart farms while RCs change; check every promise (exit 1 if broken).
     Chaos(chaos::ChaosArgs),
+    /// Explore interleavings of farms, locks and faults over rcfarm's own decision cores;
+    /// check every promise and that every world converges (exit 1 with a counterexample).
+    ModelCheck(model_check::ModelCheckArgs),
     /// Play P2's preparer for a set of nodes: run their intents (reality/) and report health.
     SimulateNodes(simulate::SimulateArgs),
     /// Check a `serve --config` TOML file: every mistake with its line, exit 2 if any.
@@ -151,6 +155,7 @@ pub fn rcfarm_main() -> ExitCode {
             RcfarmCommand::Bench(BenchCommand::Selectors(args)) => bench_selectors::run(args).await,
             RcfarmCommand::Bench(BenchCommand::Audit(args)) => bench_audit::run(args).await,
             RcfarmCommand::Chaos(args) => chaos::run(args).await,
+            RcfarmCommand::ModelCheck(args) => model_check::run(&args),
             RcfarmCommand::SimulateNodes(args) => simulate::run(args).await,
             RcfarmCommand::CheckConfig(args) => check_config::run(&args),
             RcfarmCommand::Bench(BenchCommand::Rolls(args)) => {

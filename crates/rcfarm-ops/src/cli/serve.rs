@@ -145,8 +145,8 @@ pub struct FarmArgs {
     /// Where farms ship the audit log: `sqlite://PATH` (one machine; farms on it share the
     /// file) or `postgres://USER@HOST/DB` (farms on several machines). Default: audit.db in
     /// --state-dir.
-    #[arg(long, env = "RCFARM_AUDIT_DB")]
-    pub audit_db: Option<String>,
+    #[arg(long, env = "RCFARM_AUDIT_DB", hide_env_values = true)]
+    pub audit_db: Option<crate::audit::store::DbUrl>,
     /// `on`: ship audit records from Consul's audit_logs/ to --audit-db (one farm at a time)
     /// and delete them from Consul. `off`: leave them in audit_logs/ for another consumer, as
     /// P2's farm does (no SQL database is opened unless --audit-db is given, for queries).
@@ -156,7 +156,7 @@ pub struct FarmArgs {
     #[arg(long, env = "RCFARM_STATE_DIR", default_value = "rcfarm-data")]
     pub state_dir: std::path::PathBuf,
     /// Serve health probes, /metrics, the JSON API and the status page here ("off" for none).
-    #[arg(long, env = "RCFARM_HTTP", default_value = "127.0.0.1:9090")]
+    #[arg(long, env = "RCFARM_HTTP", default_value = "127.0.0.1:8791")]
     pub http: String,
     /// A TOML file with any of these options (keys are the long names: session-ttl = "15s").
     /// Flags and environment variables override it.
@@ -172,7 +172,7 @@ impl FarmArgs {
         }
         self.http.parse().map(Some).map_err(|_| {
             CliError::Usage(format!(
-                "--http {:?}: give an address like 127.0.0.1:9090, or off",
+                "--http {:?}: give an address like 127.0.0.1:8791, or off",
                 self.http
             ))
         })
@@ -264,13 +264,13 @@ impl FarmArgs {
             Some(u) => Some(u.clone()),
             // Not shipping, nothing would fill a default database: open none.
             None if !c.audit_shipping => None,
-            None => Some(format!(
+            None => Some(crate::audit::store::DbUrl::new(format!(
                 "sqlite://{}",
                 self.state_dir.join("audit.db").display()
-            )),
+            ))),
         };
         if let Some(url) = &audit_db {
-            crate::audit::store::parse_url(url)
+            crate::audit::store::parse_url(url.expose())
                 .map_err(|e| CliError::Usage(format!("--audit-db: {e}")))?;
         }
         c.audit_db = audit_db;

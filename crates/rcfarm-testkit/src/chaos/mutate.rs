@@ -162,17 +162,25 @@ pub(super) async fn mutate(
                     .await
                     .map(|_| ())
                     .map_err(|e| e.to_string()),
-                Some(id) => match store
-                    .mutate(id, &Mutation::SetReplicas(0), "chaos", false)
-                    .await
+                // As an operator does: scale to 0 first, delete once its pods are gone (a
+                // delete with pods left is refused; this RC is picked again later).
+                Some(id)
+                    if listing
+                        .rcs
+                        .get(&id)
+                        .is_some_and(|rc| rc.replicas_desired > 0) =>
                 {
-                    Ok(_) => store
-                        .delete(id, false, "chaos", false)
+                    store
+                        .mutate(id, &Mutation::SetReplicas(0), "chaos", false)
                         .await
                         .map(|_| ())
-                        .map_err(|e| e.to_string()),
-                    Err(e) => Err(e.to_string()),
-                },
+                        .map_err(|e| e.to_string())
+                }
+                Some(id) => store
+                    .delete(id, false, "chaos", false)
+                    .await
+                    .map(|_| ())
+                    .map_err(|e| e.to_string()),
                 None => Ok(()),
             },
             "roll-start" | "restart" => {

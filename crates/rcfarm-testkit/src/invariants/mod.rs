@@ -134,6 +134,46 @@ impl Observer {
             .map(|v| v[field].clone())
     }
 
+    /// Whether the pod of intent key `k` belongs to an RC its rolling update retired (the
+    /// record as the roll left it, the roll still there): the roll charged what goes.
+    fn deleting_rc_retiring(&self, k: &str) -> bool {
+        let Some((node, pod)) = k.strip_prefix("intent/").and_then(|r| r.split_once('/')) else {
+            return false;
+        };
+        let Some(rc) = self.rc_of_pod(node, pod) else {
+            return false;
+        };
+        let Some(m) = self.rc_field(&rc, crate::rc::RETIRE_MARKER) else {
+            return false;
+        };
+        let roll = m["roll"].as_str().unwrap_or_default();
+        m["replicas"].as_i64() == Some(self.desired(&rc))
+            && self.rc_field(&rc, "disabled") != Some(Value::Bool(true))
+            && self.roll_old_rc(roll).as_deref() == Some(rc.as_str())
+    }
+
+    /// The old RC of roll `id` (its record at `rolls/<id>`), if the roll exists.
+    fn roll_old_rc(&self, id: &str) -> Option<String> {
+        let v = self.kv.get(&format!("{ROLL_PREFIX}{id}"))?;
+        crate::roll::record::decode(v)
+            .ok()
+            .map(|u| u.old_rc.to_string())
+    }
+
+    /// Whether `taker` is the RC a rolling update moves `giver`'s replicas onto: a roll record
+    /// `rolls/<taker>` naming `giver` as old, or (P2's `p2-rctl rolling-update`, which writes
+    /// none) both RCs' mutation locks held by one session with one value.
+    fn rolled_onto(&self, giver: &str, taker: &str) -> bool {
+        if self.roll_old_rc(taker).as_deref() == Some(giver) {
+            return true;
+        }
+        let lock = |rc: &str| {
+            let k = format!("{RC_LOCK_PREFIX}{rc}/update");
+            Some((self.sessions.get(&k)?.clone(), self.kv.get(&k)?.clone()))
+        };
+        lock(giver).is_some_and(|g| lock(taker) == Some(g))
+    }
+
     /// Rolls in the replayed KV that have started (their old RC is disabled).
     fn started_rolls(&self) -> BTreeMap<String, RollView> {
         self.kv
@@ -462,8 +502,9 @@ impl Observer {
             return;
         }
         // An RC that is disabled and runs more pods than it wants has given them up (a rolling
-        // update moved its replicas): another RC takes them over in place, fenced by its own
-        // lock (checked as that RC's write), not the giver's.
+        // update moved its replicas): the RC the roll moves them to, and only that one, takes
+        // them over in place, fenced by its own lock (checked as that RC's write), not the
+        // giver's.
         let fenced_by = |rc: &str| {
             let lock = format!("{RC_LOCK_PREFIX}{rc}");
             c.checks
@@ -475,7 +516,9 @@ impl Observer {
                 && self.rc_field(rc, "disabled") == Some(Value::Bool(true))
                 && self.count(rc) < before.get(rc).copied().unwrap_or(0)
                 && self.count(rc) as i64 >= self.desired(rc)
-                && touched.iter().any(|other| other != rc && fenced_by(other));
+                && touched
+                    .iter()
+                    .any(|other| other != rc && fenced_by(other) && self.rolled_onto(rc, other));
             if gave_up {
                 continue;
             }
@@ -551,7 +594,10 @@ impl Observer {
         for ch in &c.changes {
             match ch {
                 Change::Delete(k)
-                    if k.starts_with("intent/") && self.kv.contains_key(k) && !transfer_end =>
+                    if k.starts_with("intent/")
+                        && self.kv.contains_key(k)
+                        && !transfer_end
+                        && !self.deleting_rc_retiring(k) =>
                 {
                     n += 1
                 }
@@ -595,11 +641,13 @@ impl Observer {
                 _ => {}
             }
         }
+        // A roll's steps replace pods under its minimum and its node transfers' ends replace
+        // one pod with another already up: neither counts. A roll's retirement of its old RC
+        // counts the capacity that goes with it (`lost_capacity`), and the old RC's removals
+        // then count nothing more (see `deleting_rc_retiring`).
         for r in audits {
             if r.event_type == events::ROLL_STEP {
-                n += r.event_details["replicas_removed"].as_u64().unwrap_or(0);
-            } else if r.event_type == events::NODE_TRANSFER_START {
-                n += 1;
+                n += r.event_details["lost_capacity"].as_u64().unwrap_or(0);
             }
         }
         if n == 0 {

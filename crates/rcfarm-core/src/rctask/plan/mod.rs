@@ -8,7 +8,7 @@ use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
 use crate::health::HealthStatus;
-use crate::rc::{AllocationStrategy, Rc};
+use crate::rc::{AllocationStrategy, Rc, RcId};
 use crate::scheduler::{NodeName, NodeSet};
 
 /// A node transfer in flight, as kept in P2's status key
@@ -69,6 +69,12 @@ pub struct Observed<'a> {
     /// Nodes where another RC runs a pod of this pod id. Never scheduled on (the two RCs
     /// would overwrite each other's intent), except by takeover.
     pub occupied: BTreeSet<NodeName>,
+    /// The labels of the pods the writes may touch, by pod label id (`<node>/<pod-id>`), with
+    /// their `ModifyIndex`, as seen when this was observed: the RC's own pods and other RCs'
+    /// pods of its pod id. The writes planned from this view are guarded by these (a label
+    /// that changed since fails the write; a node without one is written create-only), so a
+    /// plan never acts on what it did not see. Not read by the planner.
+    pub labels_seen: BTreeMap<String, (crate::labels::LabelSet, u64)>,
     /// The scheduler was already asked for nodes in this pass and gave what it could.
     pub allocation_exhausted: bool,
     /// Another session holds the mutation lock (a rolling update, say): no transfer now.
@@ -79,8 +85,148 @@ pub struct Observed<'a> {
     /// Who holds P2's node-transfer lock, if anyone: no transfer starts, and one in flight is
     /// neither completed nor rolled back, while it is held.
     pub transfer_frozen: Option<String>,
-    pub now: DateTime<Utc>,
+    /// How long the transfer in flight has run, on the monotonic clock (from its start as
+    /// recorded, when another farm started it: see `rctask::transfer`).
+    pub transfer_age: Duration,
     pub transfer_timeout: Duration,
+    /// Current nodes whose intent runs another manifest than the RC's: rewriting one replaces
+    /// a running pod (a removal), where rewriting a missing intent removes nothing.
+    pub runs_other: BTreeSet<NodeName>,
+    /// The RC's record is as its rolling update left it when it retired it ([`Rc::retired_by`]):
+    /// the roll charged the failsafe for the capacity its removals take away.
+    pub retiring: bool,
+    /// A rolling update names this RC (as its old or new RC): no node transfer starts, even
+    /// while the roll's farm has not taken the mutation lock yet (a handover between two
+    /// farms carrying the roll leaves it free for a moment).
+    pub in_roll: Option<String>,
+}
+
+/// What an action takes away, as the farm's failsafe counts it: the rule is that a removal
+/// counts when a pod goes and nothing already up takes its place.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Removals {
+    /// Pods that go without a replacement that is up (a scale-down, a pod of an older pod id
+    /// or manifest rewritten in place): charged to the removal budget, in the plan's order.
+    pub counted: Vec<NodeName>,
+    /// Pods that go with a replacement already up (a node transfer's end) or whose lost
+    /// capacity their rolling update charged (a retired old RC's leftovers): not charged, but
+    /// held like every removal while the tripwire is tripped.
+    pub uncounted: usize,
+    /// Nodes the action writes without removing anything (a missing intent rewritten).
+    pub harmless: Vec<NodeName>,
+}
+
+impl Removals {
+    /// Whether the action removes any pod at all.
+    pub fn any(&self) -> bool {
+        !self.counted.is_empty() || self.uncounted > 0
+    }
+}
+
+/// Where other RCs run an RC's pod id: the nodes it takes over first when growing, the nodes
+/// it keeps off, and the givers it should ask about.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Neighbours {
+    pub takeover: Vec<NodeName>,
+    pub occupied: BTreeSet<NodeName>,
+    /// Disabled RCs with pods of this pod id they no longer want, not known to roll onto this
+    /// RC: asked about (a fresh read of the mutation locks) before their pods are taken for
+    /// occupied.
+    pub unconfirmed: Vec<RcId>,
+}
+
+/// Decides [`Neighbours`] from other RCs' pods of an RC's pod id (owner's id as its label
+/// says → each pod's (healthy, node)), what each owner is (`rc_of`: id, disabled, replicas
+/// desired; `None` for no valid RC), and whether a rolling update moves an owner's replicas
+/// onto this RC (`rolled_onto`). Only that RC takes a disabled RC's surplus over, in place,
+/// unhealthy pods first: a pod any other RC runs is left alone, given up or not (an unrelated
+/// RC that took a roll's given-up pod would overwrite what the roll's new RC just wrote).
+pub fn neighbours(
+    others: BTreeMap<String, Vec<(bool, NodeName)>>,
+    rc_of: impl Fn(&str) -> Option<(RcId, bool, u64)>,
+    rolled_onto: impl Fn(RcId) -> bool,
+) -> Neighbours {
+    let mut out = Neighbours::default();
+    let mut takeover: Vec<(bool, NodeName)> = Vec::new();
+    for (owner, mut pods) in others {
+        let giver = rc_of(&owner);
+        let surplus = giver
+            .filter(|(_, disabled, _)| *disabled)
+            .map_or(0, |(_, _, desired)| {
+                pods.len().saturating_sub(desired as usize)
+            });
+        let ours = giver.is_some_and(|(g, _, _)| rolled_onto(g));
+        if surplus > 0
+            && !ours
+            && let Some((g, _, _)) = giver
+        {
+            out.unconfirmed.push(g);
+        }
+        let given_up = if ours { surplus } else { 0 };
+        // Unhealthy first (false sorts before true), then by name.
+        pods.sort();
+        for (i, p) in pods.into_iter().enumerate() {
+            if i < given_up {
+                takeover.push(p);
+            } else {
+                out.occupied.insert(p.1);
+            }
+        }
+    }
+    takeover.sort();
+    out.takeover = takeover.into_iter().map(|(_, n)| n).collect();
+    out
+}
+
+/// What of `action` may be done with `granted` of its counted removals (`cost` from
+/// [`removals`]): the plan orders its victims (ineligible, unhealthy, then by name), so the
+/// first `granted` are kept, with every node it touches without removing anything; `None`
+/// when nothing of it may be done.
+pub fn within_grant(action: Action, cost: &Removals, granted: usize) -> Option<Action> {
+    if granted >= cost.counted.len() {
+        return Some(action);
+    }
+    if granted == 0 && cost.harmless.is_empty() {
+        return None;
+    }
+    let keep: BTreeSet<&NodeName> = cost.counted.iter().take(granted).collect();
+    let kept = |t: Vec<NodeName>| -> Vec<NodeName> {
+        t.into_iter()
+            .filter(|n| keep.contains(n) || cost.harmless.contains(n))
+            .collect()
+    };
+    Some(match action {
+        Action::Unschedule(t) => Action::Unschedule(kept(t)),
+        Action::Replace(t) => Action::Replace(kept(t)),
+        Action::Repair(t) => Action::Repair(kept(t)),
+        other => other,
+    })
+}
+
+/// Whether applying `action` needs the RC's mutation lock. Only a node transfer's start does:
+/// a lock is waited for only before something starts, and what is in flight ends without one
+/// (docs/architecture.md, "Locks").
+pub fn needs_mutation_lock(action: &Action) -> bool {
+    matches!(action, Action::StartTransfer { .. })
+}
+
+/// What `action`, planned from `o`, takes away.
+pub fn removals(action: &Action, o: &Observed<'_>) -> Removals {
+    let mut r = Removals::default();
+    match action {
+        Action::Unschedule(t) if o.retiring => r.uncounted = t.len(),
+        Action::Unschedule(t) | Action::Replace(t) => r.counted = t.clone(),
+        Action::Repair(t) => {
+            (r.counted, r.harmless) = t.iter().cloned().partition(|n| o.runs_other.contains(n))
+        }
+        // The old pod goes once the new one passed its health check, or the new one goes and
+        // the old stays: the RC keeps its count either way.
+        Action::CompleteTransfer | Action::RollbackTransfer(_) => {
+            r.uncounted = usize::from(o.transfer.is_some())
+        }
+        Action::Schedule(_) | Action::Allocate(_) | Action::StartTransfer { .. } => {}
+    }
+    r
 }
 
 /// One step. The executor performs them in order, each as fenced transactions.
@@ -248,10 +394,6 @@ fn push_repairs(o: &Observed<'_>, p: &mut Plan, skip: &BTreeSet<NodeName>) {
     }
 }
 
-fn elapsed(now: DateTime<Utc>, since: DateTime<Utc>) -> Duration {
-    (now - since).to_std().unwrap_or(Duration::ZERO)
-}
-
 mod transfer;
 
 #[cfg(test)]
@@ -277,6 +419,99 @@ mod tests {
 
     fn s(v: &[&str]) -> Vec<NodeName> {
         v.iter().map(|x| NodeName::from(*x)).collect()
+    }
+
+    /// What the farm's failsafe counts of each action: a pod that goes with nothing up in its
+    /// place counts; a replacement already up, or capacity its roll paid for, does not.
+    #[test]
+    fn what_counts_as_a_removal() {
+        let r = rc(2, "dynamic_strategy", false);
+        let mut o = observed(&r, &["a", "b", "x"], &["a", "b"]);
+        o.runs_other = nodes(&["b"]);
+        let t = Transfer {
+            old_node: "x".into(),
+            new_node: "b".into(),
+            id: "t".into(),
+            started_at: None,
+        };
+        let counted = |a: &Action, o: &Observed<'_>| {
+            let r = removals(a, o);
+            (r.counted.len(), r.uncounted, r.harmless.len())
+        };
+        /// (rule, action, retiring, transfer in flight, (counted, uncounted, harmless)).
+        type Row = (
+            &'static str,
+            Action,
+            bool,
+            Option<Transfer>,
+            (usize, usize, usize),
+        );
+        let rows: Vec<Row> = vec![
+            (
+                "a scale-down: each pod counts",
+                Action::Unschedule(s(&["x", "b"])),
+                false,
+                None,
+                (2, 0, 0),
+            ),
+            (
+                "a retired old RC's leftovers: its roll paid",
+                Action::Unschedule(s(&["x", "b"])),
+                true,
+                None,
+                (0, 2, 0),
+            ),
+            (
+                "a pod of an older pod id rewritten in place",
+                Action::Replace(s(&["a"])),
+                false,
+                None,
+                (1, 0, 0),
+            ),
+            (
+                "a repair: a running pod of another manifest counts, a missing intent does not",
+                Action::Repair(s(&["a", "b"])),
+                false,
+                None,
+                (1, 0, 1),
+            ),
+            (
+                "a transfer's end: the new pod is up, or the old one stays",
+                Action::CompleteTransfer,
+                false,
+                Some(t.clone()),
+                (0, 1, 0),
+            ),
+            (
+                "a transfer rolled back",
+                Action::RollbackTransfer("x".into()),
+                false,
+                Some(t),
+                (0, 1, 0),
+            ),
+            (
+                "a transfer's start adds a pod",
+                Action::StartTransfer {
+                    old: "x".into(),
+                    new: None,
+                },
+                false,
+                None,
+                (0, 0, 0),
+            ),
+            (
+                "scheduling adds pods",
+                Action::Schedule(s(&["a"])),
+                false,
+                None,
+                (0, 0, 0),
+            ),
+        ];
+        for (rule, action, retiring, transfer, want) in rows {
+            o.retiring = retiring;
+            o.transfer = transfer;
+            assert_eq!(counted(&action, &o), want, "{rule}");
+        }
     }
 
     #[test]
@@ -447,7 +682,7 @@ mod tests {
             id: "t1".into(),
             started_at: Some(t0()),
         });
-        o.now = t0() + chrono::Duration::seconds(3600);
+        o.transfer_age = Duration::from_secs(3600);
         o.transfer_frozen = Some("session s1".into());
         let p = plan(&o);
         assert!(p.is_idle(), "{:?}", p.actions);
@@ -507,11 +742,11 @@ mod tests {
         o.health.insert("n".into(), HealthStatus::Passing);
         assert_eq!(plan(&o).actions, [Action::CompleteTransfer]);
         o.health.clear();
-        o.now = t0() + chrono::Duration::seconds(301);
+        o.transfer_age = Duration::from_secs(301);
         assert!(
             matches!(&plan(&o).actions[..], [Action::RollbackTransfer(r)] if r.contains("not healthy"))
         );
-        o.now = t0();
+        o.transfer_age = Duration::ZERO;
         o.eligible = nodes(&["a", "n", "x"]).into_iter().collect();
         assert!(
             matches!(&plan(&o).actions[..], [Action::RollbackTransfer(r)] if r.contains("eligible again"))

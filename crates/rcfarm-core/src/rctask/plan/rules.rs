@@ -27,14 +27,17 @@ fn set(v: &[&str]) -> BTreeSet<NodeName> {
     names(v).into_iter().collect()
 }
 
-/// A transfer from `old` to `new`, started `ago` seconds before the row's now.
-fn transfer(old: &str, new: &str, ago: i64) -> Option<Transfer> {
-    Some(Transfer {
-        old_node: old.into(),
-        new_node: new.into(),
-        id: "t1".into(),
-        started_at: Some(t0() - chrono::Duration::seconds(ago)),
-    })
+/// A transfer from `old` to `new`, started `ago` seconds before the row's now, and its age.
+fn transfer(old: &str, new: &str, ago: i64) -> (Option<Transfer>, Duration) {
+    (
+        Some(Transfer {
+            old_node: old.into(),
+            new_node: new.into(),
+            id: "t1".into(),
+            started_at: Some(t0() - chrono::Duration::seconds(ago)),
+        }),
+        Duration::from_secs(ago as u64),
+    )
 }
 
 fn health(v: &[(&str, HealthStatus)]) -> BTreeMap<NodeName, HealthStatus> {
@@ -162,12 +165,18 @@ fn rows() -> Vec<Row> {
         Row { rule: "static with --transfer-static and no free eligible node: nowhere to go",
               rc: (1, STATIC, false), current: &["x"], eligible: &[], and: |o| o.transfer_static = true,
               want: vec![], then: Then::Waiting("no eligible node") },
+        Row { rule: "a transfer never moves onto a pod another RC gave up (taking those over is its roll's new RC's)",
+              rc: (2, DYNAMIC, false), current: &["a", "x"], eligible: &["a", "b", "c"], and: |o| o.takeover = names(&["b"]),
+              want: vec![start("x", Some("c"))], then: Then::Fine },
         Row { rule: "someone holds P2's node-transfer lock: no transfer starts",
               rc: (2, DYNAMIC, false), current: &["a", "x"], eligible: &["a", "b"], and: |o| o.transfer_frozen = Some("session s1".into()),
               want: vec![], then: Then::Waiting("frozen") },
         Row { rule: "another session holds the mutation lock (a rolling update): no transfer starts",
               rc: (2, DYNAMIC, false), current: &["a", "x"], eligible: &["a", "b"], and: |o| o.mutation_locked_elsewhere = true,
               want: vec![], then: Then::Waiting("mutation lock") },
+        Row { rule: "a rolling update names the RC: no transfer starts, even with the mutation lock free (between two farms carrying the roll)",
+              rc: (2, DYNAMIC, false), current: &["a", "x"], eligible: &["a", "b"], and: |o| o.in_roll = Some("rolling update r1".into()),
+              want: vec![], then: Then::Waiting("no node transfer starts until it ends") },
         Row { rule: "a healthy pod waits to move until the RC's other pods are healthy",
               rc: (2, DYNAMIC, false), current: &["a", "x"], eligible: &["a", "b"],
               and: |o| { o.health_in_use = true; o.health = health(&[("a", Warning), ("x", Passing)]) },
@@ -180,37 +189,45 @@ fn rows() -> Vec<Row> {
         // A transfer in flight (old pod kept until the new one is healthy).
         Row { rule: "in flight, the new pod healthy: completed (the old pod goes)",
               rc: (2, DYNAMIC, false), current: &["a", "x", "b"], eligible: &["a", "b"],
-              and: |o| { o.transfer = transfer("x", "b", 10); o.health_in_use = true; o.health = health(&[("b", Passing)]) },
+              and: |o| { (o.transfer, o.transfer_age) = transfer("x", "b", 10); o.health_in_use = true; o.health = health(&[("b", Passing)]) },
               want: vec![Action::CompleteTransfer], then: Then::Fine },
         Row { rule: "in flight, nothing reports health: completed at once",
-              rc: (2, DYNAMIC, false), current: &["a", "x", "b"], eligible: &["a", "b"], and: |o| o.transfer = transfer("x", "b", 0),
+              rc: (2, DYNAMIC, false), current: &["a", "x", "b"], eligible: &["a", "b"], and: |o| (o.transfer, o.transfer_age) = transfer("x", "b", 0),
               want: vec![Action::CompleteTransfer], then: Then::Fine },
         Row { rule: "in flight, the new pod not healthy yet: wait",
               rc: (2, DYNAMIC, false), current: &["a", "x", "b"], eligible: &["a", "b"],
-              and: |o| { o.transfer = transfer("x", "b", 10); o.health_in_use = true; o.health = health(&[("b", Warning)]) },
+              and: |o| { (o.transfer, o.transfer_age) = transfer("x", "b", 10); o.health_in_use = true; o.health = health(&[("b", Warning)]) },
               want: vec![], then: Then::Waiting("waiting for the new pod to pass its health check") },
         Row { rule: "in flight, not healthy within the timeout: rolled back",
               rc: (2, DYNAMIC, false), current: &["a", "x", "b"], eligible: &["a", "b"],
-              and: |o| { o.transfer = transfer("x", "b", 301); o.health_in_use = true; o.health = health(&[("b", Warning)]) },
+              and: |o| { (o.transfer, o.transfer_age) = transfer("x", "b", 301); o.health_in_use = true; o.health = health(&[("b", Warning)]) },
               want: vec![rollback("the new pod on b was not healthy within 300s")], then: Then::Fine },
         Row { rule: "in flight, the new pod gone: rolled back",
-              rc: (2, DYNAMIC, false), current: &["a", "x"], eligible: &["a", "b"], and: |o| o.transfer = transfer("x", "b", 10),
+              rc: (2, DYNAMIC, false), current: &["a", "x"], eligible: &["a", "b"], and: |o| (o.transfer, o.transfer_age) = transfer("x", "b", 10),
               want: vec![rollback("the new pod on b is gone")], then: Then::Fine },
         Row { rule: "in flight, the old pod already gone: as good as completed",
-              rc: (2, DYNAMIC, false), current: &["a", "b"], eligible: &["a", "b"], and: |o| o.transfer = transfer("x", "b", 10),
+              rc: (2, DYNAMIC, false), current: &["a", "b"], eligible: &["a", "b"], and: |o| (o.transfer, o.transfer_age) = transfer("x", "b", 10),
               want: vec![Action::CompleteTransfer], then: Then::Fine },
         Row { rule: "in flight, the replica count changed: rolled back",
-              rc: (3, DYNAMIC, false), current: &["a", "x", "b"], eligible: &["a", "b", "c"], and: |o| o.transfer = transfer("x", "b", 10),
+              rc: (3, DYNAMIC, false), current: &["a", "x", "b"], eligible: &["a", "b", "c"], and: |o| (o.transfer, o.transfer_age) = transfer("x", "b", 10),
               want: vec![rollback("replicas changed to 3 during the transfer")], then: Then::Fine },
         Row { rule: "in flight, the old node eligible again: rolled back",
-              rc: (2, DYNAMIC, false), current: &["a", "x", "b"], eligible: &["a", "b", "x"], and: |o| o.transfer = transfer("x", "b", 10),
+              rc: (2, DYNAMIC, false), current: &["a", "x", "b"], eligible: &["a", "b", "x"], and: |o| (o.transfer, o.transfer_age) = transfer("x", "b", 10),
               want: vec![rollback("x is eligible again")], then: Then::Fine },
         Row { rule: "in flight, the new node no longer eligible: rolled back",
-              rc: (2, DYNAMIC, false), current: &["a", "x", "b"], eligible: &["a"], and: |o| o.transfer = transfer("x", "b", 10),
+              rc: (2, DYNAMIC, false), current: &["a", "x", "b"], eligible: &["a"], and: |o| (o.transfer, o.transfer_age) = transfer("x", "b", 10),
               want: vec![rollback("b is no longer eligible")], then: Then::Fine },
+        Row { rule: "in flight, the mutation lock held elsewhere (a roll took it after a handover): it ends all the same, needing no lock",
+              rc: (2, DYNAMIC, false), current: &["a", "x", "b"], eligible: &["a", "b"],
+              and: |o| { (o.transfer, o.transfer_age) = transfer("x", "b", 10); o.mutation_locked_elsewhere = true; o.health_in_use = true; o.health = health(&[("b", Passing)]) },
+              want: vec![Action::CompleteTransfer], then: Then::Fine },
+        Row { rule: "in flight, the replicas changed by a roll holding the mutation lock: rolled back, needing no lock",
+              rc: (0, DYNAMIC, false), current: &["a", "x", "b"], eligible: &["a", "b"],
+              and: |o| { (o.transfer, o.transfer_age) = transfer("x", "b", 10); o.mutation_locked_elsewhere = true },
+              want: vec![rollback("replicas changed to 0 during the transfer")], then: Then::Fine },
         Row { rule: "in flight while the node-transfer lock is held: neither completed nor rolled back",
               rc: (2, DYNAMIC, false), current: &["a", "x", "b"], eligible: &["a", "b"],
-              and: |o| { o.transfer = transfer("x", "b", 3600); o.transfer_frozen = Some("session s1".into()) },
+              and: |o| { (o.transfer, o.transfer_age) = transfer("x", "b", 3600); o.transfer_frozen = Some("session s1".into()) },
               want: vec![], then: Then::Waiting("neither completed nor rolled back") },
     ]
 }
@@ -231,12 +248,16 @@ pub(super) fn observed<'a>(rc: &'a Rc, current: &[&str], eligible: &[&str]) -> O
         transfer: None,
         takeover: Vec::new(),
         occupied: BTreeSet::new(),
+        labels_seen: BTreeMap::new(),
         allocation_exhausted: false,
         mutation_locked_elsewhere: false,
         transfer_static: false,
         transfer_frozen: None,
-        now: t0(),
+        transfer_age: Duration::ZERO,
         transfer_timeout: Duration::from_secs(300),
+        runs_other: BTreeSet::new(),
+        retiring: false,
+        in_roll: None,
     }
 }
 

@@ -6,7 +6,7 @@
 
 use std::collections::BTreeSet;
 
-use super::{Action, Observed, Transfer, elapsed};
+use super::{Action, Observed, Transfer};
 use crate::rc::AllocationStrategy;
 use crate::scheduler::NodeName;
 
@@ -37,7 +37,7 @@ pub(super) fn in_flight(o: &Observed<'_>, t: &Transfer) -> InFlight {
         InFlight::RollBack(format!("{} is eligible again", t.old_node))
     } else if !o.health_in_use || o.health.get(&t.new_node).is_some_and(|h| h.is_passing()) {
         InFlight::Complete
-    } else if elapsed(o.now, t.started_at.unwrap_or(o.now)) >= o.transfer_timeout {
+    } else if o.transfer_age >= o.transfer_timeout {
         InFlight::RollBack(format!(
             "the new pod on {} was not healthy within {}s",
             t.new_node,
@@ -66,10 +66,13 @@ pub(super) fn start(
             .iter()
             .filter(|n| **n != old)
             .all(|n| o.health.get(*n).is_some_and(|h| h.is_passing()));
+    // Never onto another RC's pod, given up or not: a transfer is no takeover.
     let target = o
         .eligible
         .iter()
-        .find(|e| !o.current.contains_key(*e) && !o.occupied.contains(*e))
+        .find(|e| {
+            !o.current.contains_key(*e) && !o.occupied.contains(*e) && !o.takeover.contains(e)
+        })
         .cloned();
     if rc.strategy != AllocationStrategy::Dynamic && !o.transfer_static {
         // P2 moves only dynamic RCs' pods: a static RC's stays, and nothing is written.
@@ -79,6 +82,10 @@ pub(super) fn start(
     } else if let Some(holder) = &o.transfer_frozen {
         Err(format!(
             "{old} is not eligible, but node transfers are frozen while {holder} holds the node-transfer lock"
+        ))
+    } else if let Some(roll) = &o.in_roll {
+        Err(format!(
+            "{old} is not eligible, but {roll} moves this RC's replicas: no node transfer starts until it ends"
         ))
     } else if o.mutation_locked_elsewhere {
         Err(format!(

@@ -9,7 +9,6 @@
 
 use std::time::Duration;
 
-use chrono::{DateTime, Utc};
 use serde::Serialize;
 
 use super::record::Update;
@@ -82,10 +81,13 @@ pub struct RollObserved<'a> {
     pub new_lock: LockState,
     /// Another roll that shares an RC with this one and goes first.
     pub conflict: Option<String>,
-    pub now: DateTime<Utc>,
-    /// Since when a step has been possible without interruption (kept by the worker; the roll
-    /// delay counts from there, as P2 sleeps `RollDelay` once a step is safe).
-    pub ready_since: Option<DateTime<Utc>>,
+    /// A node transfer in flight on one of the roll's RCs, in words (which, where, and when it
+    /// ends): the roll takes no mutation lock until it ends, which it does without one.
+    pub transfer: Option<String>,
+    /// How long a step has been possible without interruption, on the monotonic clock (kept
+    /// by the worker; the roll delay counts from there, as P2 sleeps `RollDelay` once a step
+    /// is safe).
+    pub ready_for: Duration,
     /// Whether the roll has started (disabled its old RC and enabled its new one), per its
     /// labels: a roll starts once; an RC flipped back afterwards was someone's decision.
     pub started: bool,
@@ -100,9 +102,15 @@ pub struct RollObserved<'a> {
     pub failed: Option<String>,
     /// A canary not yet promoted: replace this many pods, wait until they are up, then pause.
     pub canary: Option<u64>,
-    /// How many pods the farm's removal budget lets a step take down now, and why no more
-    /// (`--max-removals`, the failsafe); `None`: no limit.
+    /// How much lost capacity the farm's removal budget lets the roll's end take away now,
+    /// and why no more (`--max-removals`); `None`: no limit. A step replaces pods under the
+    /// roll's minimum and never counts; the old RC's pods the roll did not replace (a roll
+    /// onto fewer replicas) do, when it retires the old RC.
     pub removal_room: Option<(u64, String)>,
+    /// Why the farm's tripwire holds every removal now, if it does: no step, no retirement.
+    pub tripped: Option<String>,
+    /// Who serves the old RC (its ownership lock's holder), for what the roll waits on.
+    pub old_served_by: Option<String>,
 }
 
 /// One step, applied as one fenced transaction.
@@ -110,15 +118,24 @@ pub struct RollObserved<'a> {
 pub enum RollAction {
     /// Take both RCs' mutation locks (no node transfers, no other roll, during the roll).
     Lock,
-    /// Disable the old RC (the new one replaces its pods in place) and enable the new one.
-    Start { disable_old: bool, enable_new: bool },
+    /// Disable the old RC (the new one replaces its pods in place) and enable the new one,
+    /// moving `adopt` replicas from the old RC to the new one first: pods the new RC runs
+    /// beyond what it wants, taken back rather than removed.
+    Start {
+        disable_old: bool,
+        enable_new: bool,
+        adopt: u64,
+    },
     /// Move replicas: the new RC's count rises by `add`; the old one's becomes `old_to` (its
     /// count less `remove`, counted from the pods it has when it has fewer than it wants: a
     /// disabled RC never makes up the difference).
     Step { add: u64, remove: u64, old_to: u64 },
-    /// The new RC is complete but the old one still has pods it did not hand over: scale it
-    /// to 0 and enable it so it removes them.
-    RetireOld,
+    /// The new RC is complete but the old one still has pods it did not hand over: enable it
+    /// at `old_to` (0 unless the removal budget holds some of its lost capacity back) so it
+    /// removes them, charging the budget `charge` pods of lost capacity: the old RC's pods that
+    /// no new pod replaced (a roll onto fewer replicas). Its other leftovers were replaced by
+    /// the roll's new pods (up, as the roll is done) and cost nothing.
+    RetireOld { old_to: u64, charge: u64 },
     /// Delete the roll (and the old RC, unless `LeaveOld`).
     Complete,
     /// Delete the roll, whose old RC does not exist, and leave the new RC as it is: what P2's
@@ -135,8 +152,11 @@ pub enum RollAction {
 pub enum WaitKind {
     /// An RC of the roll is missing or invalid, or another roll goes first.
     Blocked,
-    /// Another session holds a mutation lock.
+    /// Another session holds a mutation lock (named, with what lets it go).
     Lock,
+    /// A node transfer is in flight on one of the roll's RCs: it ends by itself (its new pod
+    /// passes, or its timeout rolls it back), needing no lock.
+    Transfer,
     /// Pods must pass their health checks (or reach reality) before the next step.
     Health,
     /// Healthy pods can never exceed the minimum as things are: no step is possible until
@@ -233,6 +253,11 @@ pub fn plan(o: &RollObserved<'_>) -> RollPlan {
         }
     }
     if o.old_lock != LockState::Ours || o.new_lock != LockState::Ours {
+        // A transfer in flight ends without the mutation lock; a roll that took it would
+        // step an RC whose pod count the transfer still changes.
+        if let Some(t) = &o.transfer {
+            return RollPlan::wait(WaitKind::Transfer, t.clone());
+        }
         return RollPlan::act(RollAction::Lock);
     }
 
@@ -247,6 +272,7 @@ pub fn plan(o: &RollObserved<'_>) -> RollPlan {
             return RollPlan::act(RollAction::Start {
                 disable_old: false,
                 enable_new: true,
+                adopt: 0,
             });
         }
         if new.healthy < target {
@@ -262,13 +288,35 @@ pub fn plan(o: &RollObserved<'_>) -> RollPlan {
             return RollPlan::act(RollAction::Complete);
         }
         if old.desired > 0 || old.disabled {
-            return RollPlan::act(RollAction::RetireOld);
+            if let Some(why) = &o.tripped {
+                return RollPlan::wait(WaitKind::RemovalsHeld, why.clone());
+            }
+            // The old RC's pods no new pod replaced: what it still wants, of what it has.
+            let lost = old.desired.min(old.current);
+            let charge = match &o.removal_room {
+                Some((room, why)) if *room < lost => {
+                    if *room == 0 {
+                        return RollPlan::wait(WaitKind::RemovalsHeld, why.clone());
+                    }
+                    *room
+                }
+                _ => lost,
+            };
+            return RollPlan::act(RollAction::RetireOld {
+                old_to: lost - charge,
+                charge,
+            });
         }
         return RollPlan::wait(
             WaitKind::Pods,
             format!(
-                "waiting for the old RC to remove its {} remaining pods",
-                old.current
+                "waiting for the old RC {} to remove its {} remaining pods{}",
+                u.old_rc,
+                old.current,
+                o.old_served_by
+                    .as_ref()
+                    .map(|f| format!(" (served by {f})"))
+                    .unwrap_or_default()
             ),
         );
     }
@@ -280,20 +328,21 @@ pub fn plan(o: &RollObserved<'_>) -> RollPlan {
         return intervened("the old RC was enabled again");
     }
     if !old.disabled || new.disabled {
-        // P2's guard: enabling a disabled RC that has more pods than it wants would make it
-        // remove one at once.
-        if new.disabled && new.current != new.desired {
-            return RollPlan::wait(
-                WaitKind::Pods,
-                format!(
-                    "the new RC is disabled with {} pods but wants {}; waiting for them to match before enabling it",
-                    new.current, new.desired
-                ),
-            );
-        }
+        // Enabling a disabled new RC that has more pods than it wants would make it remove
+        // them at once (P2 waits for them to match, for ever: a disabled RC changes nothing).
+        // Those pods are the ones it gave up to the roll a revert undoes, that the failed new
+        // RC placed elsewhere rather than in place: the start takes them back, as replicas
+        // moved from the old RC, in the same transaction that disables the old RC (which so
+        // removes nothing), up to the roll's target.
+        let adopt = if new.disabled && new.current > new.desired {
+            new.current.min(target).saturating_sub(new.desired)
+        } else {
+            0
+        };
         return RollPlan::act(RollAction::Start {
             disable_old: !old.disabled,
             enable_new: new.disabled,
+            adopt,
         });
     }
 
@@ -335,16 +384,15 @@ pub fn plan(o: &RollObserved<'_>) -> RollPlan {
         Some(k) => (remove.min(k - new.desired), add.min(k - new.desired)),
         None => (remove, add),
     };
-    // Each pod added beyond those removed replaces nothing (growing capacity): only removals
-    // spend the farm's budget.
-    let (remove, add) = match &o.removal_room {
-        Some((room, why)) if remove > *room => {
-            let free = add.saturating_sub(remove);
-            let (remove, add) = (*room, add.min(*room + free));
-            if add == 0 && remove == 0 {
+    // A step replaces pods under the roll's minimum: no lost capacity, nothing charged to the
+    // farm's budget. A tripped failsafe holds it like every removal (growing still goes).
+    let (remove, add) = match &o.tripped {
+        Some(why) if remove > 0 => {
+            let add = add.saturating_sub(remove);
+            if add == 0 {
                 return RollPlan::wait(WaitKind::RemovalsHeld, why.clone());
             }
-            (remove, add)
+            (0, add)
         }
         _ => (remove, add),
     };
@@ -380,10 +428,7 @@ pub fn plan(o: &RollObserved<'_>) -> RollPlan {
         };
     }
     if new.desired > 0 && !u.roll_delay.is_zero() {
-        let ready_for = o
-            .ready_since
-            .map(|t| (o.now - t).to_std().unwrap_or(Duration::ZERO))
-            .unwrap_or(Duration::ZERO);
+        let ready_for = o.ready_for;
         if ready_for < u.roll_delay {
             return RollPlan {
                 action: None,
@@ -406,6 +451,32 @@ pub fn plan(o: &RollObserved<'_>) -> RollPlan {
         }),
         waiting: None,
         step_ready: true,
+    }
+}
+
+/// What a look at a roll does to its progress deadline's clock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeadlineClock {
+    /// It starts again: the roll moved, an operator paused it, or a step is ready (the roll
+    /// delay runs).
+    Restart,
+    /// It stops, keeping what it counted: the roll waits on something else than its new pods
+    /// (a lock, a transfer, held removals, the old RC, an operator), or does not wait.
+    Pause,
+    /// It runs: the roll waits on new pods it scheduled that are not up.
+    Count,
+}
+
+/// The progress deadline counts only time in which the roll waited on its own new pods: a roll
+/// whose scheduled new pods are all up is never failed (nor reverted) by it, whatever it waits
+/// for.
+pub fn deadline_clock(waiting: Option<WaitKind>, new: Option<RcCounts>) -> DeadlineClock {
+    match waiting {
+        Some(WaitKind::Paused | WaitKind::Delay | WaitKind::Failed) => DeadlineClock::Restart,
+        Some(WaitKind::Health) if new.is_some_and(|c| c.healthy < c.desired) => {
+            DeadlineClock::Count
+        }
+        _ => DeadlineClock::Pause,
     }
 }
 
@@ -604,6 +675,86 @@ mod tests {
         })
     }
 
+    /// The progress deadline counts only waits on the roll's own new pods.
+    #[test]
+    fn the_deadline_counts_only_waits_on_new_pods() {
+        use DeadlineClock::*;
+        let some_down = Some(counts(2, 2, 1, false));
+        let all_up = Some(counts(2, 2, 2, false));
+        let rows = [
+            (
+                "new pods not up: counts",
+                Some(WaitKind::Health),
+                some_down,
+                Count,
+            ),
+            (
+                "health of the old pods with every new pod up: no failure of the deploy",
+                Some(WaitKind::Health),
+                all_up,
+                Pause,
+            ),
+            (
+                "a lock held elsewhere",
+                Some(WaitKind::Lock),
+                some_down,
+                Pause,
+            ),
+            (
+                "a node transfer in flight",
+                Some(WaitKind::Transfer),
+                some_down,
+                Pause,
+            ),
+            (
+                "removals held by the budget or the tripwire",
+                Some(WaitKind::RemovalsHeld),
+                some_down,
+                Pause,
+            ),
+            (
+                "blocked by an RC or another roll",
+                Some(WaitKind::Blocked),
+                some_down,
+                Pause,
+            ),
+            (
+                "the old RC removing its leftovers",
+                Some(WaitKind::Pods),
+                all_up,
+                Pause,
+            ),
+            (
+                "the minimum out of reach",
+                Some(WaitKind::MinimumUnreachable),
+                all_up,
+                Pause,
+            ),
+            ("a step taken or ready", None, some_down, Pause),
+            (
+                "paused: starts again on resume",
+                Some(WaitKind::Paused),
+                some_down,
+                Restart,
+            ),
+            (
+                "the roll delay: a step is ready",
+                Some(WaitKind::Delay),
+                some_down,
+                Restart,
+            ),
+            (
+                "failed: another deadline on resume",
+                Some(WaitKind::Failed),
+                some_down,
+                Restart,
+            ),
+        ];
+        for (rule, waiting, new, want) in rows {
+            assert_eq!(deadline_clock(waiting, new), want, "{rule}");
+        }
+    }
+
     #[test]
     fn max_parallel_caps_each_step_below_what_the_minimum_allows() {
         // A minimum of 0 would replace all four pods at once.
@@ -620,29 +771,23 @@ mod tests {
     }
 
     #[test]
-    fn the_removal_budget_caps_steps_and_holds_them_when_spent() {
+    fn steps_are_not_charged_and_only_the_tripwire_holds_them() {
         let u = update(4, 0);
         let mut o = observe(&u, counts(4, 4, 4, true), counts(0, 0, 0, false));
-        o.removal_room = Some((3, String::new()));
-        assert_eq!(plan(&o).action, step(3, 3, 1));
         o.removal_room = Some((0, "removals held: farm a removed 5".into()));
+        assert_eq!(
+            plan(&o).action,
+            step(4, 4, 0),
+            "a spent budget holds no step"
+        );
+        o.tripped = Some("failsafe tripped: every RC went to 0".into());
         let p = plan(&o);
         assert_eq!(p.action, None);
-        assert_eq!(
-            p.waiting,
-            Some((
-                WaitKind::RemovalsHeld,
-                "removals held: farm a removed 5".into()
-            ))
-        );
-        // Room enough: as without a budget.
-        o.removal_room = Some((10, String::new()));
-        assert_eq!(plan(&o).action, step(4, 4, 0));
-        // Growing capacity removes nothing: a spent budget still lets those pods be added.
-        let u = update(4, 0);
+        assert_eq!(p.waiting.unwrap().0, WaitKind::RemovalsHeld);
+        // Growing capacity removes nothing: a tripped failsafe still lets those pods be added.
         let mut o = observe(&u, counts(2, 2, 2, true), counts(0, 0, 0, false));
         assert_eq!(plan(&o).action, step(4, 2, 0));
-        o.removal_room = Some((0, "held".into()));
+        o.tripped = Some("held".into());
         assert_eq!(plan(&o).action, step(2, 0, 2));
     }
 
@@ -663,7 +808,8 @@ mod tests {
             plan(&o).action,
             Some(RollAction::Start {
                 disable_old: true,
-                enable_new: false
+                enable_new: false,
+                adopt: 0
             })
         );
         let o = observe(&u, counts(3, 3, 3, true), new);
@@ -702,7 +848,13 @@ mod tests {
         assert_eq!(plan(&o).action, Some(RollAction::Complete));
         // The new RC placed a pod elsewhere: the old one kept a pod; it must go first.
         let o = observe(&u, counts(0, 1, 1, true), counts(3, 3, 3, false));
-        assert_eq!(plan(&o).action, Some(RollAction::RetireOld));
+        assert_eq!(
+            plan(&o).action,
+            Some(RollAction::RetireOld {
+                old_to: 0,
+                charge: 0
+            })
+        );
         let o = observe(&u, counts(0, 1, 1, false), counts(3, 3, 3, false));
         assert_eq!(plan(&o).waiting.unwrap().0, WaitKind::Pods);
         let leave = Update {
@@ -721,24 +873,33 @@ mod tests {
             plan(&o).action,
             Some(RollAction::Start {
                 disable_old: true,
-                enable_new: false
+                enable_new: false,
+                adopt: 0
             })
         );
     }
 
     #[test]
-    fn a_disabled_new_rc_is_enabled_only_when_settled() {
+    fn a_disabled_new_rc_takes_its_extra_pods_back_as_it_is_enabled() {
         let u = update(3, 1);
         let mut o = observe(&u, counts(3, 3, 3, true), counts(1, 2, 2, true));
         o.started = false;
-        assert_eq!(plan(&o).waiting.unwrap().0, WaitKind::Pods);
+        assert_eq!(
+            plan(&o).action,
+            Some(RollAction::Start {
+                disable_old: false,
+                enable_new: true,
+                adopt: 1
+            })
+        );
         let mut o = observe(&u, counts(3, 3, 3, true), counts(1, 1, 1, true));
         o.started = false;
         assert_eq!(
             plan(&o).action,
             Some(RollAction::Start {
                 disable_old: false,
-                enable_new: true
+                enable_new: true,
+                adopt: 0
             })
         );
     }
@@ -749,13 +910,11 @@ mod tests {
             roll_delay: Duration::from_secs(10),
             ..update(3, 1)
         };
-        let now = Utc::now();
         let mut o = observe(&u, counts(2, 2, 2, true), counts(1, 1, 1, false));
-        o.now = now;
         let p = plan(&o);
         assert!(p.step_ready);
         assert_eq!(p.waiting.unwrap().0, WaitKind::Delay);
-        o.ready_since = Some(now - chrono::Duration::seconds(11));
+        o.ready_for = Duration::from_secs(11);
         assert!(matches!(plan(&o).action, Some(RollAction::Step { .. })));
         // No delay before the first step (nothing new to prove yet), as in P2.
         let o = observe(&u, counts(3, 3, 3, true), counts(0, 0, 0, false));
@@ -791,7 +950,8 @@ mod tests {
             plan(&o).action,
             Some(RollAction::Start {
                 disable_old: true,
-                enable_new: true
+                enable_new: true,
+                adopt: 0
             })
         );
     }
@@ -1007,8 +1167,8 @@ mod tests {
                         old_lock: LockState::Ours,
                         new_lock: LockState::Ours,
                         conflict: None,
-                        now: Utc::now(),
-                        ready_since: None,
+                        transfer: None,
+                        ready_for: Duration::ZERO,
                         started,
                         old_missing: false,
                         paused: (paused || canary_paused).then(|| "paused".to_string()),
@@ -1016,6 +1176,8 @@ mod tests {
                         failed: None,
                         canary: canary.filter(|_| !promoted),
                         removal_room: None,
+                        tripped: None,
+                        old_served_by: None,
                     };
                     let up_before = w.up();
                     let new_before = w.new.0;
@@ -1024,9 +1186,11 @@ mod tests {
                         prop_assert_eq!(planned.action.clone(), None, "a paused roll takes no step");
                     }
                     match planned.action {
-                        Some(RollAction::Start { disable_old, enable_new }) => {
+                        Some(RollAction::Start { disable_old, enable_new, adopt }) => {
                             if disable_old { w.old.1 = true; }
                             if enable_new { w.new.1 = false; }
+                            w.new.0 += adopt;
+                            w.old.0 = w.old.0.saturating_sub(adopt);
                             started = true;
                         }
                         Some(RollAction::Step { add, remove, old_to }) => {
@@ -1046,7 +1210,7 @@ mod tests {
                             prop_assert!(!promoted && up >= k && k < target);
                             canary_paused = true;
                         }
-                        Some(RollAction::RetireOld) => w.old = (0, false),
+                        Some(RollAction::RetireOld { old_to, .. }) => w.old = (old_to, false),
                         Some(RollAction::Complete) => { done = true; break; }
                         Some(RollAction::Lock) => unreachable!("locks are ours"),
                         Some(RollAction::DeleteOrphan) => unreachable!("both RCs exist"),

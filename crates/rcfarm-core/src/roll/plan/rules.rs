@@ -5,17 +5,9 @@
 
 use std::time::Duration;
 
-use chrono::{DateTime, Utc};
-
 use super::{LockState, RcCounts, RollAction, RollObserved, WaitKind, plan};
 use crate::rc::RcId;
 use crate::roll::Update;
-
-fn t0() -> DateTime<Utc> {
-    DateTime::parse_from_rfc3339("2026-01-01T00:00:00Z")
-        .unwrap()
-        .with_timezone(&Utc)
-}
 
 /// An RC of the roll: `desired`, `current` pods of which `healthy` run its manifest and pass.
 pub(super) fn rc(desired: u64, current: u64, healthy: u64, disabled: bool) -> RcCounts {
@@ -39,8 +31,8 @@ pub(super) fn observe(u: &Update, old: RcCounts, new: RcCounts) -> RollObserved<
         old_lock: LockState::Ours,
         new_lock: LockState::Ours,
         conflict: None,
-        now: Utc::now(),
-        ready_since: None,
+        transfer: None,
+        ready_for: Duration::ZERO,
         started: old.disabled,
         old_missing: false,
         paused: None,
@@ -48,6 +40,8 @@ pub(super) fn observe(u: &Update, old: RcCounts, new: RcCounts) -> RollObserved<
         failed: None,
         canary: None,
         removal_room: None,
+        tripped: None,
+        old_served_by: None,
     }
 }
 
@@ -110,6 +104,13 @@ fn rows() -> Vec<Row> {
         Row { rule: "another session holds an RC's mutation lock: wait",
               roll: (4, 3, false), old: rc(4, 4, 4, OFF), new: rc(0, 0, 0, ON), and: |o| o.new_lock = LockState::Elsewhere("s2".into()),
               want: Want::Wait(Lock, "held by s2") },
+        Row { rule: "a node transfer is in flight on one of its RCs: no lock taken until it ends (it needs none to end)",
+              roll: (4, 3, false), old: rc(4, 4, 4, OFF), new: rc(0, 0, 0, ON),
+              and: |o| { o.old_lock = LockState::Free; o.transfer = Some("a node transfer is in flight on the old RC".into()) },
+              want: Want::Wait(Transfer, "in flight on the old RC") },
+        Row { rule: "a transfer in flight does not stop a roll that holds its locks",
+              roll: (4, 3, false), old: rc(4, 4, 4, OFF), new: rc(0, 0, 0, ON), and: |o| o.transfer = Some("in flight".into()),
+              want: step(1, 1, 3) },
         Row { rule: "the mutation locks are free: take them first",
               roll: (4, 3, false), old: rc(4, 4, 4, OFF), new: rc(0, 0, 0, ON), and: |o| o.old_lock = LockState::Free,
               want: Want::Act(RollAction::Lock) },
@@ -117,10 +118,16 @@ fn rows() -> Vec<Row> {
         // Starting.
         Row { rule: "not started: disable the old RC and enable the new one",
               roll: (4, 3, false), old: rc(4, 4, 4, ON), new: rc(0, 0, 0, OFF), and: |o| o.started = false,
-              want: Want::Act(RollAction::Start { disable_old: true, enable_new: true }) },
-        Row { rule: "not started, the new RC disabled with other pods than it wants: wait (enabling it would remove one)",
-              roll: (4, 3, false), old: rc(4, 4, 4, ON), new: rc(0, 1, 1, OFF), and: |o| o.started = false,
-              want: Want::Wait(Pods, "waiting for them to match") },
+              want: Want::Act(RollAction::Start { disable_old: true, enable_new: true, adopt: 0 }) },
+        Row { rule: "not started, the new RC disabled with more pods than it wants (a revert's, which a failed roll placed elsewhere): it takes them back as it starts, removing none",
+              roll: (4, 3, false), old: rc(3, 3, 3, ON), new: rc(1, 2, 2, OFF), and: |o| o.started = false,
+              want: Want::Act(RollAction::Start { disable_old: true, enable_new: true, adopt: 1 }) },
+        Row { rule: "not started, the new RC disabled with more pods than the roll's target: it takes back up to the target",
+              roll: (2, 1, false), old: rc(1, 1, 1, ON), new: rc(1, 3, 3, OFF), and: |o| o.started = false,
+              want: Want::Act(RollAction::Start { disable_old: true, enable_new: true, adopt: 1 }) },
+        Row { rule: "not started, the new RC disabled with fewer pods than it wants: enabled (it adds them; nothing goes)",
+              roll: (4, 3, false), old: rc(3, 3, 3, ON), new: rc(1, 0, 0, OFF), and: |o| o.started = false,
+              want: Want::Act(RollAction::Start { disable_old: true, enable_new: true, adopt: 0 }) },
         Row { rule: "started, and someone enabled the old RC again: the roll does not fight them",
               roll: (4, 3, false), old: rc(4, 4, 4, ON), new: rc(0, 0, 0, ON), and: nothing,
               want: Want::Wait(Blocked, "the old RC was enabled again") },
@@ -149,11 +156,11 @@ fn rows() -> Vec<Row> {
               want: Want::Wait(Health, "waiting for health") },
         Row { rule: "the roll delay counts from when a step became safe",
               roll: (4, 3, false), old: rc(3, 3, 3, OFF), new: rc(1, 1, 1, ON),
-              and: |o| { o.ready_since = Some(t0() - chrono::Duration::seconds(5)) },
+              and: |o| { o.ready_for = Duration::from_secs(5) },
               want: Want::Wait(Delay, "roll delay") },
         Row { rule: "the roll delay over: the step",
               roll: (4, 3, false), old: rc(3, 3, 3, OFF), new: rc(1, 1, 1, ON),
-              and: |o| { o.ready_since = Some(t0() - chrono::Duration::seconds(60)) },
+              and: |o| { o.ready_for = Duration::from_secs(60) },
               want: step(1, 1, 2) },
 
         // Canaries and the farm's removal budget.
@@ -169,12 +176,15 @@ fn rows() -> Vec<Row> {
         Row { rule: "a canary as big as the roll is no canary",
               roll: (4, 0, false), old: rc(4, 4, 4, OFF), new: rc(0, 0, 0, ON), and: |o| o.canary = Some(4),
               want: step(4, 4, 0) },
-        Row { rule: "the removal budget is spent: wait, not a stall",
+        Row { rule: "a step replaces pods under the minimum: the removal budget does not hold it",
               roll: (4, 0, false), old: rc(4, 4, 4, OFF), new: rc(0, 0, 0, ON), and: |o| o.removal_room = Some((0, "budget spent".into())),
-              want: Want::Wait(RemovalsHeld, "budget spent") },
-        Row { rule: "the removal budget allows one: a step of one",
-              roll: (4, 0, false), old: rc(4, 4, 4, OFF), new: rc(0, 0, 0, ON), and: |o| o.removal_room = Some((1, "budget".into())),
-              want: step(1, 1, 3) },
+              want: step(4, 4, 0) },
+        Row { rule: "the tripwire holds a step that takes pods down",
+              roll: (4, 0, false), old: rc(4, 4, 4, OFF), new: rc(0, 0, 0, ON), and: |o| o.tripped = Some("failsafe tripped: every RC went to 0".into()),
+              want: Want::Wait(RemovalsHeld, "failsafe tripped") },
+        Row { rule: "the tripwire lets a growing step add what replaces nothing",
+              roll: (4, 0, false), old: rc(2, 2, 2, OFF), new: rc(0, 0, 0, ON), and: |o| o.tripped = Some("failsafe tripped".into()),
+              want: step(2, 0, 2) },
 
         // The end.
         Row { rule: "the new RC has its target, not all healthy: wait for them",
@@ -183,18 +193,31 @@ fn rows() -> Vec<Row> {
         Row { rule: "the new RC has its target, all healthy, the old RC has no pods: complete",
               roll: (4, 3, false), old: rc(0, 0, 0, OFF), new: rc(4, 4, 4, ON), and: nothing,
               want: Want::Act(RollAction::Complete) },
-        Row { rule: "the new RC done, the old still has pods it did not hand over: retire it",
-              roll: (4, 3, false), old: rc(1, 1, 1, OFF), new: rc(4, 4, 4, ON), and: nothing,
-              want: Want::Act(RollAction::RetireOld) },
+        Row { rule: "the new RC done, the old kept pods the new ones replaced elsewhere: retire it, nothing charged",
+              roll: (4, 3, false), old: rc(0, 2, 2, OFF), new: rc(4, 4, 4, ON), and: nothing,
+              want: Want::Act(RollAction::RetireOld { old_to: 0, charge: 0 }) },
+        Row { rule: "a roll onto fewer replicas: the old pods beyond the new count are lost capacity, charged as the old RC is retired",
+              roll: (3, 2, false), old: rc(2, 2, 2, OFF), new: rc(3, 3, 3, ON), and: nothing,
+              want: Want::Act(RollAction::RetireOld { old_to: 0, charge: 2 }) },
+        Row { rule: "room for one of two: the old RC is retired down to the one held back",
+              roll: (3, 2, false), old: rc(2, 2, 2, OFF), new: rc(3, 3, 3, ON), and: |o| o.removal_room = Some((1, "budget".into())),
+              want: Want::Act(RollAction::RetireOld { old_to: 1, charge: 1 }) },
+        Row { rule: "no room for the lost capacity: wait (RemovalsHeld), not a stall",
+              roll: (3, 2, false), old: rc(2, 2, 2, OFF), new: rc(3, 3, 3, ON), and: |o| o.removal_room = Some((0, "budget spent".into())),
+              want: Want::Wait(RemovalsHeld, "budget spent") },
+        Row { rule: "the tripwire holds the retirement",
+              roll: (4, 3, false), old: rc(0, 2, 2, OFF), new: rc(4, 4, 4, ON), and: |o| o.tripped = Some("failsafe tripped".into()),
+              want: Want::Wait(RemovalsHeld, "failsafe tripped") },
         Row { rule: "the new RC done, the old retired and removing its pods: wait for it",
-              roll: (4, 3, false), old: rc(0, 1, 1, ON), new: rc(4, 4, 4, ON), and: nothing,
-              want: Want::Wait(Pods, "remove its 1 remaining pods") },
+              roll: (4, 3, false), old: rc(0, 1, 1, ON), new: rc(4, 4, 4, ON),
+              and: |o| o.old_served_by = Some("farm f2".into()),
+              want: Want::Wait(Pods, "remove its 1 remaining pods (served by farm f2)") },
         Row { rule: "leave_old: complete with the old RC's pods left where they are",
               roll: (4, 3, true), old: rc(1, 1, 1, OFF), new: rc(4, 4, 4, ON), and: nothing,
               want: Want::Act(RollAction::Complete) },
         Row { rule: "resumed at its end with the new RC never enabled: enable it, and only it",
               roll: (4, 3, false), old: rc(0, 0, 0, ON), new: rc(4, 4, 4, OFF), and: |o| o.started = false,
-              want: Want::Act(RollAction::Start { disable_old: false, enable_new: true }) },
+              want: Want::Act(RollAction::Start { disable_old: false, enable_new: true, adopt: 0 }) },
     ]
 }
 
@@ -211,9 +234,8 @@ fn the_rules() {
             roll_delay: Duration::from_secs(30),
         };
         let mut o = observe(&update, row.old, row.new);
-        o.now = t0();
         // Ready long enough for the roll delay unless a row says otherwise.
-        o.ready_since = Some(t0() - chrono::Duration::seconds(3600));
+        o.ready_for = Duration::from_secs(3600);
         o.started = true;
         (row.and)(&mut o);
         let p = plan(&o);

@@ -32,8 +32,8 @@ enum AuditAction {
 struct DbArg {
     /// The audit database the farms ship to (their --audit-db): sqlite://PATH or
     /// postgres://USER@HOST/DB. Default: rcfarm-data/audit.db if it exists.
-    #[arg(long, env = "RCFARM_AUDIT_DB")]
-    audit_db: Option<String>,
+    #[arg(long, env = "RCFARM_AUDIT_DB", hide_env_values = true)]
+    audit_db: Option<crate::audit::store::DbUrl>,
 }
 
 #[derive(Debug, clap::Args)]
@@ -107,7 +107,7 @@ fn parse_time(s: &str) -> Result<DateTime<Utc>, CliError> {
 
 async fn open(db: &DbArg) -> Result<AuditStore, CliError> {
     let url = match &db.audit_db {
-        Some(u) => u.clone(),
+        Some(u) => u.expose().to_string(),
         None if std::path::Path::new("rcfarm-data/audit.db").exists() => {
             "sqlite://rcfarm-data/audit.db".to_string()
         }

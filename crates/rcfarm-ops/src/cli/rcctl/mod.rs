@@ -102,8 +102,8 @@ enum RcCommand {
     Show {
         id: String,
         /// Where to read audit events (as the farms' --audit-db).
-        #[arg(long, env = "RCFARM_AUDIT_DB")]
-        audit_db: Option<String>,
+        #[arg(long, env = "RCFARM_AUDIT_DB", hide_env_values = true)]
+        audit_db: Option<crate::audit::store::DbUrl>,
     },
     /// The revisions of an RC's lineage: each RC a completed roll replaced on the way to
     /// this one (newest last), for `rcctl roll undo`.

@@ -1,5 +1,7 @@
 //! `rcctl node …`.
 
+use std::collections::{BTreeMap, BTreeSet};
+
 use serde_json::json;
 
 use super::output::{Table, json, print_txn};
@@ -89,21 +91,74 @@ pub async fn run(ctx: &Ctx, cmd: NodeCommand) -> Result<(), CliError> {
             let nodes = crate::overview::nodes(&ctx.consul, &sel)
                 .await
                 .map_err(consul_failed)?;
+            let ov = crate::overview::Overview::load(&ctx.consul)
+                .await
+                .map_err(consul_failed)?;
+            // node → (pod id, RC id, whether the RC is gone).
+            let mut pods: BTreeMap<String, Vec<(String, String, bool)>> = BTreeMap::new();
+            for r in &ov.rcs {
+                for n in &r.nodes {
+                    pods.entry(n.clone()).or_default().push((
+                        r.pod_id.clone().unwrap_or_else(|| "?".into()),
+                        r.id.clone(),
+                        false,
+                    ));
+                }
+            }
+            for o in &ov.orphans {
+                pods.entry(o.node.clone()).or_default().push((
+                    o.pod_id.clone(),
+                    o.rc_id.clone(),
+                    true,
+                ));
+            }
+            let mut rows: Vec<(String, LabelSet)> = nodes;
+            if selector.is_empty() {
+                // A node whose labels are gone still runs what it runs.
+                let labelled: BTreeSet<String> = rows.iter().map(|(n, _)| n.clone()).collect();
+                rows.extend(
+                    pods.keys()
+                        .filter(|n| !labelled.contains(*n))
+                        .map(|n| (n.clone(), LabelSet::new()))
+                        .collect::<Vec<_>>(),
+                );
+                rows.sort_by(|a, b| a.0.cmp(&b.0));
+            }
+            let pods_on = |n: &str| pods.get(n).cloned().unwrap_or_default();
             if ctx.json {
-                let v: Vec<_> = nodes
+                let v: Vec<_> = rows
                     .iter()
-                    .map(|(n, l)| json!({"node": n, "labels": l}))
+                    .map(|(n, l)| {
+                        let p: Vec<_> = pods_on(n)
+                            .into_iter()
+                            .map(|(pod, rc, orphaned)| {
+                                json!({"pod_id": pod, "rc_id": rc, "orphaned": orphaned})
+                            })
+                            .collect();
+                        json!({"node": n, "labels": l, "pods": p})
+                    })
                     .collect();
                 return json(&v);
             }
-            let mut t = Table::new(&["NODE", "LABELS"]);
-            for (n, l) in &nodes {
+            let mut t = Table::new(&["NODE", "LABELS", "PODS"]);
+            for (n, l) in &rows {
                 t.row(vec![
                     n.clone(),
                     l.iter()
                         .map(|(k, v)| format!("{k}={v}"))
                         .collect::<Vec<_>>()
                         .join(","),
+                    pods_on(n)
+                        .into_iter()
+                        .map(|(pod, rc, orphaned)| {
+                            if orphaned {
+                                format!("{pod} ORPHANED (its RC {rc} is gone)")
+                            } else {
+                                format!("{pod} ({})", &rc[..rc.len().min(8)])
+                            }
+                        })
+                        .collect::<Vec<_>>()
+                        .join(", "),
                 ]);
             }
             if t.is_empty() {
@@ -117,6 +172,19 @@ pub async fn run(ctx: &Ctx, cmd: NodeCommand) -> Result<(), CliError> {
                 );
             } else {
                 t.print();
+            }
+            if !ov.orphans.is_empty() {
+                println!(
+                    "{} pod{} ORPHANED: {} RC is gone (deleted with --force, by P2's CLI or a KV write), and nothing removes {}",
+                    ov.orphans.len(),
+                    if ov.orphans.len() == 1 { "" } else { "s" },
+                    if ov.orphans.len() == 1 {
+                        "its"
+                    } else {
+                        "their"
+                    },
+                    if ov.orphans.len() == 1 { "it" } else { "them" },
+                );
             }
             Ok(())
         }

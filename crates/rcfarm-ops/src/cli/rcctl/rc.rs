@@ -96,7 +96,9 @@ pub async fn run(ctx: &Ctx, cmd: RcCommand) -> Result<(), CliError> {
         }
         RcCommand::List { selector } => list(ctx, &selector).await,
         RcCommand::History { id } => super::roll::history(ctx, &id).await,
-        RcCommand::Show { id, audit_db } => show(ctx, &id, audit_db.as_deref()).await,
+        RcCommand::Show { id, audit_db } => {
+            show(ctx, &id, audit_db.as_ref().map(|u| u.expose())).await
+        }
         RcCommand::Scale {
             id,
             replicas,
@@ -123,11 +125,23 @@ pub async fn run(ctx: &Ctx, cmd: RcCommand) -> Result<(), CliError> {
         }
         RcCommand::Delete { id, force, dry } => {
             let rid = parse_id(&id)?;
-            let w = store
+            let (w, left) = store
                 .delete(rid, force, &actor(), dry.dry_run)
                 .await
                 .map_err(store_failed)?;
-            report(ctx, &w, dry.dry_run, &format!("deleted {rid}"))
+            let what = if left.is_empty() {
+                format!("deleted {rid}")
+            } else {
+                let n = left.len();
+                format!(
+                    "deleted {rid} (--force): its {n} pod{} on {} {} left running, managed by nothing; `rcctl node list` marks {} ORPHANED. To stop one, delete its intent/<node>/<pod-id> and labels/pod/<node>/<pod-id> keys",
+                    if n == 1 { "" } else { "s" },
+                    left.join(", "),
+                    if n == 1 { "is" } else { "are" },
+                    if n == 1 { "it" } else { "them" },
+                )
+            };
+            report(ctx, &w, dry.dry_run, &what)
         }
         RcCommand::Restart {
             id,

@@ -1,0 +1,663 @@
+//! Brakes that never jam (issue 36): what is in flight ends without a lock it does not hold, a
+//! roll waits for a node transfer rather than taking the locks under it, a transfer never takes
+//! a pod another RC gave up to its roll, a roll waiting on someone else says who and is not
+//! failed for it, and operators' ordinary work runs on the default flags.
+
+use std::time::Duration;
+
+use rcfarm::consul::{QueryOptions, SessionId, SessionRequest, TxnOp};
+use rcfarm::rc::RcId;
+use serde_json::Value;
+
+use crate::harness::{Backend, Cluster, nodes};
+use crate::on_every_backend;
+use crate::p2_behaviour::{farm_api, get_json};
+use crate::rolls::{ROLL_FLAGS, completed, roll_exists};
+
+/// Nodes with a pod of `id`.
+async fn placed(c: &Cluster, id: RcId) -> usize {
+    c.placements().await.get(&id).map_or(0, |s| s.len())
+}
+
+async fn transfer_in_flight(c: &Cluster, id: RcId) -> bool {
+    c.transfer_in_flight(id).await
+}
+
+/// A session of the test's own (an outside tool: P2's roller, an operator's lock).
+async fn outside_session(c: &Cluster) -> SessionId {
+    c.consul
+        .session_create(&SessionRequest {
+            name: Some("outside tool".into()),
+            ttl: Some(Duration::from_secs(60)),
+            lock_delay: Some(Duration::ZERO),
+            ..SessionRequest::default()
+        })
+        .await
+        .unwrap()
+        .into()
+}
+
+/// Who holds `key`, as Consul says.
+async fn holder(c: &Cluster, key: &str) -> Option<String> {
+    c.consul
+        .kv_get(key, &QueryOptions::default())
+        .await
+        .unwrap()
+        .0
+        .and_then(|e| e.session)
+}
+
+/// A dynamic RC `web` of 2 pods on four `env=prod` nodes, up; then the simulated nodes stop
+/// (no new pod ever passes its health check) and node-00 leaves `env=prod`: farm `farm`
+/// starts moving the pod on node-00 to node-02, and the move stays in flight.
+async fn a_transfer_in_flight(backend: &Backend, farm: &str) -> (Cluster, RcId) {
+    let mut flags = ROLL_FLAGS.to_vec();
+    flags.extend(["--transfer-timeout", "10m"]);
+    a_transfer_in_flight_with(backend, farm, &flags, &[]).await
+}
+
+/// [`a_transfer_in_flight`], its farm run with `flags` and `env`.
+pub(crate) async fn a_transfer_in_flight_with(
+    backend: &Backend,
+    farm: &str,
+    flags: &[&str],
+    env: &[(&str, &str)],
+) -> (Cluster, RcId) {
+    let mut c = Cluster::start_on(backend).await;
+    nodes(&c, 4, 1).await;
+    let sim = c.simulate(4, 0.0);
+    let url = c.server.url();
+    c.spawn_farm_with(farm, &url, flags, env).await;
+    let o = RcId::new();
+    c.put_rc(o, "web", "env=prod", 2, "dynamic_strategy").await;
+    let cr = &c;
+    c.wait_for(
+        Duration::from_secs(30),
+        "the RC's two pods up",
+        move || async move { cr.all_up(o, 2).await },
+    )
+    .await;
+    sim.cancel();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    c.label_node("node-00", &[("env", "retired")]).await;
+    c.wait_for(
+        Duration::from_secs(30),
+        "a node transfer in flight, its new pod placed",
+        move || async move { transfer_in_flight(cr, o).await && placed(cr, o).await == 3 },
+    )
+    .await;
+    (c, o)
+}
+
+on_every_backend!(a_resumed_transfer_ends_while_a_roller_holds_the_rcs_mutation_lock);
+/// The cycle behind the real-Consul chaos stall: a transfer in flight, its farm gone (its
+/// session, and the mutation lock with it), a roller taking the RC's mutation lock and
+/// retiring the RC (0 replicas). The RC's new owner resumes the transfer, which must roll back,
+/// and does so without the lock the roller holds; then the RC removes its pods.
+async fn a_resumed_transfer_ends_while_a_roller_holds_the_rcs_mutation_lock(backend: Backend) {
+    let (mut c, o) = a_transfer_in_flight(&backend, "f1").await;
+    crate::harness::signal(c.farms[0].pid, "KILL");
+    // The roller (P2's `p2-rctl rolling-update` holds both RCs' mutation locks so) takes the
+    // lock once the dead farm's session is gone.
+    let roller = outside_session(&c).await;
+    let other = RcId::new();
+    let (cr, rr) = (&c, &roller);
+    c.wait_for(
+        Duration::from_secs(30),
+        "the roller holds the mutation locks",
+        move || async move {
+            cr.consul
+                .txn(&[
+                    TxnOp::lock(o.mutation_lock_key(), b"p2-roller".to_vec(), rr),
+                    TxnOp::lock(other.mutation_lock_key(), b"p2-roller".to_vec(), rr),
+                ])
+                .await
+                .is_ok()
+        },
+    )
+    .await;
+    assert!(transfer_in_flight(&c, o).await, "still in flight");
+    // Retired by the roller: enabled, 0 replicas.
+    c.patch_rc(o, "replicas_desired", 0.into()).await;
+    let mut flags = ROLL_FLAGS.to_vec();
+    flags.extend(["--transfer-timeout", "10m"]);
+    c.spawn_farm("f2", &flags).await;
+    let cr = &c;
+    c.wait_for(
+        Duration::from_secs(40),
+        "the transfer rolled back and every pod of the retired RC gone",
+        move || async move { !transfer_in_flight(cr, o).await && placed(cr, o).await == 0 },
+    )
+    .await;
+    assert_eq!(
+        holder(&c, &o.mutation_lock_key()).await.as_deref(),
+        Some(roller.as_str()),
+        "the rollback took no lock: the roller still holds it"
+    );
+    let rollbacks = c.audit_events("NODE_TRANSFER_ROLLBACK").await;
+    assert!(
+        rollbacks
+            .iter()
+            .any(|r| r["replication_controller_id"] == o.to_string()
+                && r["rollback_reason"]
+                    .as_str()
+                    .is_some_and(|w| w.contains("replicas changed"))),
+        "{rollbacks:#?}"
+    );
+    c.check_invariants(|_| false);
+}
+
+on_every_backend!(a_roll_waits_for_a_transfer_in_flight_to_end_then_completes);
+/// A roll started while a node transfer is in flight on its old RC (resumed by another farm
+/// after the one that started it stopped) takes no mutation lock until the transfer ends: it
+/// shows Blocked, saying where the transfer goes and what ends it, without a stall or a
+/// failure; once the new pod passes, the transfer completes and the roll goes on to the end.
+async fn a_roll_waits_for_a_transfer_in_flight_to_end_then_completes(backend: Backend) {
+    let (mut c, o) = a_transfer_in_flight(&backend, "f1").await;
+    crate::harness::signal(c.farms[0].pid, "TERM");
+    let mut flags = ROLL_FLAGS.to_vec();
+    flags.extend([
+        "--transfer-timeout",
+        "10m",
+        "--roll-progress-deadline",
+        "2s",
+        "--roll-auto-revert",
+    ]);
+    c.spawn_farm("f2", &flags).await;
+    let api = farm_api(&c, "f2").await;
+    let new = c.start_roll(o, 1, Duration::ZERO).await;
+    let apir = &api;
+    c.wait_for(
+        Duration::from_secs(30),
+        "the roll blocked by the transfer",
+        move || async move {
+            let v = get_json(&format!("{apir}/v1/rolls/{new}")).await;
+            v.to_string()
+                .contains("a node transfer is in flight on the old RC")
+        },
+    )
+    .await;
+    let v = get_json(&format!("{api}/v1/rolls/{new}")).await;
+    let blocked: Vec<String> = v["roll"]["conditions"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|c| c.as_str().map(str::to_string))
+        .filter(|c| c.starts_with("Blocked"))
+        .collect();
+    assert!(
+        blocked
+            .iter()
+            .any(|b| b.contains("node-00 → node-02") && b.contains("--transfer-timeout")),
+        "{v:#}"
+    );
+    // Well past the progress deadline: waiting on a transfer is neither a stall nor a failure.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert!(c.audit_events("ROLLING_UPDATE_FAILED").await.is_empty());
+    assert!(c.audit_events("ROLLING_UPDATE_STALLED").await.is_empty());
+    assert!(
+        holder(&c, &o.mutation_lock_key()).await.is_none() || !transfer_in_flight(&c, o).await,
+        "no roll took the lock under the transfer"
+    );
+    // The nodes come back: the transfer's new pod passes, the transfer completes, the roll
+    // takes over.
+    let _sim = c.simulate(4, 0.0);
+    completed(&c, new, o, 2, Duration::from_secs(60)).await;
+    assert!(c.audit_events("ROLLING_UPDATE_FAILED").await.is_empty());
+    c.check_invariants(|_| false);
+}
+
+on_every_backend!(a_transfer_never_takes_a_pod_another_rc_gave_up_to_its_roll);
+/// The fencing violation of chaos seed 5550123: an RC needing a node for a transfer took a pod
+/// that a roll's old RC had given up to the roll's new RC. Now only the roll's new RC takes
+/// such pods over; the transfer waits for a free node.
+async fn a_transfer_never_takes_a_pod_another_rc_gave_up_to_its_roll(backend: Backend) {
+    let mut c = Cluster::start_on(&backend).await;
+    // node-00 and node-01 run the old RC O; X (the same pod id, its own selector) runs on
+    // node-03, the one node of its selector left free.
+    for n in ["node-00", "node-01"] {
+        c.label_node(n, &[("env", "prod"), ("team", "x")]).await;
+    }
+    c.label_node("node-03", &[("team", "x")]).await;
+    let _sim = c.simulate(4, 0.0);
+    c.spawn_farm("f1", &["--transfer-static"]).await;
+    let (o, n, x) = (RcId::new(), RcId::new(), RcId::new());
+    c.put_rc(o, "web", "env=prod", 2, "static_strategy").await;
+    let cr = &c;
+    c.wait_for(
+        Duration::from_secs(30),
+        "O up on node-00 and node-01",
+        move || async move { cr.all_up(o, 2).await },
+    )
+    .await;
+    c.put_rc(x, "web", "team=x", 1, "static_strategy").await;
+    c.wait_for(
+        Duration::from_secs(30),
+        "X on node-03",
+        move || async move {
+            cr.placements()
+                .await
+                .get(&x)
+                .is_some_and(|s| s.iter().any(|p| p.contains("node-03")))
+        },
+    )
+    .await;
+    // A roll O → N that no farm carries (an outside session holds its lock): O disabled with
+    // one pod it no longer wants, given up to N, which wants one.
+    c.put_rc(n, "web", "env=prod", 0, "static_strategy").await;
+    let outside = outside_session(&c).await;
+    let roll = serde_json::json!({
+        "OldRC": o.to_string(), "NewRC": n.to_string(), "DesiredReplicas": 2,
+        "MinimumReplicas": 0, "LeaveOld": false, "RollDelay": 0,
+    });
+    c.consul
+        .txn(&[
+            TxnOp::set(format!("rolls/{n}"), roll.to_string().into_bytes()),
+            TxnOp::lock(format!("lock/rolls/{n}"), b"outside".to_vec(), &outside),
+        ])
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    // The roll's first step, as one transaction: O disabled at 1, N at 1.
+    let mut old =
+        serde_json::from_slice::<Value>(&c.patched_rc(o, "disabled", true.into()).await).unwrap();
+    old["replicas_desired"] = 1.into();
+    let ops = [
+        TxnOp::set(o.key(), old.to_string().into_bytes()),
+        TxnOp::set(n.key(), c.patched_rc(n, "replicas_desired", 1.into()).await),
+    ];
+    c.consul.txn(&ops).await.unwrap();
+    // And X's node leaves X's selector: X must move, and the only other nodes of its selector
+    // are O's.
+    c.label_node("node-03", &[]).await;
+    c.wait_for(
+        Duration::from_secs(30),
+        "N took one of O's pods over, in place",
+        move || async move {
+            cr.placements().await.get(&n).is_some_and(|s| {
+                s.len() == 1
+                    && s.iter()
+                        .all(|p| p.contains("node-00") || p.contains("node-01"))
+            })
+        },
+    )
+    .await;
+    c.passes(&[x], 3).await;
+    let placements = c.placements().await;
+    assert!(
+        placements
+            .get(&x)
+            .is_some_and(|s| s.len() == 1 && s.iter().all(|p| p.contains("node-03"))),
+        "X stays where it is, waiting for a free node: {placements:?}"
+    );
+    assert!(
+        c.audit_events("NODE_TRANSFER_START").await.is_empty(),
+        "no transfer onto a given-up pod"
+    );
+    c.check_invariants(|_| false);
+}
+
+/// The farm's own defaults for what the harness turns off elsewhere (`--max-removals`,
+/// `--failsafe-confirm`): an operator's ordinary day runs on these.
+pub(crate) const DEFAULTS: [&str; 4] = ["--max-removals", "20%", "--failsafe-confirm", "2m"];
+
+/// Writes a manifest file `name` for pod `web` whose artifact is `artifact`.
+fn manifest_file(dir: &std::path::Path, name: &str, artifact: &str) -> String {
+    let p = dir.join(name);
+    std::fs::write(
+        &p,
+        format!(
+            "id: web\nlaunchables:\n  app:\n    launchable_type: hoist\n    location: https://example.com/{artifact}.tar.gz\n"
+        ),
+    )
+    .unwrap();
+    p.to_str().unwrap().to_string()
+}
+
+/// What every pod of `rc` asks its node to run, as (node, manifest text).
+async fn intents(c: &Cluster, rc: RcId) -> Vec<String> {
+    let mut out = Vec::new();
+    for node in c.placements().await.get(&rc).into_iter().flatten() {
+        let (e, _) = c
+            .consul
+            .kv_get(&format!("intent/{node}/web"), &QueryOptions::default())
+            .await
+            .unwrap();
+        out.push(
+            String::from_utf8_lossy(
+                e.map(|e| e.value_bytes().to_vec())
+                    .unwrap_or_default()
+                    .as_slice(),
+            )
+            .to_string(),
+        );
+    }
+    out
+}
+
+on_every_backend!(two_deploys_then_a_bad_one_reverted_on_the_default_flags);
+/// An operator's ordinary deploys on two farms with the default flags: a canary deploy,
+/// promoted; a second deploy; then a bad one with `--auto-revert`. The bad deploy fails at its
+/// deadline, its farm reverts it, and within 30 s of the failure the RC runs the last good
+/// manifest again with no roll left. Nothing was held by the removal budget.
+async fn two_deploys_then_a_bad_one_reverted_on_the_default_flags(backend: Backend) {
+    let mut c = Cluster::start_on(&backend).await;
+    nodes(&c, 6, 2).await;
+    let _sim = c.simulate_failing(6, "broken");
+    let mut flags = ROLL_FLAGS.to_vec();
+    flags.extend(DEFAULTS);
+    c.spawn_farm("f1", &flags).await;
+    c.spawn_farm("f2", &flags).await;
+    let dir = tempfile::tempdir().unwrap();
+    let (v1, v2, v3, bad) = (
+        manifest_file(dir.path(), "v1.yaml", "web-1"),
+        manifest_file(dir.path(), "v2.yaml", "web-2"),
+        manifest_file(dir.path(), "v3.yaml", "web-3"),
+        manifest_file(dir.path(), "bad.yaml", "web-broken"),
+    );
+    let ok = |(code, out, err): (i32, String, String)| {
+        assert_eq!(code, 0, "{out}{err}");
+        out.lines().next().unwrap_or_default().trim().to_string()
+    };
+    let rc = ok(c
+        .rcctl(&[
+            "rc",
+            "create",
+            "-f",
+            &v1,
+            "--node-selector",
+            "env=prod",
+            "--replicas",
+            "4",
+        ])
+        .await);
+    let first = RcId::parse(&rc).unwrap();
+    let cr = &c;
+    c.wait_for(Duration::from_secs(30), "4 pods up", move || async move {
+        cr.all_up(first, 4).await
+    })
+    .await;
+    // A canary deploy, promoted.
+    let second = ok(c
+        .rcctl(&[
+            "roll",
+            "start",
+            &rc,
+            "-f",
+            &v2,
+            "--minimum",
+            "3",
+            "--canary",
+            "1",
+            "--wait",
+            "--timeout",
+            "90s",
+        ])
+        .await);
+    ok(
+        c.rcctl(&["roll", "promote", &second, "--wait", "--timeout", "90s"])
+            .await,
+    );
+    // An ordinary deploy.
+    let third = ok(c
+        .rcctl(&[
+            "roll",
+            "start",
+            &second,
+            "-f",
+            &v3,
+            "--minimum",
+            "3",
+            "--wait",
+            "--timeout",
+            "90s",
+        ])
+        .await);
+    let good = RcId::parse(&third).unwrap();
+    c.wait_for(
+        Duration::from_secs(30),
+        "the second deploy's old RC gone",
+        move || async move { !roll_exists(cr, good).await },
+    )
+    .await;
+    // A bad deploy.
+    let (code, out, err) = c
+        .rcctl(&[
+            "roll",
+            "start",
+            &third,
+            "-f",
+            &bad,
+            "--minimum",
+            "3",
+            "--progress-deadline",
+            "5s",
+            "--auto-revert",
+            "--wait",
+            "--timeout",
+            "120s",
+        ])
+        .await;
+    assert_eq!(code, 3, "the bad deploy fails at its deadline: {out}{err}");
+    assert!(err.contains("reverted"), "{err}");
+    let failed_at = std::time::Instant::now();
+    c.wait_for(
+        Duration::from_secs(30),
+        "back on the last good manifest, no roll left",
+        move || async move {
+            cr.count_prefix("rolls/").await == 0
+                && cr.all_up(good, 4).await
+                && intents(cr, good)
+                    .await
+                    .iter()
+                    .all(|m| m.contains("web-3.tar.gz"))
+        },
+    )
+    .await;
+    eprintln!("reverted within {:.1?} of the failure", failed_at.elapsed());
+    assert!(
+        c.audit_events("REMOVALS_HELD").await.is_empty(),
+        "no roll or RC of the day was held by the removal budget"
+    );
+    let failed = c.audit_events("ROLLING_UPDATE_FAILED").await;
+    assert_eq!(failed.len(), 1, "only the bad deploy failed: {failed:#?}");
+    c.check_invariants(|_| false);
+}
+
+on_every_backend!(a_roll_waiting_on_a_lock_says_who_holds_it_and_is_not_failed_for_it);
+/// A roll whose RC's mutation lock another tool holds shows Blocked, naming the session and
+/// how to let it go; the wait counts toward neither its stall timeout nor its progress
+/// deadline; released, the roll completes.
+async fn a_roll_waiting_on_a_lock_says_who_holds_it_and_is_not_failed_for_it(backend: Backend) {
+    let mut c = Cluster::start_on(&backend).await;
+    nodes(&c, 3, 1).await;
+    let _sim = c.simulate(3, 0.0);
+    c.spawn_farm(
+        "f1",
+        &[
+            "--roll-resync",
+            "300ms",
+            "--roll-stall-after",
+            "2s",
+            "--roll-progress-deadline",
+            "2s",
+            "--roll-auto-revert",
+        ],
+    )
+    .await;
+    let old = crate::harness::rcs(&c, 1, 2).await[0];
+    let cr = &c;
+    c.wait_for(Duration::from_secs(30), "the RC up", move || async move {
+        cr.all_up(old, 2).await
+    })
+    .await;
+    let outside = outside_session(&c).await;
+    c.consul
+        .txn(&[TxnOp::lock(
+            old.mutation_lock_key(),
+            b"a tool".to_vec(),
+            &outside,
+        )])
+        .await
+        .unwrap();
+    let new = c.start_roll(old, 1, Duration::ZERO).await;
+    let api = farm_api(&c, "f1").await;
+    let apir = &api;
+    let sid = outside.to_string();
+    let sidr = &sid;
+    c.wait_for(
+        Duration::from_secs(20),
+        "Blocked, naming the session and the way out",
+        move || async move {
+            let v = get_json(&format!("{apir}/v1/rolls/{new}")).await;
+            v["roll"]["conditions"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|c| c.as_str())
+                .any(|c| {
+                    c.starts_with("Blocked")
+                        && c.contains(sidr.as_str())
+                        && c.contains("session/destroy")
+                })
+        },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let v = get_json(&format!("{api}/v1/rolls/{new}")).await;
+    assert!(!v.to_string().contains("Stalled"), "{v:#}");
+    assert!(c.audit_events("ROLLING_UPDATE_FAILED").await.is_empty());
+    assert!(c.audit_events("ROLLING_UPDATE_STALLED").await.is_empty());
+    c.consul
+        .txn(&[TxnOp::unlock(
+            old.mutation_lock_key(),
+            b"".to_vec(),
+            &outside,
+        )])
+        .await
+        .unwrap();
+    completed(&c, new, old, 2, Duration::from_secs(60)).await;
+    c.check_invariants(|_| false);
+}
+
+on_every_backend!(an_rc_with_pods_is_not_deleted_and_pods_left_by_force_are_marked);
+/// `rcctl rc delete` refuses while the RC still has pods (its replicas 0 but a removal held),
+/// naming them and the way out; `--force` deletes it and says which pods it leaves running;
+/// `rcctl node list`, `/v1/rcs` and the farm's `rcfarm_orphaned_pods` show them.
+async fn an_rc_with_pods_is_not_deleted_and_pods_left_by_force_are_marked(backend: Backend) {
+    let mut c = Cluster::start_on(&backend).await;
+    nodes(&c, 3, 1).await;
+    let _sim = c.simulate(3, 0.0);
+    c.spawn_farm(
+        "f1",
+        &["--max-removals", "1", "--max-removals-window", "10m"],
+    )
+    .await;
+    let id = crate::harness::rcs(&c, 1, 2).await[0];
+    let cr = &c;
+    c.wait_for(Duration::from_secs(30), "2 pods up", move || async move {
+        cr.all_up(id, 2).await
+    })
+    .await;
+    let rid = id.to_string();
+    let (code, _, err) = c.rcctl(&["rc", "scale", &rid, "0"]).await;
+    assert_eq!(code, 0, "{err}");
+    c.wait_for(
+        Duration::from_secs(20),
+        "one pod removed, the other held",
+        move || async move { placed(cr, id).await == 1 },
+    )
+    .await;
+    let (code, _, err) = c.rcctl(&["rc", "delete", &rid]).await;
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("it still has 1 pod") && err.contains("rc scale") && err.contains("--force"),
+        "{err}"
+    );
+    assert!(RcStoreExt::exists(&c, id).await, "nothing was deleted");
+    let (code, out, err) = c.rcctl(&["rc", "delete", &rid, "--force"]).await;
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("left running") && out.contains("ORPHANED"),
+        "{out}"
+    );
+    let (code, out, err) = c.rcctl(&["node", "list"]).await;
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.lines()
+            .any(|l| l.contains("ORPHANED") && l.contains(&rid)),
+        "{out}"
+    );
+    let api = farm_api(&c, "f1").await;
+    let v = get_json(&format!("{api}/v1/rcs")).await;
+    assert_eq!(v["orphaned_pods"][0]["rc_id"], rid, "{v:#}");
+    c.wait_for(
+        Duration::from_secs(30),
+        "the farm counts the pod whose RC is gone",
+        move || async move { cr.metrics("f1").await.contains("rcfarm_orphaned_pods 1") },
+    )
+    .await;
+}
+
+/// Whether an RC's key exists.
+struct RcStoreExt;
+
+impl RcStoreExt {
+    async fn exists(c: &Cluster, id: RcId) -> bool {
+        c.consul
+            .kv_get(&id.key(), &QueryOptions::default())
+            .await
+            .unwrap()
+            .0
+            .is_some()
+    }
+}
+
+/// Ten RCs with 24 pods on `farms` farms with the default flags, then every RC set to 0 in one
+/// transaction: the bulk edit the tripwire exists for. At most 5 pods go in 15 s.
+async fn a_bulk_edit_is_held(backend: Backend, farms: usize) {
+    let mut c = Cluster::start_on(&backend).await;
+    nodes(&c, 6, 2).await;
+    let _sim = c.simulate(6, 0.0);
+    for f in 0..farms {
+        c.spawn_farm(&format!("f{f}"), &DEFAULTS).await;
+    }
+    let ids = crate::harness::rcs(&c, 10, 2).await;
+    for id in &ids[..4] {
+        c.patch_rc(*id, "replicas_desired", 3.into()).await;
+    }
+    let (cr, idr) = (&c, &ids);
+    let total = || async move {
+        let p = cr.placements().await;
+        idr.iter()
+            .map(|id| p.get(id).map_or(0, |s| s.len()))
+            .sum::<usize>()
+    };
+    c.wait_for(
+        Duration::from_secs(60),
+        "24 pods placed",
+        move || async move { total().await == 24 },
+    )
+    .await;
+    let mut ops = Vec::new();
+    for id in &ids {
+        ops.push(TxnOp::set(
+            id.key(),
+            c.patched_rc(*id, "replicas_desired", 0.into()).await,
+        ));
+    }
+    c.consul.txn(&ops).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(15)).await;
+    let left = total().await;
+    assert!(left >= 19, "{} pods removed within 15 s", 24 - left);
+}
+
+on_every_backend!(a_bulk_edit_to_zero_is_held_on_one_farm);
+async fn a_bulk_edit_to_zero_is_held_on_one_farm(backend: Backend) {
+    a_bulk_edit_is_held(backend, 1).await
+}
+
+on_every_backend!(a_bulk_edit_to_zero_is_held_on_three_farms);
+async fn a_bulk_edit_to_zero_is_held_on_three_farms(backend: Backend) {
+    a_bulk_edit_is_held(backend, 3).await
+}
