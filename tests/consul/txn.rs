@@ -290,9 +290,15 @@ async fn coalesced_transactions_share_requests_and_keep_their_own_outcomes() {
                 assert_eq!(errs[0].op_index, 2, "its own op index");
                 assert_eq!(errs[0].failure(), TxnFailure::KeyMissing);
             }
-            9 => assert_eq!(r.unwrap(), 0),
+            9 => assert_eq!(r.unwrap().index, 0),
             _ => {
-                assert!(r.unwrap() > 0);
+                let r = r.unwrap();
+                assert!(r.index > 0);
+                // Each caller learns its own keys' indexes, and none of another's.
+                for k in ["a", "b"] {
+                    assert_eq!(r.modify_index(&format!("co/{i}/{k}")), Some(r.index));
+                }
+                assert_eq!(r.modify_index(&format!("co/{}/a", (i + 1) % 40)), None);
                 committed += 1;
             }
         }

@@ -145,3 +145,59 @@ async fn a_pod_label_removed_by_hand_is_put_back(b: Backend) {
     .await;
     assert_eq!(c.placements().await[&id].len(), 2);
 }
+
+crate::on_every_backend!(a_pod_repaired_under_an_unchanged_label_can_still_be_removed);
+/// An intent edited by hand is repaired with its pod's label, which has not changed: Consul
+/// 1.x keeps that label's `ModifyIndex` (0.7 moves it). The farm must cache the index Consul
+/// answered for the key, not the transaction's, or every later write guarded by that label
+/// (here the scale-down that removes the pod) names an index Consul never gave it, and fails
+/// for ever. Found as an undo that never started, in the mixed-release test.
+async fn a_pod_repaired_under_an_unchanged_label_can_still_be_removed(b: Backend) {
+    let (c, id) = served(&b).await;
+    // The scale-down removes the highest-named node's pod: repair that one.
+    let node = c.placements().await[&id]
+        .iter()
+        .next_back()
+        .unwrap()
+        .clone();
+    let key = format!("intent/{node}/web");
+    let labels_before = c
+        .consul
+        .kv_get(&format!("labels/pod/{node}/web"), &QueryOptions::default())
+        .await
+        .unwrap()
+        .0
+        .unwrap();
+    c.consul
+        .kv_put(&key, b"id: web\nedited: by hand\n", None)
+        .await
+        .unwrap();
+    let (cr, k) = (&c, key.as_str());
+    c.wait_for(
+        Duration::from_secs(30),
+        "the intent repaired",
+        move || async move {
+            let (e, _) = cr.consul.kv_get(k, &QueryOptions::default()).await.unwrap();
+            e.is_some_and(|e| !String::from_utf8_lossy(e.value_bytes()).contains("by hand"))
+        },
+    )
+    .await;
+    let labels_after = c
+        .consul
+        .kv_get(&format!("labels/pod/{node}/web"), &QueryOptions::default())
+        .await
+        .unwrap()
+        .0
+        .unwrap();
+    assert_eq!(
+        labels_after.value_bytes(),
+        labels_before.value_bytes(),
+        "the label was rewritten unchanged"
+    );
+    c.patch_rc(id, "replicas_desired", 1.into()).await;
+    wait_placed(&c, id, 1, "the repaired pod removed by the scale-down").await;
+    assert!(
+        !c.placements().await[&id].contains(&node),
+        "the highest-named node's pod went"
+    );
+}

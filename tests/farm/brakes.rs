@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use rcfarm::consul::{QueryOptions, SessionId, SessionRequest, TxnOp};
 use rcfarm::rc::RcId;
+use rcfarm::rctask::status_key;
 use serde_json::Value;
 
 use crate::harness::{Backend, Cluster, nodes};
@@ -63,11 +64,22 @@ pub(crate) async fn a_transfer_in_flight_with(
     flags: &[&str],
     env: &[(&str, &str)],
 ) -> (Cluster, RcId) {
+    a_transfer_in_flight_from(backend, crate::harness::BIN, farm, flags, env).await
+}
+
+/// [`a_transfer_in_flight_with`], its farm run from the binary `bin` (another release's).
+pub(crate) async fn a_transfer_in_flight_from(
+    backend: &Backend,
+    bin: &str,
+    farm: &str,
+    flags: &[&str],
+    env: &[(&str, &str)],
+) -> (Cluster, RcId) {
     let mut c = Cluster::start_on(backend).await;
     nodes(&c, 4, 1).await;
     let sim = c.simulate(4, 0.0);
     let url = c.server.url();
-    c.spawn_farm_with(farm, &url, flags, env).await;
+    c.spawn_farm_from(bin, farm, &url, flags, env).await;
     let o = RcId::new();
     c.put_rc(o, "web", "env=prod", 2, "dynamic_strategy").await;
     let cr = &c;
@@ -302,7 +314,7 @@ async fn a_transfer_never_takes_a_pod_another_rc_gave_up_to_its_roll(backend: Ba
 pub(crate) const DEFAULTS: [&str; 4] = ["--max-removals", "20%", "--failsafe-confirm", "2m"];
 
 /// Writes a manifest file `name` for pod `web` whose artifact is `artifact`.
-fn manifest_file(dir: &std::path::Path, name: &str, artifact: &str) -> String {
+pub(crate) fn manifest_file(dir: &std::path::Path, name: &str, artifact: &str) -> String {
     let p = dir.join(name);
     std::fs::write(
         &p,
@@ -314,8 +326,91 @@ fn manifest_file(dir: &std::path::Path, name: &str, artifact: &str) -> String {
     p.to_str().unwrap().to_string()
 }
 
+/// An operator's day's manifests: v1, v2, v3 (artifacts `web-1`…`web-3`) and a bad one
+/// (`web-broken`, which the simulated nodes never report healthy).
+pub(crate) fn day_manifests(dir: &std::path::Path) -> [String; 4] {
+    [
+        manifest_file(dir, "v1.yaml", "web-1"),
+        manifest_file(dir, "v2.yaml", "web-2"),
+        manifest_file(dir, "v3.yaml", "web-3"),
+        manifest_file(dir, "bad.yaml", "web-broken"),
+    ]
+}
+
+/// `rcctl rc create -f MANIFEST --node-selector env=prod --replicas N`.
+pub(crate) async fn create_web(
+    c: &Cluster,
+    manifest: &str,
+    replicas: u32,
+) -> (i32, String, String) {
+    let n = replicas.to_string();
+    c.rcctl(&[
+        "rc",
+        "create",
+        "-f",
+        manifest,
+        "--node-selector",
+        "env=prod",
+        "--replicas",
+        &n,
+    ])
+    .await
+}
+
+/// `rcctl roll start FROM -f MANIFEST --minimum 3 [EXTRA] --wait`: an operator's deploy.
+pub(crate) async fn deploy(
+    c: &Cluster,
+    from: &str,
+    manifest: &str,
+    extra: &[&str],
+) -> (i32, String, String) {
+    let mut args = vec!["roll", "start", from, "-f", manifest, "--minimum", "3"];
+    args.extend(extra);
+    args.extend(["--wait", "--timeout", "120s"]);
+    c.rcctl(&args).await
+}
+
+/// A bad deploy with `--progress-deadline 5s --auto-revert`: it fails at its deadline
+/// (`--wait` exits 3) and says it was reverted.
+pub(crate) async fn bad_deploy_reverted(c: &Cluster, from: &str, bad: &str) {
+    let (code, out, err) = deploy(
+        c,
+        from,
+        bad,
+        &["--progress-deadline", "5s", "--auto-revert"],
+    )
+    .await;
+    assert_eq!(code, 3, "the bad deploy fails at its deadline: {out}{err}");
+    assert!(err.contains("reverted"), "{err}");
+}
+
+/// Scales `rc` to 0 (waiting for its pods to go), deletes it, and checks that nothing of it is
+/// left in Consul.
+pub(crate) async fn scale_to_zero_and_delete(c: &Cluster, rc: RcId) {
+    let id = rc.to_string();
+    let (code, out, err) = c
+        .rcctl(&["rc", "scale", &id, "0", "--wait", "--timeout", "60s"])
+        .await;
+    assert_eq!(code, 0, "{out}{err}");
+    let (code, out, err) = c.rcctl(&["rc", "delete", &id]).await;
+    assert_eq!(code, 0, "deleted once its pods are gone: {out}{err}");
+    for prefix in [
+        "intent/",
+        "labels/pod/",
+        "rolls/",
+        "replication_controllers/",
+        "status/",
+    ] {
+        assert_eq!(
+            c.count_prefix(prefix).await,
+            0,
+            "nothing left under {prefix}"
+        );
+    }
+}
+
 /// What every pod of `rc` asks its node to run, as (node, manifest text).
-async fn intents(c: &Cluster, rc: RcId) -> Vec<String> {
+pub(crate) async fn intents(c: &Cluster, rc: RcId) -> Vec<String> {
     let mut out = Vec::new();
     for node in c.placements().await.get(&rc).into_iter().flatten() {
         let (e, _) = c
@@ -336,10 +431,11 @@ async fn intents(c: &Cluster, rc: RcId) -> Vec<String> {
 }
 
 on_every_backend!(two_deploys_then_a_bad_one_reverted_on_the_default_flags);
-/// An operator's ordinary deploys on two farms with the default flags: a canary deploy,
+/// An operator's ordinary day on two farms with the default flags: a canary deploy,
 /// promoted; a second deploy; then a bad one with `--auto-revert`. The bad deploy fails at its
 /// deadline, its farm reverts it, and within 30 s of the failure the RC runs the last good
-/// manifest again with no roll left. Nothing was held by the removal budget.
+/// manifest again with no roll left. Then an undo (back to the deploy before, passing over
+/// the reverted one), a scale to 0 and a delete. Nothing was held by the removal budget.
 async fn two_deploys_then_a_bad_one_reverted_on_the_default_flags(backend: Backend) {
     let mut c = Cluster::start_on(&backend).await;
     nodes(&c, 6, 2).await;
@@ -349,28 +445,12 @@ async fn two_deploys_then_a_bad_one_reverted_on_the_default_flags(backend: Backe
     c.spawn_farm("f1", &flags).await;
     c.spawn_farm("f2", &flags).await;
     let dir = tempfile::tempdir().unwrap();
-    let (v1, v2, v3, bad) = (
-        manifest_file(dir.path(), "v1.yaml", "web-1"),
-        manifest_file(dir.path(), "v2.yaml", "web-2"),
-        manifest_file(dir.path(), "v3.yaml", "web-3"),
-        manifest_file(dir.path(), "bad.yaml", "web-broken"),
-    );
+    let [v1, v2, v3, bad] = day_manifests(dir.path());
     let ok = |(code, out, err): (i32, String, String)| {
         assert_eq!(code, 0, "{out}{err}");
         out.lines().next().unwrap_or_default().trim().to_string()
     };
-    let rc = ok(c
-        .rcctl(&[
-            "rc",
-            "create",
-            "-f",
-            &v1,
-            "--node-selector",
-            "env=prod",
-            "--replicas",
-            "4",
-        ])
-        .await);
+    let rc = ok(create_web(&c, &v1, 4).await);
     let first = RcId::parse(&rc).unwrap();
     let cr = &c;
     c.wait_for(Duration::from_secs(30), "4 pods up", move || async move {
@@ -378,41 +458,13 @@ async fn two_deploys_then_a_bad_one_reverted_on_the_default_flags(backend: Backe
     })
     .await;
     // A canary deploy, promoted.
-    let second = ok(c
-        .rcctl(&[
-            "roll",
-            "start",
-            &rc,
-            "-f",
-            &v2,
-            "--minimum",
-            "3",
-            "--canary",
-            "1",
-            "--wait",
-            "--timeout",
-            "90s",
-        ])
-        .await);
+    let second = ok(deploy(&c, &rc, &v2, &["--canary", "1"]).await);
     ok(
         c.rcctl(&["roll", "promote", &second, "--wait", "--timeout", "90s"])
             .await,
     );
     // An ordinary deploy.
-    let third = ok(c
-        .rcctl(&[
-            "roll",
-            "start",
-            &second,
-            "-f",
-            &v3,
-            "--minimum",
-            "3",
-            "--wait",
-            "--timeout",
-            "90s",
-        ])
-        .await);
+    let third = ok(deploy(&c, &second, &v3, &[]).await);
     let good = RcId::parse(&third).unwrap();
     c.wait_for(
         Duration::from_secs(30),
@@ -421,25 +473,7 @@ async fn two_deploys_then_a_bad_one_reverted_on_the_default_flags(backend: Backe
     )
     .await;
     // A bad deploy.
-    let (code, out, err) = c
-        .rcctl(&[
-            "roll",
-            "start",
-            &third,
-            "-f",
-            &bad,
-            "--minimum",
-            "3",
-            "--progress-deadline",
-            "5s",
-            "--auto-revert",
-            "--wait",
-            "--timeout",
-            "120s",
-        ])
-        .await;
-    assert_eq!(code, 3, "the bad deploy fails at its deadline: {out}{err}");
-    assert!(err.contains("reverted"), "{err}");
+    bad_deploy_reverted(&c, &third, &bad).await;
     let failed_at = std::time::Instant::now();
     c.wait_for(
         Duration::from_secs(30),
@@ -461,6 +495,36 @@ async fn two_deploys_then_a_bad_one_reverted_on_the_default_flags(backend: Backe
     );
     let failed = c.audit_events("ROLLING_UPDATE_FAILED").await;
     assert_eq!(failed.len(), 1, "only the bad deploy failed: {failed:#?}");
+
+    // The rest of the day: an undo goes back past the reverted deploy to v2, then the RC is
+    // scaled to 0 and deleted, still on the default flags.
+    let (code, out, err) = c.rcctl(&["rc", "history", &third]).await;
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("(failed, reverted)"), "{out}");
+    let (code, out, err) = c
+        .rcctl(&["roll", "undo", &third, "--wait", "--timeout", "90s"])
+        .await;
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(err.contains("back to revision 2"), "{err}");
+    let undone = RcId::parse(out.lines().next().unwrap().trim()).unwrap();
+    c.wait_for(
+        Duration::from_secs(30),
+        "undone onto v2",
+        move || async move {
+            cr.count_prefix("rolls/").await == 0
+                && cr.all_up(undone, 4).await
+                && intents(cr, undone)
+                    .await
+                    .iter()
+                    .all(|m| m.contains("web-2.tar.gz"))
+        },
+    )
+    .await;
+    scale_to_zero_and_delete(&c, undone).await;
+    assert!(
+        c.audit_events("REMOVALS_HELD").await.is_empty(),
+        "nothing of the day was held by the removal budget"
+    );
     c.check_invariants(|_| false);
 }
 
@@ -660,4 +724,168 @@ async fn a_bulk_edit_to_zero_is_held_on_one_farm(backend: Backend) {
 on_every_backend!(a_bulk_edit_to_zero_is_held_on_three_farms);
 async fn a_bulk_edit_to_zero_is_held_on_three_farms(backend: Backend) {
     a_bulk_edit_is_held(backend, 3).await
+}
+
+on_every_backend!(a_health_result_older_than_what_the_node_runs_does_not_count);
+/// A health result counts for a roll only when it is newer than the reality write it is about:
+/// a pod replaced in place keeps its health key, and a "passing" written for the pod it
+/// replaced says nothing of the new one. Here the test plays the node agent by hand.
+async fn a_health_result_older_than_what_the_node_runs_does_not_count(backend: Backend) {
+    let mut c = Cluster::start_on(&backend).await;
+    c.label_node("node-00", &[("env", "prod")]).await;
+    c.spawn_farm("f1", &ROLL_FLAGS).await;
+    // A pod P2's preparer checks (it has a status port).
+    let manifest = |v: &str| {
+        format!(
+            "id: web\nstatus_port: 8080\nlaunchables:\n  app:\n    launchable_type: hoist\n    location: https://example.com/web-{v}.tar.gz\n"
+        )
+    };
+    let old = RcId::new();
+    let record = serde_json::json!({
+        "id": old.to_string(), "manifest": manifest("1"), "node_selector": "env=prod",
+        "pod_labels": {}, "replicas_desired": 1, "disabled": false,
+        "allocation_strategy": "static_strategy",
+    });
+    c.consul
+        .kv_put(&old.key(), record.to_string().as_bytes(), None)
+        .await
+        .unwrap();
+    let cr = &c;
+    let intent = || async move {
+        cr.consul
+            .kv_get("intent/node-00/web", &QueryOptions::default())
+            .await
+            .unwrap()
+            .0
+            .map(|e| String::from_utf8_lossy(e.value_bytes()).to_string())
+    };
+    c.wait_for(
+        Duration::from_secs(20),
+        "the pod scheduled",
+        move || async move { intent().await.is_some() },
+    )
+    .await;
+    // The node runs it and finds it healthy.
+    let run = |text: String| async move {
+        cr.consul
+            .kv_put("reality/node-00/web", text.as_bytes(), None)
+            .await
+            .unwrap();
+    };
+    // (Each result says when it was taken: Consul ≥ 1.x skips a write of an identical value.)
+    let pass = |at: u32| async move {
+        cr.consul
+            .kv_put(
+                "health/web/node-00",
+                format!(r#"{{"Status":"passing","Output":"check {at}"}}"#).as_bytes(),
+                None,
+            )
+            .await
+            .unwrap();
+    };
+    run(intent().await.unwrap()).await;
+    pass(1).await;
+    // A roll onto version 2, no minimum: the new RC replaces the pod in place.
+    let pod_manifest = manifest("2");
+    let new = rcfarm::roll::RollStore::new(c.consul.clone())
+        .start(
+            rcfarm::roll::StartRoll {
+                old_rc: old,
+                manifest: pod_manifest.clone(),
+                desired: None,
+                minimum: Some(0),
+                leave_old: false,
+                roll_delay: Duration::ZERO,
+            },
+            "test",
+            false,
+        )
+        .await
+        .unwrap()
+        .update
+        .new_rc;
+    c.wait_for(
+        Duration::from_secs(20),
+        "the new intent on the node",
+        move || async move { intent().await.is_some_and(|m| m.contains("web-2")) },
+    )
+    .await;
+    // The node runs the new manifest; the health key still says "passing" from before.
+    run(intent().await.unwrap()).await;
+    let api = farm_api(&c, "f1").await;
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let v = get_json(&format!("{api}/v1/rolls/{new}")).await;
+    assert_eq!(
+        v["roll"]["new"]["healthy"], 0,
+        "a health result older than the reality it is about counts for nothing: {v:#}"
+    );
+    assert!(
+        roll_exists(&c, new).await,
+        "the roll waits for a fresh result"
+    );
+    // A result written after it: the pod is up, the roll completes.
+    pass(2).await;
+    c.wait_for(
+        Duration::from_secs(30),
+        "the roll completes",
+        move || async move { !roll_exists(cr, new).await },
+    )
+    .await;
+}
+
+on_every_backend!(leftovers_are_pruned_and_reported_once);
+/// What is never pruned grows for ever: a garbage key under a lock prefix is reported once
+/// while it is there (and again if it comes back), whatever else changes; a completed roll
+/// deletes its old RC's transfer status keys with the RC.
+async fn leftovers_are_pruned_and_reported_once(backend: Backend) {
+    let mut c = Cluster::start_on(&backend).await;
+    nodes(&c, 3, 1).await;
+    let _sim = c.simulate(3, 0.0);
+    c.spawn_farm("f1", &ROLL_FLAGS).await;
+    for k in [
+        "lock/replication_controllers/not-an-rc",
+        "lock/rolls/not-a-roll",
+    ] {
+        c.consul.kv_put(k, b"x", None).await.unwrap();
+    }
+    let old = crate::harness::rcs(&c, 1, 2).await[0];
+    let cr = &c;
+    c.wait_for(Duration::from_secs(30), "the RC up", move || async move {
+        cr.all_up(old, 2).await
+    })
+    .await;
+    // Status keys beside the RC's (what P2 and earlier farms leave behind).
+    let p2_status = status_key(old);
+    c.consul
+        .kv_put(&p2_status, br#"{"node_transfer":null}"#, None)
+        .await
+        .unwrap();
+    c.consul
+        .kv_put(
+            &format!("status/replication_controllers/{old}/rcfarm"),
+            b"{}",
+            None,
+        )
+        .await
+        .unwrap();
+    // Many changes of the lock tree: a roll, its locks, its completion.
+    let new = c.start_roll(old, 1, Duration::ZERO).await;
+    completed(&c, new, old, 2, Duration::from_secs(60)).await;
+    let log = c.farm_log(0);
+    for (key, why) in [
+        ("lock/replication_controllers/not-an-rc", "not an RC lock"),
+        ("lock/rolls/not-a-roll", "not a roll lock"),
+    ] {
+        let times = log
+            .lines()
+            .filter(|l| l.contains(key) && l.contains(why))
+            .count();
+        assert_eq!(times, 1, "{key} reported once, not {times} times:\n{log}");
+    }
+    assert_eq!(
+        c.count_prefix(&format!("status/replication_controllers/{old}/"))
+            .await,
+        0,
+        "the completed roll deleted its old RC's status keys"
+    );
 }

@@ -34,6 +34,18 @@ pub struct FarmProc {
     pub log: Arc<Mutex<String>>,
 }
 
+/// With `RCFARM_TEST_FARM_LOGS=DIR`, every test farm's log is written to
+/// `DIR/<farm-id>-<pid>.log` when the test drops it (to read after a failure).
+impl Drop for FarmProc {
+    fn drop(&mut self) {
+        if let Ok(dir) = std::env::var("RCFARM_TEST_FARM_LOGS") {
+            let _ = std::fs::create_dir_all(&dir);
+            let text = self.log.lock().clone();
+            let _ = std::fs::write(format!("{dir}/{}-{}.log", self.id, self.pid), text);
+        }
+    }
+}
+
 /// Which Consul a test runs against.
 #[derive(Debug, Clone)]
 pub enum Backend {
@@ -292,7 +304,19 @@ impl Cluster {
         extra: &[&str],
         env: &[(&str, &str)],
     ) -> usize {
-        let mut cmd = Command::new(BIN);
+        self.spawn_farm_from(BIN, id, consul, extra, env).await
+    }
+
+    /// Like [`Cluster::spawn_farm_with`], running the farm from `bin` (another release's).
+    pub async fn spawn_farm_from(
+        &mut self,
+        bin: &str,
+        id: &str,
+        consul: &str,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> usize {
+        let mut cmd = Command::new(bin);
         cmd.envs(env.iter().copied());
         cmd.args(["serve", "--consul", consul, "--farm-id", id])
             .args([
@@ -641,8 +665,19 @@ impl Cluster {
     /// returns once every RC is placed and every farm owns some, so that a test can pick a
     /// farm's RCs, or take Consul away, knowing each farm is serving.
     pub async fn farms_sharing(&mut self, farms: usize, n: usize, replicas: usize) -> Vec<RcId> {
+        self.farms_sharing_with(farms, n, replicas, &[]).await
+    }
+
+    /// [`Cluster::farms_sharing`], the farms run with `extra` flags.
+    pub async fn farms_sharing_with(
+        &mut self,
+        farms: usize,
+        n: usize,
+        replicas: usize,
+        extra: &[&str],
+    ) -> Vec<RcId> {
         for i in 1..=farms {
-            self.spawn_farm(&format!("f{i}"), &[]).await;
+            self.spawn_farm(&format!("f{i}"), extra).await;
         }
         let ids = rcs(self, n, replicas as i64).await;
         let (this, idr) = (&*self, &ids);

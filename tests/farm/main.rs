@@ -17,6 +17,7 @@ mod failsafe;
 mod fence;
 mod harness;
 mod history;
+mod mixed;
 mod p2_behaviour;
 mod p2_nodes;
 mod p2_side_by_side;

@@ -26,7 +26,16 @@ use crate::harness::Cluster;
 const BUNDLE_ENV: &str = "RCFARM_TEST_P2_PREPARER";
 
 /// Farm flags: rolls look again often (P2's preparer writes `reality/`, which is not watched).
-const FARM_FLAGS: [&str; 2] = ["--roll-resync", "300ms"];
+/// The farm's own defaults (the harness turns the budget and tripwire off elsewhere): the flow
+/// on real P2 nodes is an operator's, with no `release-removals`.
+const FARM_FLAGS: [&str; 6] = [
+    "--roll-resync",
+    "300ms",
+    "--max-removals",
+    "20%",
+    "--failsafe-confirm",
+    "2m",
+];
 
 /// Where every test's node work dirs live, so that a test killed before its guard ran has its
 /// nodes stopped by the next one.

@@ -90,12 +90,18 @@ async fn consul_down_past_the_ttl_and_back_with_its_data_dir(backend: Backend) {
     };
     nodes(&c, 4, 1).await;
     // Both farms serving (not one that converged everything while the other was still
-    // starting): the test is about farms that lose Consul mid-service.
-    let ids = c.farms_sharing(2, 6, 2).await;
+    // starting): the test is about farms that lose Consul mid-service. Their TTL is longer
+    // than the other tests': a restarted Consul gives each session 2×TTL to renew, and with
+    // 2 s a farm on a loaded 2-core machine once missed that 4 s window (the test needed a CI
+    // retry); 6 s gives 12 s, still well short of what production TTLs give.
+    let ids = c
+        .farms_sharing_with(2, 6, 2, &["--session-ttl", "6s"])
+        .await;
     let placed = c.placements().await;
     let sessions_before: BTreeSet<String> = c.owners().await.into_values().collect();
 
-    let before = c.restart_server(TTL * 3, config).await;
+    // Down past one TTL, so that both farms are in doubt when it comes back.
+    let before = c.restart_server(Duration::from_secs(9), config).await;
     assert_running(&mut c);
 
     // The old sessions came back with the data, their timers restarted (as a new Consul leader

@@ -17,7 +17,7 @@ use std::ops::Range;
 use tokio::sync::oneshot;
 
 use super::error::{ConsulError, Result};
-use super::txn::{MAX_TXN_OPS, TxnOp};
+use super::txn::{Committed, MAX_TXN_OPS, TxnOp, TxnResponse};
 
 /// A batch stops growing past this many body bytes: Consul refuses a body over 512 KiB
 /// ([`super::txn::MAX_TXN_BYTES`]), and one caller's big write should not make others' fail.
@@ -33,7 +33,7 @@ pub(crate) struct TxnQueue {
 struct Pending {
     ops: Vec<TxnOp>,
     bytes: usize,
-    done: oneshot::Sender<Result<u64>>,
+    done: oneshot::Sender<Result<Committed>>,
 }
 
 /// What the queue needs of a client: a connection, and a transaction sent on it. The client
@@ -45,22 +45,21 @@ pub(crate) trait Sender: Clone + Send + Sync + 'static {
     /// For errors: the Consul this client talks to.
     fn address(&self) -> &str;
     fn permit(&self) -> impl Future<Output = Result<Self::Permit>> + Send;
-    /// Sends `ops` as one transaction (on `held` if given); the index it committed at (0 if
-    /// nothing in it yields a result).
+    /// Sends `ops` as one transaction (on `held` if given); Consul's answer.
     fn send(
         &self,
         ops: &[TxnOp],
         held: Option<Self::Permit>,
-    ) -> impl Future<Output = Result<u64>> + Send;
+    ) -> impl Future<Output = Result<TxnResponse>> + Send;
 }
 
 /// Commits `ops` all or nothing through `client`, possibly in one transaction with other
 /// callers' ops (see the module's comment). Returns the index it committed at (0 if nothing in
-/// it yields a result, as for a transaction sent alone).
+/// it yields a result, as for a transaction sent alone) and the keys it set with theirs.
 ///
 /// A caller dropped before its ops were sent never sends them; once sent, they may apply
 /// whatever becomes of the caller, like any request in flight.
-pub(crate) async fn txn<S: Sender>(client: &S, ops: Vec<TxnOp>) -> Result<u64> {
+pub(crate) async fn txn<S: Sender>(client: &S, ops: Vec<TxnOp>) -> Result<Committed> {
     super::txn::check_op_count(ops.len())?;
     let (done, mut answer) = oneshot::channel();
     let bytes = super::txn::encoded_len(&ops);
@@ -120,7 +119,8 @@ async fn send_batch<S: Sender>(client: &S, mut batch: Vec<Pending>, permit: S::P
             p.ops = ops.drain(r.clone()).collect();
         }
         match result {
-            Ok(index) => {
+            Ok(resp) => {
+                let index = resp.commit_index();
                 for p in batch {
                     // What `txn` would have answered this caller alone: callers wait for
                     // their caches to reach a write's index, and a tree that only lost
@@ -131,7 +131,7 @@ async fn send_batch<S: Sender>(client: &S, mut batch: Vec<Pending>, permit: S::P
                     } else {
                         0
                     };
-                    let _ = p.done.send(Ok(own));
+                    let _ = p.done.send(Ok(Committed::of(own, &p.ops, &resp.results)));
                 }
                 return;
             }
@@ -170,7 +170,10 @@ async fn send_batch<S: Sender>(client: &S, mut batch: Vec<Pending>, permit: S::P
                 // when each goes alone.
                 tracing::debug!(error = %e, callers = batch.len(), "batched transaction refused; sending its parts alone");
                 for p in batch {
-                    let r = client.send(&p.ops, None).await;
+                    let r = client
+                        .send(&p.ops, None)
+                        .await
+                        .map(|resp| Committed::of(resp.commit_index(), &p.ops, &resp.results));
                     let _ = p.done.send(r);
                 }
                 return;
@@ -212,7 +215,9 @@ mod tests {
     use super::*;
     use crate::txn::MAX_TXN_BYTES;
 
-    fn queue(txns: Vec<Vec<TxnOp>>) -> (VecDeque<Pending>, Vec<oneshot::Receiver<Result<u64>>>) {
+    fn queue(
+        txns: Vec<Vec<TxnOp>>,
+    ) -> (VecDeque<Pending>, Vec<oneshot::Receiver<Result<Committed>>>) {
         let mut rxs = Vec::new();
         let waiting = txns
             .into_iter()

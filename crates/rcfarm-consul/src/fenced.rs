@@ -226,11 +226,11 @@ impl FencedTxn {
 
     /// [`FencedTxn::commit`] through the client's coalescing queue, which joins concurrent
     /// small transactions into one request (each still all or nothing).
-    pub async fn commit_coalesced(self, consul: &Consul) -> Result<u64, FenceError> {
+    pub async fn commit_coalesced(self, consul: &Consul) -> Result<crate::Committed, FenceError> {
         self.check_records().map_err(FenceError::Consul)?;
         let (ops, layout) = self.into_ops();
         match consul.txn_coalesced(ops).await {
-            Ok(index) => Ok(index),
+            Ok(committed) => Ok(committed),
             Err(e) => Err(layout.classify(e)),
         }
     }

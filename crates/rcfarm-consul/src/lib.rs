@@ -40,8 +40,8 @@ pub use session::{Session, SessionConfig};
 pub use tls::{TlsConfig, tls_advice};
 pub use tree_cache::{ParseFn, TreeCache, TreeState};
 pub use txn::{
-    KvVerb, MAX_TXN_BYTES, MAX_TXN_OPS, TxnBudget, TxnFailure, TxnOp, TxnOpError, TxnResponse,
-    encoded_len, split_to_fit,
+    Committed, KvVerb, MAX_TXN_BYTES, MAX_TXN_OPS, TxnBudget, TxnFailure, TxnOp, TxnOpError,
+    TxnResponse, encoded_len, split_to_fit,
 };
 pub use types::{
     KvPair, QueryMeta, QueryOptions, ServiceCheck, SessionBehavior, SessionEntry, SessionId,

@@ -342,6 +342,52 @@ impl TxnResponse {
     }
 }
 
+/// What a committed transaction tells the caller whose ops it carried (alone or batched with
+/// others': [`crate::Consul::txn_coalesced`]): the index it committed at (0 when none of the
+/// caller's ops yields a result), and the `ModifyIndex` Consul gave each key the caller set.
+/// That is not always the commit index: Consul 1.x leaves an entry a write did not change
+/// (same value, flags and session) as it was, `ModifyIndex` included, and answers with it;
+/// Consul 0.7 moves it to the commit index. A cache of what was written must take the key's.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Committed {
+    pub index: u64,
+    written: Vec<(String, u64)>,
+}
+
+impl Committed {
+    /// From the answer to a transaction that carried `ops` (and maybe other callers' ops:
+    /// only results for keys `ops` set are kept), committed at `index` for this caller.
+    pub fn of(index: u64, ops: &[TxnOp], results: &[KvPair]) -> Self {
+        let keys: std::collections::HashSet<&str> = ops
+            .iter()
+            .filter(|op| {
+                matches!(
+                    op.verb,
+                    KvVerb::Set | KvVerb::Cas | KvVerb::Lock | KvVerb::Unlock
+                )
+            })
+            .map(|op| op.key.as_str())
+            .collect();
+        let written = results
+            .iter()
+            .filter(|r| keys.contains(r.key.as_str()))
+            .map(|r| (r.key.clone(), r.modify_index))
+            .collect();
+        Committed { index, written }
+    }
+
+    /// The `ModifyIndex` of `key` after the commit, if the caller set it. A check on the same
+    /// key earlier in the transaction answers too, with the index before the write: the
+    /// write's result comes after it, so the last one counts.
+    pub fn modify_index(&self, key: &str) -> Option<u64> {
+        self.written
+            .iter()
+            .rev()
+            .find(|(k, _)| k == key)
+            .map(|(_, i)| *i)
+    }
+}
+
 #[derive(Debug, Deserialize)]
 #[serde(rename_all = "PascalCase")]
 pub(crate) struct WireTxnResponse {

@@ -348,7 +348,7 @@ impl Consul {
     ///
     /// A caller dropped before its ops were sent never sends them; once sent, they may apply
     /// whatever becomes of the caller, like any request in flight.
-    pub async fn txn_coalesced(&self, ops: Vec<TxnOp>) -> Result<u64> {
+    pub async fn txn_coalesced(&self, ops: Vec<TxnOp>) -> Result<super::Committed> {
         super::coalesce::txn(self, ops).await
     }
 
@@ -495,7 +495,7 @@ impl super::coalesce::Sender for Consul {
         Consul::permit(self).await
     }
 
-    async fn send(&self, ops: &[TxnOp], held: Option<Permit>) -> Result<u64> {
-        Ok(self.txn_held(ops, held).await?.commit_index())
+    async fn send(&self, ops: &[TxnOp], held: Option<Permit>) -> Result<TxnResponse> {
+        self.txn_held(ops, held).await
     }
 }

@@ -437,12 +437,19 @@ pub async fn load_rolls(consul: &Consul) -> Result<Vec<RollOverview>, ConsulErro
             rc.disabled,
             rc.manifest.digest(),
             pods.iter().map(|(n, p)| {
-                (
-                    runs(found.get(&reality_key(n, p))),
-                    found
-                        .get(&format!("{HEALTH_PREFIX}{p}/{n}"))
-                        .and_then(|kv| parse_health(kv.value_bytes()).ok()),
-                )
+                let real = found.get(&reality_key(n, p));
+                // As the roll counts it: a result older than what the node runs says nothing.
+                let health = found
+                    .get(&format!("{HEALTH_PREFIX}{p}/{n}"))
+                    .filter(|kv| {
+                        crate::health::speaks_of_reality(
+                            kv.modify_index,
+                            real.map(|r| r.modify_index),
+                            rc.manifest.health_checked(),
+                        )
+                    })
+                    .and_then(|kv| parse_health(kv.value_bytes()).ok());
+                (runs(real), health)
             }),
         ))
     };

@@ -227,10 +227,11 @@ pub struct ServerStats {
 impl Shared {
     fn new(
         config: ServerConfig,
-        store: Store,
+        mut store: Store,
         wal: Option<wal::Wal>,
         addr: SocketAddr,
     ) -> Arc<Shared> {
+        store.set_identical_rewrites_bump(config.compat == Compat::V0_7);
         Arc::new(Shared {
             state: Mutex::new(State {
                 store,

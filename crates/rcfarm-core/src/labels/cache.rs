@@ -15,7 +15,9 @@ use tokio::sync::{broadcast, watch};
 use super::compact::CompactLabels;
 use super::selector::{LabelLookup, Requirement, Selector};
 use super::store::{LabelSet, LabelType, parse_entry};
-use crate::consul::{Consul, Demand, Fold, KvList, KvPair, KvVerb, TxnOp, WatchConfig, Watched};
+use crate::consul::{
+    Committed, Consul, Demand, Fold, KvList, KvPair, KvVerb, TxnOp, WatchConfig, Watched,
+};
 
 /// One id whose labels changed.
 #[derive(Debug, Clone)]
@@ -269,9 +271,9 @@ impl State {
 
     /// Applies this process's own committed write at `index`: `(id, labels or None if the
     /// key was deleted)`. Returns what changed.
-    fn apply_own(&mut self, index: u64, writes: Vec<(String, Option<LabelSet>)>) -> LabelChanges {
+    fn apply_own(&mut self, writes: Vec<(String, Option<LabelSet>, u64)>) -> LabelChanges {
         let mut changes = Vec::new();
-        for (id, labels) in writes {
+        for (id, labels, index) in writes {
             changes.extend(match &labels {
                 Some(l) => self.put(&id, l, index),
                 None => self.remove(&id),
@@ -440,6 +442,39 @@ pub struct LabelCache {
     demand: Option<Arc<Demand>>,
 }
 
+/// The labels a committed transaction wrote among `ops` (deleted: `None`), each with its key's
+/// `ModifyIndex` after the commit: the key's own as Consul answered, which a write that
+/// changed nothing left where it was on Consul 1.x, so that a CAS planned from the cache
+/// names the index Consul holds.
+fn own_writes(
+    label_type: LabelType,
+    committed: &Committed,
+    ops: &[TxnOp],
+) -> Vec<(String, Option<LabelSet>, u64)> {
+    let prefix = label_type.prefix();
+    ops.iter()
+        .filter_map(|op| {
+            let id = op.key.strip_prefix(prefix.as_str())?;
+            match op.verb {
+                KvVerb::Set | KvVerb::Cas => {
+                    let modify_index = committed.modify_index(&op.key).unwrap_or(committed.index);
+                    let kv = KvPair {
+                        key: op.key.clone(),
+                        value: op.value.clone(),
+                        modify_index,
+                        ..Default::default()
+                    };
+                    // What does not parse is left to the next answer to report.
+                    let l = parse_entry(label_type, &prefix, &kv).ok()?;
+                    Some((id.to_string(), Some(l.labels), modify_index))
+                }
+                KvVerb::Delete | KvVerb::DeleteCas => Some((id.to_string(), None, committed.index)),
+                _ => None,
+            }
+        })
+        .collect()
+}
+
 impl LabelCache {
     /// Starts watching `labels/<type>/` with one blocking query.
     pub fn spawn(consul: &Consul, label_type: LabelType, config: WatchConfig) -> LabelCache {
@@ -471,33 +506,12 @@ impl LabelCache {
     /// Applies a transaction this process committed at `index` (its ops on this tree; the
     /// others are ignored), so that its own writes are seen at once, before any answer of the
     /// watch, and an answer older than the write does not undo them.
-    pub fn apply_own(&self, index: u64, ops: &[TxnOp]) {
-        let prefix = self.label_type.prefix();
-        let writes: Vec<(String, Option<LabelSet>)> = ops
-            .iter()
-            .filter_map(|op| {
-                let id = op.key.strip_prefix(prefix.as_str())?;
-                match op.verb {
-                    KvVerb::Set | KvVerb::Cas => {
-                        let kv = KvPair {
-                            key: op.key.clone(),
-                            value: op.value.clone(),
-                            modify_index: index,
-                            ..Default::default()
-                        };
-                        // What does not parse is left to the next answer to report.
-                        let l = parse_entry(self.label_type, &prefix, &kv).ok()?;
-                        Some((id.to_string(), Some(l.labels)))
-                    }
-                    KvVerb::Delete | KvVerb::DeleteCas => Some((id.to_string(), None)),
-                    _ => None,
-                }
-            })
-            .collect();
-        if writes.is_empty() || index == 0 {
+    pub fn apply_own(&self, committed: &Committed, ops: &[TxnOp]) {
+        let writes = own_writes(self.label_type, committed, ops);
+        if writes.is_empty() || committed.index == 0 {
             return;
         }
-        let c = self.watched.write().state.apply_own(index, writes);
+        let c = self.watched.write().state.apply_own(writes);
         if !c.changes.is_empty() {
             self.watched.changed(c);
         }
@@ -701,13 +715,10 @@ mod tests {
         let mut st = State::default();
         let p = LabelType::Pod;
         st.apply_pairs(p, 10, &[kv("labels/pod/n1/web", r#"{"rc":"a"}"#, 10)]);
-        let c = st.apply_own(
-            12,
-            vec![
-                ("n2/web".into(), Some(labels(&[("rc", "a")]))),
-                ("n1/web".into(), None),
-            ],
-        );
+        let c = st.apply_own(vec![
+            ("n2/web".into(), Some(labels(&[("rc", "a")])), 12),
+            ("n1/web".into(), None, 12),
+        ]);
         assert_eq!(c.changes.len(), 2);
         let sel = Selector::parse("rc=a").unwrap();
         assert_eq!(st.matches(&sel), ["n2/web"]);
@@ -724,6 +735,44 @@ mod tests {
         let c = st.apply_pairs(p, 13, &[]);
         assert_eq!(c.changes.len(), 1);
         assert!(st.matches(&sel).is_empty());
+    }
+
+    /// A write that changed nothing keeps its key's `ModifyIndex` on Consul 1.x (and says so in
+    /// its answer): the cache takes the key's index from the answer, not the commit's, so a
+    /// CAS planned from it names the index Consul holds, and a later answer corrects nothing.
+    #[test]
+    fn an_own_write_that_changed_nothing_keeps_the_keys_index() {
+        let key = "labels/pod/n1/web";
+        let value = br#"{"rc":"a"}"#.to_vec();
+        let ops = [
+            TxnOp::check_session("lock/x", "s"),
+            TxnOp::cas(key, value.clone(), 10),
+            TxnOp::set("intent/n1/web", b"m".to_vec()),
+        ];
+        let at = |results: &[(&str, u64)], index| {
+            let results: Vec<KvPair> = results
+                .iter()
+                .map(|(k, i)| KvPair {
+                    key: k.to_string(),
+                    modify_index: *i,
+                    ..Default::default()
+                })
+                .collect();
+            own_writes(LabelType::Pod, &Committed::of(index, &ops, &results), &ops)
+        };
+        // Consul 1.x's answer: the unchanged label at its old index, the intent at the commit's.
+        let w = at(&[(key, 10), ("intent/n1/web", 15)], 15);
+        assert_eq!(w, vec![("n1/web".into(), Some(labels(&[("rc", "a")])), 10)]);
+        let mut st = State::default();
+        st.apply_pairs(LabelType::Pod, 12, &[kv(key, r#"{"rc":"a"}"#, 10)]);
+        st.apply_own(w);
+        // A later answer, whose tree index is below the commit's, agrees: nothing is held back.
+        st.apply_pairs(LabelType::Pod, 12, &[kv(key, r#"{"rc":"a"}"#, 10)]);
+        assert_eq!(st.entries.get("n1/web").unwrap().modify_index, 10);
+        assert!(st.local.is_empty(), "{:?}", st.local);
+        // Consul 0.7's answer: every key at the commit index.
+        let w = at(&[(key, 16), ("intent/n1/web", 16)], 16);
+        assert_eq!(w[0].2, 16);
     }
 
     /// What the filter does not want is left out as it arrives, and dropped when it stops

@@ -21,11 +21,23 @@ impl Worker {
         if self.transfer_loaded {
             return Ok(());
         }
-        let stored = self
+        let (stored, stale_start) = self
             .ctx
             .transfers
             .transfer(self.id, self.transfer_since)
             .await?;
+        if let Some(index) = stale_start {
+            // Left by a farm of the previous release that ended a transfer this release
+            // started (it deletes P2's key only): gone with the transfer it recorded.
+            self.commit(
+                vec![TxnOp::delete_cas(
+                    super::transfers::rcfarm_status_key(self.id),
+                    index,
+                )],
+                vec![],
+            )
+            .await?;
+        }
         let recorded = stored.as_ref().is_some_and(|t| t.started_at.is_some());
         let stored = Transfer::resumed(stored, self.transfer.as_ref(), self.ctx.clock.wall());
         let same = |a: &Option<Transfer>, b: &Option<Transfer>| {

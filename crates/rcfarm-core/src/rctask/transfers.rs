@@ -92,9 +92,41 @@ pub fn parse_transfers(entries: &[KvPair]) -> BTreeMap<RcId, Transfer> {
     transfers
 }
 
+/// rcfarm's start keys in a listing of [`STATUS_PREFIX`] that record no transfer in flight
+/// (P2's key is gone, or names another transfer), with their `ModifyIndex`: a farm of the
+/// previous release ends a transfer by deleting P2's key only. The RC's next owner deletes
+/// such a key.
+pub fn stale_starts(entries: &[KvPair]) -> BTreeMap<RcId, u64> {
+    let transfers = parse_transfers(entries);
+    entries
+        .iter()
+        .filter_map(|e| {
+            let id: RcId = e
+                .key
+                .strip_prefix(STATUS_PREFIX)?
+                .strip_suffix("/rcfarm")?
+                .parse()
+                .ok()?;
+            let recorded = serde_json::from_slice::<Value>(e.value_bytes())
+                .ok()
+                .and_then(|v| {
+                    v.get("node_transfer")?
+                        .get("id")?
+                        .as_str()
+                        .map(str::to_string)
+                });
+            let live = transfers
+                .get(&id)
+                .is_some_and(|t| recorded.as_deref() == Some(t.id.as_str()));
+            (!live).then_some((id, e.modify_index))
+        })
+        .collect()
+}
+
 struct Listing {
     sent_at: Instant,
     transfers: Arc<BTreeMap<RcId, Transfer>>,
+    stale: Arc<BTreeMap<RcId, u64>>,
 }
 
 /// Shared by a farm's RC tasks.
@@ -112,17 +144,18 @@ impl TransferReader {
         }
     }
 
-    /// The transfer of `id` in Consul as of a read sent no earlier than `since`.
+    /// The transfer of `id` in Consul as of a read sent no earlier than `since`, and the
+    /// `ModifyIndex` of a stale start key of it ([`stale_starts`]), if any.
     pub(super) async fn transfer(
         &self,
         id: RcId,
         since: Instant,
-    ) -> Result<Option<Transfer>, ConsulError> {
+    ) -> Result<(Option<Transfer>, Option<u64>), ConsulError> {
         let mut last = self.last.lock().await;
         if let Some(l) = last.as_ref()
             && l.sent_at >= since
         {
-            return Ok(l.transfers.get(&id).cloned());
+            return Ok((l.transfers.get(&id).cloned(), l.stale.get(&id).copied()));
         }
         let sent_at = Instant::now();
         let (entries, _) = self
@@ -130,11 +163,64 @@ impl TransferReader {
             .kv_list(STATUS_PREFIX, &QueryOptions::default())
             .await?;
         let transfers = parse_transfers(&entries);
-        let found = transfers.get(&id).cloned();
+        let stale = stale_starts(&entries);
+        let found = (transfers.get(&id).cloned(), stale.get(&id).copied());
         *last = Some(Listing {
             sent_at,
             transfers: Arc::new(transfers),
+            stale: Arc::new(stale),
         });
         Ok(found)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn kv(key: String, value: &str, modify_index: u64) -> KvPair {
+        KvPair {
+            key,
+            value: Some(value.as_bytes().to_vec()),
+            modify_index,
+            ..Default::default()
+        }
+    }
+
+    /// rcfarm's start key is kept with the transfer it names, and stale without it: a farm of
+    /// the previous release ended the transfer (P2's key deleted) or another one runs now.
+    #[test]
+    fn a_start_key_without_its_transfer_is_stale() {
+        let (a, b, c) = (RcId::new(), RcId::new(), RcId::new());
+        let p2 = |id: RcId, t: &str| {
+            kv(
+                status_key(id),
+                &format!(r#"{{"node_transfer":{{"old_node":"n1","new_node":"n2","id":"{t}"}}}}"#),
+                5,
+            )
+        };
+        let ours = |id: RcId, t: &str, i| {
+            kv(
+                rcfarm_status_key(id),
+                &format!(
+                    r#"{{"node_transfer":{{"id":"{t}","started_at":"2026-11-26T20:00:00Z"}}}}"#
+                ),
+                i,
+            )
+        };
+        let entries = vec![
+            p2(a, "t1"),
+            ours(a, "t1", 6),
+            ours(b, "t2", 7),
+            p2(c, "t4"),
+            ours(c, "t3", 8),
+        ];
+        let transfers = parse_transfers(&entries);
+        assert!(
+            transfers[&a].started_at.is_some(),
+            "its start, from our key"
+        );
+        assert!(transfers[&c].started_at.is_none(), "not another transfer's");
+        assert_eq!(stale_starts(&entries), BTreeMap::from([(b, 7), (c, 8)]));
     }
 }

@@ -110,11 +110,11 @@ impl Worker {
             .map(|(i, op)| (i, op.clone()))
             .unzip();
         match txn.commit_coalesced(&self.ctx.consul).await {
-            Ok(index) => {
+            Ok(committed) => {
                 // The next plan counts what we wrote: the pod label tree is read on demand,
                 // not after each of our writes.
-                self.ctx.pods.apply_own(index, &label_ops);
-                Ok(index)
+                self.ctx.pods.apply_own(&committed, &label_ops);
+                Ok(committed.index)
             }
             Err(e) => {
                 if matches!(e, FenceError::Fenced { .. }) {

@@ -62,6 +62,11 @@ pub struct Revision {
     pub max_parallel: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub progress_deadline: Option<String>,
+    /// Replaced by a revert (`--auto-revert`): the manifest of a deploy that failed, which a
+    /// plain `rcctl roll undo` passes over. (Farms before this field drop it when they move a
+    /// history: such a revision reads as an ordinary one.)
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub reverted: bool,
 }
 
 impl Revision {
@@ -81,6 +86,7 @@ impl Revision {
             minimum_replicas: u.minimum_replicas,
             max_parallel: control.and_then(|c| c.max_parallel),
             progress_deadline: control.and_then(|c| c.progress_deadline.clone()),
+            reverted: control.is_some_and(|c| c.revert_of.is_some()),
         }
     }
 }
@@ -103,6 +109,12 @@ impl History {
 
     pub fn latest(&self) -> Option<&Revision> {
         self.revisions.last()
+    }
+
+    /// What a plain undo goes back to: the newest revision that a revert did not replace (a
+    /// failed deploy's manifest is no place to go back to), else none.
+    pub fn undo_target(&self) -> Option<&Revision> {
+        self.revisions.iter().rev().find(|r| !r.reverted)
     }
 
     pub fn get(&self, revision: u64) -> Option<&Revision> {
@@ -226,6 +238,7 @@ mod tests {
             minimum_replicas: 2,
             max_parallel: None,
             progress_deadline: None,
+            reverted: false,
         }
     }
 
@@ -241,6 +254,38 @@ mod tests {
         assert!(h.get(2).is_none());
         assert_eq!(History::parse(&h.to_bytes()).unwrap(), h);
         assert!(History::parse(b"nope").is_err());
+    }
+
+    #[test]
+    fn a_plain_undo_passes_over_what_a_revert_replaced() {
+        let mut h = None;
+        for i in 0..3 {
+            let mut r = rev(RcId::new(), i);
+            // The third deploy failed and was reverted: its RC is the revert's revision.
+            r.reverted = i == 2;
+            h = Some(History::succeed(h, None, r, 10));
+        }
+        let h = h.unwrap();
+        assert_eq!(h.latest().unwrap().revision, 3);
+        assert_eq!(h.undo_target().unwrap().revision, 2);
+        // The mark survives the round trip, and a record without it reads as not reverted.
+        let back = History::parse(&h.to_bytes()).unwrap();
+        assert!(back.revisions[2].reverted && !back.revisions[1].reverted);
+        assert!(
+            !String::from_utf8(h.to_bytes())
+                .unwrap()
+                .contains("\"reverted\":false")
+        );
+        let only = History::succeed(
+            None,
+            None,
+            Revision {
+                reverted: true,
+                ..rev(RcId::new(), 1)
+            },
+            10,
+        );
+        assert!(only.undo_target().is_none());
     }
 
     #[test]

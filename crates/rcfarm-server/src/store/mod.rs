@@ -78,6 +78,9 @@ pub struct Store {
     /// Keys held by each session.
     held: HashMap<String, BTreeSet<String>>,
     lock_delays: HashMap<String, Instant>,
+    /// Consul 0.7 moves an entry's `ModifyIndex` on a write that changes nothing; 1.x keeps
+    /// the entry as it was (and wakes nobody). Set by `--compat`; not part of the state.
+    identical_rewrites_bump: bool,
 }
 
 impl Default for Store {
@@ -87,6 +90,11 @@ impl Default for Store {
 }
 
 impl Store {
+    /// Consul 0.7's rule for a write that changes nothing (see the field).
+    pub fn set_identical_rewrites_bump(&mut self, bump: bool) {
+        self.identical_rewrites_bump = bump;
+    }
+
     pub fn new() -> Self {
         Store {
             // As Raft's first entry is Consul's own configuration, the first write here gets
@@ -102,6 +110,7 @@ impl Store {
             sessions_index: 0,
             held: HashMap::new(),
             lock_delays: HashMap::new(),
+            identical_rewrites_bump: false,
         }
     }
 
@@ -506,6 +515,29 @@ mod tests {
 
     fn value(s: &Store, key: &str) -> Option<Vec<u8>> {
         s.get(key).map(|e| e.value.to_vec())
+    }
+
+    /// A write that changes nothing: Consul 1.x keeps the entry and its index, and answers
+    /// with that index; 0.7 (`--compat 0.7`) commits it at a new index, as the real 0.7.0
+    /// does (a `set` of the same value twice moves `ModifyIndex`).
+    #[test]
+    fn an_identical_rewrite_keeps_its_index_on_1x_and_moves_it_on_0_7() {
+        for bump in [false, true] {
+            let mut s = Store::new();
+            s.set_identical_rewrites_bump(bump);
+            let first = write(&mut s, &[set("k", "v")]);
+            let (results, commit) = s
+                .txn(&[set("k", "v"), set("j", "v")], Instant::now())
+                .unwrap();
+            let at = commit.record.unwrap().index;
+            let k = s.get("k").unwrap().modify_index;
+            assert_eq!(
+                results[0].modify_index, k,
+                "the answer names the key's index"
+            );
+            assert_eq!(results[1].modify_index, at);
+            assert_eq!(k, if bump { at } else { first }, "bump: {bump}");
+        }
     }
 
     #[test]

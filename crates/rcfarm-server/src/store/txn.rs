@@ -132,7 +132,7 @@ impl Tx<'_> {
     }
 
     /// Consul's `kvsSetTxn`: keeps `CreateIndex`, keeps the session unless the op manages it,
-    /// and skips the write entirely if nothing would change.
+    /// and (1.x; not 0.7) skips the write entirely if nothing would change.
     fn set(
         &mut self,
         key: &str,
@@ -157,6 +157,7 @@ impl Tx<'_> {
             modify_index: self.idx,
         };
         if let Some(ex) = &existing
+            && !self.store.identical_rewrites_bump
             && ex.value == entry.value
             && ex.flags == entry.flags
             && ex.session == entry.session

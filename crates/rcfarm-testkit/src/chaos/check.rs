@@ -185,7 +185,9 @@ pub async fn not_converged(consul: &Consul, running: &BTreeSet<u32>) -> Vec<Stri
         if rc.disabled {
             continue;
         }
-        if transfers.iter().any(|k| k.contains(&id.to_string())) {
+        // P2's status key says a transfer is in flight; rcfarm's own key beside it only
+        // records starts (a previous release's farm leaves it behind when it ends one).
+        if transfers.contains(&crate::rctask::status_key(*id)) {
             out.push(format!("{id}: a transfer is in flight"));
             continue;
         }

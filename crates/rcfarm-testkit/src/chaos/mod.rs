@@ -262,8 +262,11 @@ impl ChaosReport {
             self.rolls_released,
             self.roll_steps,
             self.roll_steps_braked_checked,
-            self.roll_min_margin
-                .map_or("-".to_string(), |m| m.to_string())
+            self.roll_min_margin.map_or(
+                "not measured (no commit log on real Consul: steps and reverts counted from SQL)"
+                    .to_string(),
+                |m| m.to_string()
+            )
         ));
         if self.rolls_unfinished.is_empty() {
             s.push_str(&format!(
@@ -621,6 +624,19 @@ pub async fn run(cfg: ChaosConfig) -> Result<ChaosReport, String> {
         .iter()
         .filter(|r| r.details["succeeded"] == true)
         .count() as u64;
+    // Counted from SQL too, for a run on real Consul (no commit log to replay).
+    let mut counted = Vec::new();
+    for t in [events::ROLL_STEP, events::ROLL_REVERTED] {
+        counted.push(
+            sql.count(&AuditQuery {
+                event_type: Some(t.into()),
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| e.to_string())?,
+        );
+    }
+    let (steps_in_sql, reverts_in_sql) = (counted[0], counted[1]);
     let sql_ids = all_ids(&sql).await?;
     sql.close().await;
     // What was written by the time SQL was read: a farm may still write (and its shipper ship)
@@ -672,6 +688,8 @@ pub async fn run(cfg: ChaosConfig) -> Result<ChaosReport, String> {
         r.roll_min_margin = observer.roll_min_margin();
     }
     if let Some(seen) = seen {
+        r.roll_steps = steps_in_sql;
+        r.rolls_reverted = reverts_in_sql;
         r.violations = seen.violations;
         r.audit_written = seen.audit_ids.len() as u64;
         r.audit_missing = seen.audit_ids.difference(&sql_ids).count() as u64;

@@ -130,7 +130,9 @@ impl State {
             } else if let Some(rest) = k.strip_prefix("labels/pod/") {
                 labels.push((rest, e));
             } else if let Some(rest) = k.strip_prefix("status/replication_controllers/") {
-                if let Some(id) = rest.split('/').next() {
+                // A transfer is in flight while P2's status key says so; rcfarm's own key
+                // beside it only records starts (a previous release leaves it behind).
+                if let Some(id) = rest.strip_suffix("/replication_controller") {
                     transfers.insert(id);
                 }
             } else if let Some(id) = k.strip_prefix(RC_LOCK_PREFIX) {

@@ -163,6 +163,24 @@ impl Observer {
     /// Whether `taker` is the RC a rolling update moves `giver`'s replicas onto: a roll record
     /// `rolls/<taker>` naming `giver` as old, or (P2's `p2-rctl rolling-update`, which writes
     /// none) both RCs' mutation locks held by one session with one value.
+    /// Who wrote a commit, for a violation's message: the locks its fence checked, by which
+    /// session of which farm (from the farms' registry).
+    fn writer(&self, c: &LoggedCommit) -> String {
+        c.checks
+            .iter()
+            .map(|(k, s)| {
+                let farm = self
+                    .kv
+                    .get(&format!("{}{s}", crate::farm::registry::FARMS_PREFIX))
+                    .and_then(|v| serde_json::from_slice::<Value>(v).ok())
+                    .and_then(|v| v.get("farm_id")?.as_str().map(str::to_string))
+                    .unwrap_or_else(|| "?".into());
+                format!("{k} checked for session {s} of farm {farm}")
+            })
+            .collect::<Vec<_>>()
+            .join("; ")
+    }
+
     fn rolled_onto(&self, giver: &str, taker: &str) -> bool {
         if self.roll_old_rc(taker).as_deref() == Some(giver) {
             return true;
@@ -527,7 +545,10 @@ impl Observer {
             let Some((_, session)) = c.checks.iter().find(|(k, _)| k == &lock) else {
                 self.violations.push(Violation {
                     index: c.index,
-                    what: format!("write to the pods of {rc} not fenced by its lock"),
+                    what: format!(
+                        "write to the pods of {rc} not fenced by its lock (the writer: {})",
+                        self.writer(c)
+                    ),
                 });
                 continue;
             };

@@ -51,14 +51,15 @@ pub(crate) enum RollCommand {
         #[command(flatten)]
         dry: DryRun,
     },
-    /// Roll an RC back to a revision of its lineage (`rcctl rc history RC`; the latest by
-    /// default): an ordinary roll to a new RC with that revision's manifest, node selector and
+    /// Roll an RC back to a revision of its lineage (`rcctl rc history RC`; by default the
+    /// latest that was not a failed deploy an auto-revert replaced): an ordinary roll to a new RC with that revision's manifest, node selector and
     /// pod labels, the RC's current replica count, and the minimum and pace of the roll that
     /// replaced the revision (the flags below override them). Prints the roll's id.
     Undo {
         /// The RC to roll back (the head of its lineage).
         rc: String,
-        /// The revision to go back to (default: the latest).
+        /// The revision to go back to (default: the latest, passing over failed deploys that
+        /// were reverted).
         #[arg(long, value_name = "R")]
         to_revision: Option<u64>,
         #[command(flatten)]
@@ -834,7 +835,15 @@ async fn undo(
         )));
     };
     let rev = match to_revision {
-        None => history.latest(),
+        None => {
+            let Some(rev) = history.undo_target() else {
+                return Err(CliError::Usage(format!(
+                    "RC {id}'s only revisions are deploys that failed and were reverted ({}): nothing to go back to by default; pick one with --to-revision R (rcctl rc history {id})",
+                    history.numbers()
+                )));
+            };
+            Some(rev)
+        }
         Some(r) => history.get(r),
     };
     let Some(rev) = rev.cloned() else {
@@ -944,7 +953,11 @@ pub(crate) async fn history(ctx: &Ctx, rc: &str) -> Result<(), CliError> {
             r.revision.to_string(),
             r.replaced_at.format("%Y-%m-%dT%H:%M:%SZ").to_string(),
             r.rc_id.to_string(),
-            r.by.clone().unwrap_or_else(|| "-".into()),
+            match (&r.by, r.reverted) {
+                (by, true) => format!("{} (failed, reverted)", by.as_deref().unwrap_or("-")),
+                (Some(by), false) => by.clone(),
+                (None, false) => "-".into(),
+            },
             r.roll.to_string(),
             format!("{}/{}", r.replicas, r.minimum_replicas),
             manifest_summary(&r.manifest),

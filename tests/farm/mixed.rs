@@ -1,0 +1,218 @@
+//! Farms of the previous release beside this one's, as operators upgrade them: one at a time.
+//! What one version writes in Consul (a transfer's start, a retired RC's marker, a roll's
+//! steps) the other reads, and an operator's ordinary day runs across the mix, each step
+//! carried by the other version than the one before.
+//!
+//! The previous release's `rcfarm` comes from `RCFARM_TEST_PREVIOUS_BIN` (`scripts/previous-release`
+//! builds the commit `.ci/previous-release` names and prints its path); without it these tests
+//! say so and pass.
+
+use std::time::Duration;
+
+use rcfarm::rc::RcId;
+
+use crate::brakes::{
+    a_transfer_in_flight_from, bad_deploy_reverted, create_web, day_manifests, deploy, intents,
+    scale_to_zero_and_delete,
+};
+use crate::harness::{Backend, Cluster, nodes, signal};
+use crate::on_every_backend;
+use crate::rolls::{ROLL_FLAGS, roll_exists};
+
+fn previous_bin() -> Option<String> {
+    match std::env::var("RCFARM_TEST_PREVIOUS_BIN") {
+        Ok(p) if std::path::Path::new(&p).is_file() => Some(p),
+        Ok(p) => {
+            eprintln!(
+                "SKIPPED: RCFARM_TEST_PREVIOUS_BIN={p} is no file: no farm of the previous release to run beside this one"
+            );
+            None
+        }
+        Err(_) => {
+            eprintln!(
+                "SKIPPED: set RCFARM_TEST_PREVIOUS_BIN to the previous release's rcfarm to run farms of both releases side by side"
+            );
+            None
+        }
+    }
+}
+
+/// Starts farm `id` from `bin` with the roll test flags.
+async fn spawn(c: &mut Cluster, bin: &str, id: &str) -> usize {
+    let url = c.server.url();
+    c.spawn_farm_from(bin, id, &url, &ROLL_FLAGS, &[]).await
+}
+
+/// Stops farm `i` with SIGTERM (it hands over what it serves) and waits for it to exit.
+async fn stop(c: &mut Cluster, i: usize) {
+    signal(c.farms[i].pid, "TERM");
+    let _ = tokio::time::timeout(Duration::from_secs(15), c.farms[i].child.wait()).await;
+}
+
+fn first_line((code, out, err): (i32, String, String)) -> String {
+    assert_eq!(code, 0, "{out}{err}");
+    out.lines().next().unwrap_or_default().trim().to_string()
+}
+
+/// Waits until `rc` runs `replicas` pods that are up, each asking for `artifact`, with no roll
+/// left.
+async fn settled_on(c: &Cluster, rc: RcId, replicas: usize, artifact: &str, what: &str) {
+    let artifact = format!("{artifact}.tar.gz");
+    let a = &artifact;
+    c.wait_for(Duration::from_secs(60), what, move || async move {
+        c.count_prefix("rolls/").await == 0
+            && c.all_up(rc, replicas).await
+            && intents(c, rc).await.iter().all(|m| m.contains(a.as_str()))
+    })
+    .await;
+}
+
+on_every_backend!(an_operators_day_across_an_upgrade);
+/// Create, two deploys, a bad deploy reverted, an undo, a scale to 0 and a delete, on a farm of
+/// each release; before each step the farm that carried the last one stops, so that each step
+/// is taken over or carried by the other release.
+async fn an_operators_day_across_an_upgrade(backend: Backend) {
+    let Some(previous) = previous_bin() else {
+        return;
+    };
+    if matches!(backend, Backend::Embedded(rcfarm::server::Compat::V1)) {
+        // The previous release caches a label it rewrote unchanged at the transaction's index;
+        // Consul 1.x keeps the key's (0.7 moves it), so that farm's next write guarded by the
+        // label fails for ever (`behind_the_back::a_pod_repaired_under_an_unchanged_label_…`
+        // pins the fix). Its repair after a handover makes that likely here: on 1.x a mixed
+        // cluster can jam on the previous release's own bug, which upgrading it removes.
+        eprintln!(
+            "SKIPPED on Consul 1.x semantics: the previous release's stale-label bug (fixed in this one) jams it there"
+        );
+        return;
+    }
+    let mut c = Cluster::start_on(&backend).await;
+    nodes(&c, 6, 2).await;
+    let _sim = c.simulate_failing(6, "broken");
+    let this = crate::harness::BIN;
+    let mut old = spawn(&mut c, &previous, "old").await;
+    let mut new = spawn(&mut c, this, "new").await;
+    let dir = tempfile::tempdir().unwrap();
+    let [v1, v2, v3, bad] = day_manifests(dir.path());
+    let first = first_line(create_web(&c, &v1, 4).await);
+    let rc = RcId::parse(&first).unwrap();
+    settled_on(&c, rc, 4, "web-1", "4 pods of v1 up").await;
+
+    // The first deploy, on the previous release alone.
+    stop(&mut c, new).await;
+    let second = first_line(deploy(&c, &first, &v2, &[]).await);
+    let rc2 = RcId::parse(&second).unwrap();
+    settled_on(&c, rc2, 4, "web-2", "the previous release rolled onto v2").await;
+    assert!(!roll_exists(&c, rc2).await);
+
+    // The second deploy, on this release alone: it reads what the previous one left.
+    new = spawn(&mut c, this, "new").await;
+    stop(&mut c, old).await;
+    let third = first_line(deploy(&c, &second, &v3, &[]).await);
+    let good = RcId::parse(&third).unwrap();
+    settled_on(&c, good, 4, "web-3", "this release rolled onto v3").await;
+
+    // A bad deploy with both releases running: it fails and is reverted by whichever carries it.
+    old = spawn(&mut c, &previous, "old").await;
+    bad_deploy_reverted(&c, &third, &bad).await;
+    settled_on(&c, good, 4, "web-3", "back on v3").await;
+
+    // Undo, on the previous release alone: back to v2 (revision 2; revision 3 is the bad
+    // deploy the revert replaced, which a plain undo passes over only when this release
+    // completed the revert: the previous one does not mark it).
+    stop(&mut c, new).await;
+    let undone = first_line(
+        c.rcctl(&[
+            "roll",
+            "undo",
+            &third,
+            "--to-revision",
+            "2",
+            "--wait",
+            "--timeout",
+            "90s",
+        ])
+        .await,
+    );
+    let undone = RcId::parse(&undone).unwrap();
+    settled_on(&c, undone, 4, "web-2", "undone onto v2").await;
+
+    // Scale to 0 and delete, on this release alone.
+    spawn(&mut c, this, "new").await;
+    stop(&mut c, old).await;
+    scale_to_zero_and_delete(&c, undone).await;
+    c.check_invariants(|_| false);
+}
+
+on_every_backend!(a_node_transfer_crosses_releases_both_ways);
+/// A node transfer started by one release and ended by the other: the previous release's
+/// start (P2's status key only) is resumed and timed out by this one, and this one's start
+/// (P2's key and rcfarm's own) is resumed and rolled back by the previous one, which leaves
+/// rcfarm's key behind; this release deletes it when it next takes the RC.
+async fn a_node_transfer_crosses_releases_both_ways(backend: Backend) {
+    let Some(previous) = previous_bin() else {
+        return;
+    };
+    for (starts, ends) in [
+        (previous.as_str(), crate::harness::BIN),
+        (crate::harness::BIN, previous.as_str()),
+    ] {
+        let mut flags = ROLL_FLAGS.to_vec();
+        flags.extend(["--transfer-timeout", "6s"]);
+        // No new pod passes once the transfer has started, so it can only time out and roll
+        // back.
+        let (mut c, o) = a_transfer_in_flight_from(&backend, starts, "starts", &flags, &[]).await;
+        let url = c.server.url();
+        signal(c.farms[0].pid, "KILL");
+        let previous_ends = ends != crate::harness::BIN;
+        if previous_ends {
+            // Its node eligible again, the transfer is rolled back and none follows: what the
+            // previous release leaves of it then stays for this release to clean.
+            c.label_node("node-00", &[("env", "prod")]).await;
+        }
+        c.spawn_farm_from(ends, "ends", &url, &flags, &[]).await;
+        let cr = &c;
+        c.wait_for(
+            Duration::from_secs(45),
+            "the other release rolled the transfer back",
+            // (On a timeout it starts the move again at once, as P2's farm would: the record
+            // is the proof.)
+            move || async move {
+                cr.audit_events("NODE_TRANSFER_ROLLBACK")
+                    .await
+                    .iter()
+                    .any(|r| r["farm_id"] == "ends")
+            },
+        )
+        .await;
+        if previous_ends {
+            // The previous release deleted P2's key only: rcfarm's start key is left, naming
+            // the transfer that ended. It misleads nobody (it names that transfer's id); this
+            // release's farm deletes it when it takes the RC over.
+            let ours = rcfarm::rctask::rcfarm_status_key(o);
+            c.wait_for(
+                Duration::from_secs(15),
+                "P2's key gone",
+                move || async move { !cr.transfer_in_flight(o).await },
+            )
+            .await;
+            assert_eq!(
+                c.count_prefix(&ours).await,
+                1,
+                "left by the previous release"
+            );
+            signal(c.farms[1].pid, "KILL");
+            c.spawn_farm_from(crate::harness::BIN, "cleans", &url, &flags, &[])
+                .await;
+            let (cr, ours) = (&c, ours.as_str());
+            c.wait_for(
+                Duration::from_secs(45),
+                "the stale start key deleted by this release",
+                move || async move { cr.count_prefix(ours).await == 0 },
+            )
+            .await;
+            assert!(!c.transfer_in_flight(o).await, "no transfer was needed");
+        }
+        c.check_invariants(|_| false);
+    }
+}
