@@ -62,7 +62,14 @@ async fn thirty_seconds_of_chaos_on_a_consul_cluster_break_no_promise() {
     let report = run(ChaosConfig {
         farms: 2,
         seed: 12,
-        ..thirty_seconds(ChaosConsul::Cluster { bin, servers: 3 }, dir.path())
+        ..thirty_seconds(
+            ChaosConsul::Cluster {
+                bin,
+                servers: 3,
+                partitions: false,
+            },
+            dir.path(),
+        )
     })
     .await
     .unwrap();
@@ -76,6 +83,48 @@ async fn thirty_seconds_of_chaos_on_a_consul_cluster_break_no_promise() {
         .sum();
     assert!(server_faults >= 2, "Consul servers were faulted: {summary}");
     assert!(report.elections.is_some_and(|e| e >= 1), "{summary}");
+    explain_failure(&report, dir.path());
+}
+
+/// On a real 3-server cluster whose agents each have an address of their own: the network
+/// between them cut (the leader, one server, a farm's agent, one-way links, bridges,
+/// flapping) among the farm and server faults, while RCs and rolls change; every promise
+/// checked from outside. Needs root and nftables (`rcfarm::chaos::partition`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_minute_of_partitions_on_a_consul_cluster_breaks_no_promise() {
+    let Some(Backend::Real(bin)) = Backend::real() else {
+        return;
+    };
+    if let Err(why) = rcfarm::chaos::partition::available() {
+        eprintln!("SKIPPED: no partitions on this machine: {why}");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let report = run(ChaosConfig {
+        farms: 2,
+        seed: 37,
+        duration: Duration::from_secs(60),
+        partition_faults: true,
+        ..thirty_seconds(
+            ChaosConsul::Cluster {
+                bin,
+                servers: 3,
+                partitions: true,
+            },
+            dir.path(),
+        )
+    })
+    .await
+    .unwrap();
+    let summary = report.summary();
+    println!("{summary}");
+    let partitions: u64 = report
+        .faults
+        .iter()
+        .filter(|(k, _)| k.starts_with("partition-"))
+        .map(|(_, n)| n)
+        .sum();
+    assert!(partitions >= 2, "the network was cut: {summary}");
     explain_failure(&report, dir.path());
 }
 
@@ -98,6 +147,7 @@ fn thirty_seconds(consul: ChaosConsul, dir: &std::path::Path) -> ChaosConfig {
         consul,
         farm_faults: true,
         consul_faults: true,
+        partition_faults: false,
         mutations: true,
     }
 }

@@ -21,6 +21,7 @@ mod mixed;
 mod p2_behaviour;
 mod p2_nodes;
 mod p2_side_by_side;
+mod partitions;
 mod rolls;
 mod security;
 mod trouble;

@@ -43,11 +43,21 @@ pub struct ChaosArgs {
     #[arg(long, default_value_t = 1, requires = "consul_bin")]
     pub consul_servers: usize,
     /// Leave the farms alone (fault only Consul servers).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "faults")]
     pub no_farm_faults: bool,
     /// Leave the Consul servers alone.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "faults")]
     pub no_consul_faults: bool,
+    /// With --consul-servers 3 or more: also cut the network between Consul agents (each on
+    /// an address of its own in 127.0.0.0/8, partitioned by nftables rules; needs root and
+    /// `nft`): the leader cut off, one server, a farm's agent, one-way links, bridges, flapping.
+    #[arg(long, conflicts_with = "faults")]
+    pub partitions: bool,
+    /// Which faults to inject, instead of the default mix: a comma-separated list of
+    /// `farms` (kill, stop, terminate, restart), `servers` (Consul servers killed, stopped,
+    /// restarted) and `partitions` (see --partitions).
+    #[arg(long, value_name = "KINDS", value_delimiter = ',')]
+    pub faults: Option<Vec<String>>,
     /// Change nothing (no RC, node or roll changes): faults only, to count handovers.
     #[arg(long)]
     pub no_mutations: bool,
@@ -75,9 +85,22 @@ pub async fn run(args: ChaosArgs) -> Result<(), CliError> {
             args.consul_servers
         )));
     }
-    if args.no_farm_faults && (args.no_consul_faults || args.consul_servers < 3) {
+    let kinds = FaultKinds::from_args(&args)?;
+    if kinds.partitions && (args.consul_bin.is_none() || args.consul_servers < 3) {
         return Err(CliError::Usage(
-            "nothing to fault: --no-farm-faults needs a cluster (--consul-servers 3) whose servers are faulted".into(),
+            "partitions cut the network between the agents of a real Consul cluster: add --consul-bin PATH --consul-servers 3".into(),
+        ));
+    }
+    if kinds.partitions
+        && let Err(why) = crate::chaos::partition::available()
+    {
+        return Err(CliError::Usage(format!(
+            "partitions are not possible here: {why}"
+        )));
+    }
+    if !kinds.farms && !kinds.partitions && (!kinds.servers || args.consul_servers < 3) {
+        return Err(CliError::Usage(
+            "nothing to fault: without farm faults, run a cluster (--consul-bin PATH --consul-servers 3) and fault its servers or its network (--faults servers,partitions)".into(),
         ));
     }
     let consul = match &args.consul_bin {
@@ -98,6 +121,7 @@ pub async fn run(args: ChaosArgs) -> Result<(), CliError> {
                 ChaosConsul::Cluster {
                     bin,
                     servers: args.consul_servers,
+                    partitions: kinds.partitions,
                 }
             }
         }
@@ -136,8 +160,18 @@ pub async fn run(args: ChaosArgs) -> Result<(), CliError> {
         match &consul {
             ChaosConsul::Embedded => "the embedded server".to_string(),
             ChaosConsul::Agent(b) => format!("a real Consul agent ({})", b.display()),
-            ChaosConsul::Cluster { servers, .. } =>
-                format!("a real Consul cluster of {servers} servers"),
+            ChaosConsul::Cluster {
+                servers,
+                partitions,
+                ..
+            } => format!(
+                "a real Consul cluster of {servers} servers{}",
+                if *partitions {
+                    ", partitioned now and then"
+                } else {
+                    ""
+                }
+            ),
         },
         if proxy.is_some() {
             ", farm 0 behind a faulty proxy"
@@ -158,8 +192,9 @@ pub async fn run(args: ChaosArgs) -> Result<(), CliError> {
         proxy,
         log_dir,
         consul,
-        farm_faults: !args.no_farm_faults,
-        consul_faults: !args.no_consul_faults,
+        farm_faults: kinds.farms,
+        consul_faults: kinds.servers,
+        partition_faults: kinds.partitions,
         mutations: !args.no_mutations,
     })
     .await
@@ -170,5 +205,53 @@ pub async fn run(args: ChaosArgs) -> Result<(), CliError> {
         Ok(())
     } else {
         Err(CliError::Failed("result: FAILED (see above)".into()))
+    }
+}
+
+/// Which faults a run injects.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct FaultKinds {
+    farms: bool,
+    servers: bool,
+    partitions: bool,
+}
+
+impl FaultKinds {
+    fn from_args(args: &ChaosArgs) -> Result<FaultKinds, CliError> {
+        let Some(list) = &args.faults else {
+            return Ok(FaultKinds {
+                farms: !args.no_farm_faults,
+                servers: !args.no_consul_faults,
+                partitions: args.partitions,
+            });
+        };
+        let mut k = FaultKinds {
+            farms: false,
+            servers: false,
+            partitions: false,
+        };
+        for kind in list.iter().map(|s| s.trim()).filter(|s| !s.is_empty()) {
+            match kind {
+                "farms" => k.farms = true,
+                "servers" => k.servers = true,
+                "partitions" => k.partitions = true,
+                "clock" | "restore" | "audit-db" => {
+                    return Err(CliError::Usage(format!(
+                        "--faults {kind}: not built yet; available: farms, servers, partitions"
+                    )));
+                }
+                other => {
+                    return Err(CliError::Usage(format!(
+                        "--faults {other}: no such fault kind; use a comma-separated list of farms, servers, partitions (e.g. --faults partitions,farms)"
+                    )));
+                }
+            }
+        }
+        if !(k.farms || k.servers || k.partitions) {
+            return Err(CliError::Usage(
+                "--faults needs at least one kind: farms, servers, partitions".into(),
+            ));
+        }
+        Ok(k)
     }
 }

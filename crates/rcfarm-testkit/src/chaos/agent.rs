@@ -3,7 +3,7 @@
 //! whatever `RCFARM_TEST_CONSUL_BIN` names (CI points it at HashiCorp Consul 0.7.0 in
 //! `../shared/consul/`); nothing here works without one.
 
-use std::net::{SocketAddr, TcpListener};
+use std::net::{Ipv4Addr, SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
@@ -68,6 +68,12 @@ pub struct AgentConfig {
     pub tls: Option<AgentTls>,
     /// Lowest session TTL the agent accepts (tests run farms with TTLs below Consul's 10 s).
     pub session_ttl_min: Duration,
+    /// The address it binds (its API, Serf and server ports): 127.0.0.1, or one of its own
+    /// for partitions ([`super::partition`]).
+    pub ip: Ipv4Addr,
+    /// Runs under this user id (and group id) instead of the caller's: what a partition's
+    /// rules recognise its packets by. Needs root.
+    pub uid: Option<u32>,
 }
 
 impl AgentConfig {
@@ -83,6 +89,8 @@ impl AgentConfig {
             acl_master_token: None,
             tls: None,
             session_ttl_min: Duration::from_secs(1),
+            ip: Ipv4Addr::LOCALHOST,
+            uid: None,
         }
     }
 }
@@ -133,7 +141,7 @@ impl ConsulAgent {
         // back can be handed out again at once (two listeners on one port, and Consul refuses
         // to start).
         let held: Vec<TcpListener> = (0..6)
-            .map(|_| TcpListener::bind("127.0.0.1:0"))
+            .map(|_| TcpListener::bind((config.ip, 0)))
             .collect::<std::io::Result<_>>()
             .map_err(|e| e.to_string())?;
         let p: Vec<u16> = held
@@ -164,8 +172,8 @@ impl ConsulAgent {
         let c = &self.config;
         let mut v = json!({
             "node_name": c.node_name,
-            "bind_addr": "127.0.0.1",
-            "client_addr": "127.0.0.1",
+            "bind_addr": c.ip.to_string(),
+            "client_addr": c.ip.to_string(),
             "disable_update_check": true,
             "session_ttl_min": crate::util::format_go_duration(c.session_ttl_min),
             "performance": {"raft_multiplier": 1},
@@ -207,6 +215,12 @@ impl ConsulAgent {
 
     fn spawn(&mut self) -> Result<(), String> {
         let cfg_path = self.dir.join("agent.json");
+        if let Some(uid) = self.config.uid {
+            // Its files (config, log, data) become its own: it runs as another user.
+            std::fs::create_dir_all(&self.data_dir).map_err(|e| e.to_string())?;
+            chown_tree(&self.dir, uid)?;
+            chown_tree(&self.data_dir, uid)?;
+        }
         std::fs::write(&cfg_path, self.config_json().to_string()).map_err(|e| e.to_string())?;
         let log = std::fs::OpenOptions::new()
             .create(true)
@@ -223,6 +237,9 @@ impl ConsulAgent {
             .stdout(Stdio::from(log.try_clone().map_err(|e| e.to_string())?))
             .stderr(Stdio::from(log))
             .kill_on_drop(true);
+        if let Some(uid) = self.config.uid {
+            cmd.uid(uid).gid(uid);
+        }
         let child = cmd
             .spawn()
             .map_err(|e| format!("cannot start {}: {e}", self.config.bin.display()))?;
@@ -290,25 +307,37 @@ impl ConsulAgent {
     }
 
     pub fn http_url(&self) -> String {
-        format!("http://127.0.0.1:{}", self.ports.http)
+        format!("http://{}:{}", self.config.ip, self.ports.http)
     }
 
     pub fn https_url(&self) -> Option<String> {
-        self.ports.https.map(|p| format!("https://127.0.0.1:{p}"))
+        self.ports
+            .https
+            .map(|p| format!("https://{}:{p}", self.config.ip))
     }
 
     pub fn http_addr(&self) -> SocketAddr {
-        SocketAddr::from(([127, 0, 0, 1], self.ports.http))
+        SocketAddr::from((self.config.ip, self.ports.http))
     }
 
     /// The Serf LAN address others join.
     pub fn serf_lan(&self) -> SocketAddr {
-        SocketAddr::from(([127, 0, 0, 1], self.ports.serf_lan))
+        SocketAddr::from((self.config.ip, self.ports.serf_lan))
     }
 
     /// The raft address `/v1/status/leader` names when this agent leads.
     pub fn raft_addr(&self) -> String {
-        format!("127.0.0.1:{}", self.ports.server)
+        format!("{}:{}", self.config.ip, self.ports.server)
+    }
+
+    /// This agent as a partition's rules see it (`None`: it has no address and user of its
+    /// own).
+    pub fn endpoint(&self) -> Option<super::partition::Endpoint> {
+        Some(super::partition::Endpoint {
+            name: self.config.node_name.clone(),
+            ip: self.config.ip,
+            uid: self.config.uid?,
+        })
     }
 
     pub fn pid(&self) -> Option<u32> {
@@ -382,12 +411,49 @@ impl ConsulCluster {
         servers: usize,
         clients: usize,
     ) -> Result<ConsulCluster, String> {
+        Self::start_with(bin, servers, clients, false).await
+    }
+
+    /// A cluster whose agents can be partitioned from each other: each binds an address of its
+    /// own and runs under a user id of its own ([`super::partition`]; needs root), and the
+    /// partitions between them (none yet), servers first, then clients.
+    pub async fn start_partitionable(
+        bin: &Path,
+        servers: usize,
+        clients: usize,
+    ) -> Result<(ConsulCluster, super::partition::Partitions), String> {
+        super::partition::available()?;
+        let cluster = Self::start_with(bin, servers, clients, true).await?;
+        let endpoints = cluster
+            .servers
+            .iter()
+            .chain(&cluster.clients)
+            .filter_map(ConsulAgent::endpoint)
+            .collect();
+        let partitions = super::partition::Partitions::new(endpoints)?;
+        Ok((cluster, partitions))
+    }
+
+    async fn start_with(
+        bin: &Path,
+        servers: usize,
+        clients: usize,
+        own_identities: bool,
+    ) -> Result<ConsulCluster, String> {
+        let own = |c: &mut AgentConfig| {
+            if own_identities {
+                let (ip, uid) = super::partition::identity();
+                c.ip = ip;
+                c.uid = Some(uid);
+            }
+        };
         // Ports first, so every server can name the others to join.
         let mut agents = Vec::new();
         for i in 0..servers {
             let mut c = AgentConfig::dev(bin, &format!("s{}", i + 1));
             c.dev = false;
             c.bootstrap_expect = Some(servers);
+            own(&mut c);
             agents.push(c);
         }
         let mut started: Vec<ConsulAgent> = agents
@@ -411,6 +477,7 @@ impl ConsulCluster {
             c.dev = false;
             c.server = false;
             c.join = join.clone();
+            own(&mut c);
             let mut a = ConsulAgent::prepare(c)?;
             a.spawn()?;
             a.wait_ready(true, Duration::from_secs(60)).await?;
@@ -442,4 +509,19 @@ impl ConsulCluster {
         }
         None
     }
+}
+
+/// Gives `path` and everything under it to user and group `uid`.
+fn chown_tree(path: &Path, uid: u32) -> Result<(), String> {
+    std::os::unix::fs::chown(path, Some(uid), Some(uid))
+        .map_err(|e| format!("cannot give {} to user {uid}: {e}", path.display()))?;
+    if path.is_dir() {
+        for entry in std::fs::read_dir(path).map_err(|e| e.to_string())? {
+            let entry = entry.map_err(|e| e.to_string())?;
+            if !entry.file_type().map_err(|e| e.to_string())?.is_symlink() {
+                chown_tree(&entry.path(), uid)?;
+            }
+        }
+    }
+    Ok(())
 }

@@ -13,6 +13,7 @@ use rand::rngs::StdRng;
 use tokio_util::sync::CancellationToken;
 
 use super::agent::{AgentConfig, ConsulAgent, ConsulCluster};
+use super::partition::Partitions;
 use crate::consul::{Consul, ConsulConfig, QueryOptions};
 use crate::invariants::external::ExternalObserver;
 use crate::server::{EmbeddedServer, ServerConfig};
@@ -25,8 +26,14 @@ pub enum ChaosConsul {
     /// A real Consul dev agent from this binary.
     Agent(PathBuf),
     /// Real Consul: `servers` servers and a client agent per farm (plus one for the checks);
-    /// servers are SIGKILLed, SIGSTOPped and restarted, the leader included.
-    Cluster { bin: PathBuf, servers: usize },
+    /// servers are SIGKILLed, SIGSTOPped and restarted, the leader included. `partitions`:
+    /// every agent on an address and a user of its own, so that the network between them can
+    /// be cut ([`super::partition`]; needs root and nftables).
+    Cluster {
+        bin: PathBuf,
+        servers: usize,
+        partitions: bool,
+    },
 }
 
 pub(super) enum Backend {
@@ -36,6 +43,8 @@ pub(super) enum Backend {
         observer: ExternalObserver,
         /// Raft term increases seen (elections), counted by a poller.
         elections: Arc<AtomicU64>,
+        /// The network between the agents, when it can be cut.
+        partitions: Option<Partitions>,
         stop_poller: CancellationToken,
     },
 }
@@ -53,14 +62,28 @@ impl Backend {
                 .map_err(|e| e.to_string())?;
                 return Ok(Backend::Embedded(server));
             }
-            ChaosConsul::Agent(bin) => ConsulCluster {
-                servers: vec![ConsulAgent::start(AgentConfig::dev(bin, "chaos")).await?],
-                clients: Vec::new(),
-            },
-            ChaosConsul::Cluster { bin, servers } => {
-                ConsulCluster::start(bin, *servers, farms + 1).await?
+            ChaosConsul::Agent(bin) => (
+                ConsulCluster {
+                    servers: vec![ConsulAgent::start(AgentConfig::dev(bin, "chaos")).await?],
+                    clients: Vec::new(),
+                },
+                None,
+            ),
+            ChaosConsul::Cluster {
+                bin,
+                servers,
+                partitions: false,
+            } => (ConsulCluster::start(bin, *servers, farms + 1).await?, None),
+            ChaosConsul::Cluster {
+                bin,
+                servers,
+                partitions: true,
+            } => {
+                let (c, p) = ConsulCluster::start_partitionable(bin, *servers, farms + 1).await?;
+                (c, Some(p))
             }
         };
+        let (cluster, partitions) = cluster;
         let consul = client(&harness_url(&cluster))?;
         let observer = ExternalObserver::spawn(consul);
         let elections = Arc::new(AtomicU64::new(0));
@@ -75,6 +98,7 @@ impl Backend {
             cluster,
             observer,
             elections,
+            partitions,
             stop_poller,
         })
     }
@@ -159,12 +183,64 @@ impl Backend {
             }
         }
         // The next fault only once the cluster has a leader again.
-        for _ in 0..200 {
-            if cluster.leader().await.is_some() {
-                break;
+        wait_for_leader(cluster, Duration::from_secs(20)).await;
+        Some(kind)
+    }
+
+    /// Whether the network between the agents can be cut.
+    pub(super) fn partitions(&self) -> bool {
+        matches!(
+            self,
+            Backend::Real {
+                partitions: Some(_),
+                ..
             }
-            tokio::time::sleep(Duration::from_millis(100)).await;
+        )
+    }
+
+    /// One network partition, held for a few seconds and healed (see [`Topology`]). Returns
+    /// its kind. Like [`Backend::server_fault`], waits for a leader after healing. The run's
+    /// own client agent (the last) is never cut: the checks read through it.
+    pub(super) async fn partition_fault(&mut self, rng: &mut StdRng) -> Option<&'static str> {
+        let Backend::Real {
+            cluster,
+            partitions: Some(parts),
+            ..
+        } = self
+        else {
+            return None;
+        };
+        let servers = cluster.servers.len();
+        // Farms' own client agents (the last client is the run's).
+        let farm_agents: Vec<usize> =
+            (servers..servers + cluster.clients.len().saturating_sub(1)).collect();
+        let leader = cluster.leader().await;
+        let topology = Topology::pick(rng, servers, &farm_agents, leader);
+        let hold = Duration::from_millis(rng.random_range(3000..10_000));
+        let kind = topology.kind();
+        tracing::info!(kind, ?topology, ?hold, "partition");
+        match &topology {
+            Topology::Flapping(rounds) => {
+                for t in rounds {
+                    if let Err(e) = t.apply(parts, servers) {
+                        tracing::warn!(error = %e, "partition not applied");
+                    }
+                    tokio::time::sleep(Duration::from_millis(rng.random_range(500..2000))).await;
+                    let _ = parts.heal();
+                    tokio::time::sleep(Duration::from_millis(rng.random_range(500..2000))).await;
+                }
+            }
+            t => {
+                if let Err(e) = t.apply(parts, servers) {
+                    tracing::warn!(error = %e, "partition not applied");
+                }
+                tokio::time::sleep(hold).await;
+            }
         }
+        if let Err(e) = parts.heal() {
+            tracing::warn!(error = %e, "partition not healed");
+        }
+        wait_for_leader(cluster, Duration::from_secs(30)).await;
         Some(kind)
     }
 
@@ -206,6 +282,14 @@ impl Backend {
                 }
             }
         }
+    }
+}
+
+/// Waits (up to `limit`) until the cluster names a leader.
+async fn wait_for_leader(cluster: &ConsulCluster, limit: Duration) {
+    let start = tokio::time::Instant::now();
+    while cluster.leader().await.is_none() && start.elapsed() < limit {
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
 
@@ -260,5 +344,118 @@ async fn count_elections(urls: Vec<String>, elections: Arc<AtomicU64>, stop: Can
             _ = stop.cancelled() => return,
             _ = tokio::time::sleep(Duration::from_millis(250)) => {}
         }
+    }
+}
+
+/// What a partition cuts. Indices are endpoints: servers first, then client agents.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum Topology {
+    /// The leader cut from the other servers, both ways: a minority leader, until it notices.
+    MinorityLeader(usize),
+    /// One server (not the leader) cut from the other servers.
+    OneServer(usize),
+    /// A farm's own client agent cut from every server: the farm keeps its agent, the agent
+    /// loses the cluster.
+    FarmAgent(usize),
+    /// What `.0` sends `.1` is dropped, not the other way (two servers).
+    OneWay(usize, usize),
+    /// Two servers that cannot see each other, both seeing the third.
+    Bridge(usize, usize),
+    /// Partitions that form and heal every second or two.
+    Flapping(Vec<Topology>),
+}
+
+impl Topology {
+    pub(super) fn pick(
+        rng: &mut StdRng,
+        servers: usize,
+        farm_agents: &[usize],
+        leader: Option<usize>,
+    ) -> Topology {
+        let other_than = |rng: &mut StdRng, x: usize| loop {
+            let s = rng.random_range(0..servers);
+            if s != x {
+                return s;
+            }
+        };
+        let simple = |rng: &mut StdRng| -> Topology {
+            match rng.random_range(0..5) {
+                0 => Topology::MinorityLeader(leader.unwrap_or(0)),
+                1 => Topology::OneServer(other_than(rng, leader.unwrap_or(usize::MAX))),
+                2 if !farm_agents.is_empty() => {
+                    Topology::FarmAgent(farm_agents[rng.random_range(0..farm_agents.len())])
+                }
+                3 => {
+                    let a = rng.random_range(0..servers);
+                    Topology::OneWay(a, other_than(rng, a))
+                }
+                _ => {
+                    let a = rng.random_range(0..servers);
+                    Topology::Bridge(a, other_than(rng, a))
+                }
+            }
+        };
+        if rng.random_range(0..6) == 0 {
+            let rounds = rng.random_range(3..7);
+            Topology::Flapping((0..rounds).map(|_| simple(rng)).collect())
+        } else {
+            simple(rng)
+        }
+    }
+
+    pub(super) fn kind(&self) -> &'static str {
+        match self {
+            Topology::MinorityLeader(_) => "partition-minority-leader",
+            Topology::OneServer(_) => "partition-one-server",
+            Topology::FarmAgent(_) => "partition-farm-agent",
+            Topology::OneWay(..) => "partition-one-way",
+            Topology::Bridge(..) => "partition-bridge",
+            Topology::Flapping(_) => "partition-flapping",
+        }
+    }
+
+    fn apply(&self, parts: &mut Partitions, servers: usize) -> Result<(), String> {
+        let others = |x: usize| (0..servers).filter(|s| *s != x).collect::<Vec<_>>();
+        parts.heal()?;
+        match self {
+            Topology::MinorityLeader(s) | Topology::OneServer(s) => parts.isolate(*s, &others(*s)),
+            Topology::FarmAgent(a) => parts.isolate(*a, &(0..servers).collect::<Vec<_>>()),
+            Topology::OneWay(a, b) => parts.block(*a, *b),
+            Topology::Bridge(a, b) => parts.split(&[*a], &[*b]),
+            Topology::Flapping(_) => Ok(()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use rand::SeedableRng;
+
+    use super::*;
+
+    #[test]
+    fn partitions_never_cut_the_runs_own_agent_and_pick_every_kind() {
+        let mut rng = StdRng::seed_from_u64(37);
+        let mut kinds = std::collections::BTreeSet::new();
+        for _ in 0..500 {
+            let t = Topology::pick(&mut rng, 3, &[3, 4], Some(1));
+            kinds.insert(t.kind());
+            let mut all = vec![t.clone()];
+            if let Topology::Flapping(r) = &t {
+                all.extend(r.iter().cloned());
+            }
+            for t in all {
+                match t {
+                    Topology::MinorityLeader(s) => assert_eq!(s, 1),
+                    Topology::OneServer(s) => assert!(s < 3 && s != 1),
+                    Topology::FarmAgent(a) => assert!(a == 3 || a == 4, "never 5, the run's"),
+                    Topology::OneWay(a, b) | Topology::Bridge(a, b) => {
+                        assert!(a < 3 && b < 3 && a != b)
+                    }
+                    Topology::Flapping(_) => {}
+                }
+            }
+        }
+        assert_eq!(kinds.len(), 6, "{kinds:?}");
     }
 }

@@ -16,6 +16,7 @@ pub mod agent;
 mod backend;
 mod check;
 mod mutate;
+pub mod partition;
 pub mod procfs;
 pub mod proxy;
 
@@ -71,6 +72,8 @@ pub struct ChaosConfig {
     pub farm_faults: bool,
     /// Fault Consul servers too (a cluster of 3 or more only).
     pub consul_faults: bool,
+    /// Cut the network between Consul agents (a cluster started with `partitions`).
+    pub partition_faults: bool,
     /// Change RCs and node labels, start and abort rolls, while faulting.
     pub mutations: bool,
 }
@@ -489,13 +492,25 @@ pub async fn run(cfg: ChaosConfig) -> Result<ChaosReport, String> {
         ))
     });
 
-    // Faults, one at a time, every 2-5 s: on a farm, or on a Consul server.
+    // Faults, one at a time, every 2-5 s: on a farm, on a Consul server, or on the network
+    // between Consul agents.
     let deadline = started + cfg.duration;
     let server_faults = cfg.consul_faults && cl.backend.faults_servers();
+    let partition_faults = cfg.partition_faults && cl.backend.partitions();
+    if cfg.partition_faults && !partition_faults {
+        return Err("partition faults need a cluster started with partitions (ChaosConsul::Cluster { partitions: true, .. })".into());
+    }
     while Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(rng.random_range(2000..5000))).await;
         if Instant::now() >= deadline {
             break;
+        }
+        // (Without partitions, the choice draws what it always drew: a seed replays as before.)
+        if partition_faults && (!(cfg.farm_faults || server_faults) || rng.random_bool(0.4)) {
+            if let Some(kind) = cl.backend.partition_fault(&mut rng).await {
+                *report.lock().faults.entry(kind).or_default() += 1;
+            }
+            continue;
         }
         let on_server = server_faults && (!cfg.farm_faults || rng.random_bool(0.4));
         if on_server {
@@ -665,9 +680,18 @@ pub async fn run(cfg: ChaosConfig) -> Result<ChaosReport, String> {
     r.backend = match &cfg.consul {
         ChaosConsul::Embedded => "the embedded server".into(),
         ChaosConsul::Agent(_) => "a real Consul agent".into(),
-        ChaosConsul::Cluster { servers, .. } => {
-            format!("a real Consul cluster of {servers} servers and a client agent per farm")
-        }
+        ChaosConsul::Cluster {
+            servers,
+            partitions,
+            ..
+        } => format!(
+            "a real Consul cluster of {servers} servers and a client agent per farm{}",
+            if *partitions {
+                ", each agent on its own address, partitioned by nftables"
+            } else {
+                ""
+            }
+        ),
     };
     if let Some(observer) = replayed {
         r.commits = observer.commits;

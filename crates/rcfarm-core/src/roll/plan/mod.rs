@@ -27,6 +27,9 @@ pub struct RcCounts {
     pub healthy: u64,
     /// Real pods without a health result, plus desired pods not yet scheduled.
     pub unknown: u64,
+    /// Real pods whose health check says they fail (critical or warning): what taking them
+    /// down loses no healthy capacity.
+    pub failing: u64,
 }
 
 impl RcCounts {
@@ -52,7 +55,7 @@ impl RcCounts {
             match health {
                 Some(h) if h.is_passing() => c.healthy += 1,
                 None | Some(HealthStatus::Unknown) => c.unknown += 1,
-                Some(_) => {}
+                Some(_) => c.failing += 1,
             }
         }
         c.unknown += c.desired.saturating_sub(c.current);
@@ -351,8 +354,16 @@ pub fn plan(o: &RollObserved<'_>) -> RollPlan {
     // healthy old pods than it desires, or the minimum could be broken.
     let old_desired = old.desired.min(old.current);
     let old_healthy = old.healthy.min(old_desired);
+    // Old pods that fail their health check hold up nothing: replacing them takes no healthy
+    // pod down (the new RC takes over not-passing pods first). Without this, a revert from a
+    // failed deploy whose pods all fail, onto an RC left with fewer healthy pods than the
+    // minimum, could never take a step (P2's arithmetic counts only healthy pods): chaos on
+    // real Consul saw one wait 95 s, until the run ended.
+    let old_failing = old.failing.min(old_desired.saturating_sub(old_healthy));
+    // (P2's arithmetic counts old pods only as headroom above the minimum: a failing one is
+    // headroom.)
     let (remove, add) = roll_algorithm(
-        old_healthy,
+        old_healthy + old_failing,
         new.healthy,
         old_desired,
         new.desired,

@@ -18,6 +18,16 @@ pub(super) fn rc(desired: u64, current: u64, healthy: u64, disabled: bool) -> Rc
         real: healthy,
         healthy,
         unknown: desired.saturating_sub(current),
+        failing: 0,
+    }
+}
+
+/// An RC of the roll whose `current` pods all run its manifest and fail their health check.
+fn all_failing(desired: u64, current: u64, disabled: bool) -> RcCounts {
+    RcCounts {
+        real: current,
+        failing: current,
+        ..rc(desired, current, 0, disabled)
     }
 }
 
@@ -148,6 +158,12 @@ fn rows() -> Vec<Row> {
         Row { rule: "a disabled old RC counts the pods it has, not those it wants: the missing one is added, nothing taken down",
               roll: (4, 3, false), old: rc(4, 3, 3, OFF), new: rc(0, 0, 0, ON), and: nothing,
               want: step(1, 0, 3) },
+        Row { rule: "old pods failing their health check hold up nothing: a revert from a failed deploy onto an RC below the minimum replaces them (P2 would wait for ever)",
+              roll: (3, 2, false), old: all_failing(3, 3, OFF), new: rc(0, 0, 0, ON), and: nothing,
+              want: step(1, 1, 2) },
+        Row { rule: "failing old pods are headroom beside the healthy ones",
+              roll: (3, 2, false), old: all_failing(2, 2, OFF), new: rc(1, 1, 1, ON), and: nothing,
+              want: step(1, 1, 1) },
         Row { rule: "the minimum cannot be kept with the pods as they are, all settled: say so",
               roll: (4, 5, false), old: rc(4, 4, 4, OFF), new: rc(0, 0, 0, ON), and: nothing,
               want: Want::Wait(MinimumUnreachable, "lower the roll's minimum or add capacity") },
