@@ -48,6 +48,8 @@ struct State {
     report: ExternalReport,
     /// RC → pods last seen.
     pods: BTreeMap<String, usize>,
+    /// RC → replicas desired last seen.
+    desired: BTreeMap<String, i64>,
     /// RC → last session seen holding its ownership lock.
     owner: BTreeMap<String, String>,
 }
@@ -162,8 +164,16 @@ impl State {
             }
         }
         for (rc, n) in &pods {
-            let limit = desired.get(rc.as_str()).copied().unwrap_or(0).max(0) as usize
-                + usize::from(transfers.contains(rc.as_str()));
+            // Between two snapshots a farm may add a pod under the replica count it read (its
+            // write checks the RC's index) and an operator may then lower that count: judge
+            // the rise by the higher of the two counts seen. (Seen with partitions: a
+            // transfer's start at 2 replicas, then a scale to 0, in one gap: "rose to 3 pods".)
+            let wanted = desired
+                .get(rc.as_str())
+                .copied()
+                .unwrap_or(0)
+                .max(self.desired.get(rc.as_str()).copied().unwrap_or(0));
+            let limit = wanted.max(0) as usize + usize::from(transfers.contains(rc.as_str()));
             let before = self.pods.get(rc).copied().unwrap_or(0);
             if *n > limit && *n > before && desired.contains_key(rc.as_str()) {
                 self.report.violations.push(Violation {
@@ -189,5 +199,9 @@ impl State {
             self.owner.insert(rc.clone(), s.clone());
         }
         self.pods = pods;
+        self.desired = desired
+            .into_iter()
+            .map(|(id, n)| (id.to_string(), n))
+            .collect();
     }
 }
