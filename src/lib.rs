@@ -22,4 +22,4 @@ pub use rcfarm_core::{
 };
 pub use rcfarm_ops::{api, cli, overview};
 pub use rcfarm_server as server;
-pub use rcfarm_testkit::{chaos, invariants, simulator};
+pub use rcfarm_testkit::{chaos, fullfs, invariants, postgres, simulator};

@@ -65,6 +65,7 @@ fn shipper(c: &Consul, store: &Arc<AuditStore>, session: &str, farm: &str) -> Sh
             wait: Duration::from_secs(5),
         },
         stats: Arc::default(),
+        pace: Arc::default(),
     }
 }
 

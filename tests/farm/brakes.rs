@@ -474,6 +474,11 @@ async fn two_deploys_then_a_bad_one_reverted_on_the_default_flags(backend: Backe
     .await;
     // A bad deploy.
     bad_deploy_reverted(&c, &third, &bad).await;
+    // The way back is not held to the bad deploy's 5 s: it gets the farm's own deadline
+    // (--roll-progress-deadline, 10 minutes by default).
+    let reverts = c.audit_events("ROLLING_UPDATE_REVERTED").await;
+    assert_eq!(reverts.len(), 1, "{reverts:?}");
+    assert_eq!(reverts[0]["progress_deadline"], "10m0s", "{:?}", reverts[0]);
     let failed_at = std::time::Instant::now();
     c.wait_for(
         Duration::from_secs(30),

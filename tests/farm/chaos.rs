@@ -12,11 +12,7 @@ use crate::on_both_backends;
 on_both_backends!(thirty_seconds_of_chaos_break_no_promise);
 async fn thirty_seconds_of_chaos_break_no_promise(backend: Backend) {
     let dir = tempfile::tempdir().unwrap();
-    let consul = match backend {
-        // The chaos run starts its own server, as Consul 1.x (`on_both_backends!` asks no other).
-        Backend::Embedded(_) => ChaosConsul::Embedded,
-        Backend::Real(bin) => ChaosConsul::Agent(bin),
-    };
+    let consul = chaos_consul(backend);
     let report = run(ChaosConfig {
         farms: 3,
         seed: 7,
@@ -105,6 +101,8 @@ async fn a_minute_of_partitions_on_a_consul_cluster_breaks_no_promise() {
         seed: 37,
         duration: Duration::from_secs(60),
         partition_faults: true,
+        // As a new user runs them: deploys and brakes under partitions on the defaults.
+        default_failsafe: true,
         ..thirty_seconds(
             ChaosConsul::Cluster {
                 bin,
@@ -116,19 +114,47 @@ async fn a_minute_of_partitions_on_a_consul_cluster_breaks_no_promise() {
     })
     .await
     .unwrap();
-    let summary = report.summary();
-    println!("{summary}");
-    let partitions: u64 = report
-        .faults
-        .iter()
-        .filter(|(k, _)| k.starts_with("partition-"))
-        .map(|(_, n)| n)
-        .sum();
-    assert!(partitions >= 2, "the network was cut: {summary}");
-    explain_failure(&report, dir.path());
+    assert_faulted(&report, &["partition-"], 2, dir.path());
 }
 
-/// 30 s of every fault and mutation on 10 nodes and 12 RCs.
+on_both_backends!(thirty_seconds_of_clock_and_audit_database_faults_break_no_promise);
+/// Farms whose wall clocks step an hour forward or back, or run 10 % fast (libfaketime), and
+/// their audit database (a PostgreSQL of the run's own) stopped or slowed, while RCs change
+/// and rolls run, on the farms' default failsafe: every promise holds, every audit record
+/// reaches SQL once.
+async fn thirty_seconds_of_clock_and_audit_database_faults_break_no_promise(backend: Backend) {
+    if rcfarm::chaos::clock::libfaketime().is_none() {
+        eprintln!(
+            "SKIPPED: libfaketime not found (Debian's faketime package; .ci/run installs it)"
+        );
+        return;
+    }
+    if let Err(e) = rcfarm::postgres::PrivatePostgres::start() {
+        eprintln!("SKIPPED: no PostgreSQL of the run's own to stop and start: {e}");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let consul = chaos_consul(backend);
+    let report = run(ChaosConfig {
+        farms: 3,
+        seed: 3707,
+        // Only these two kinds (farm faults have runs of their own), so that 30 s hold a few.
+        farm_faults: false,
+        clock_faults: true,
+        audit_db_faults: true,
+        // The observer checks the default blast radius (20 % of what a farm serves, at
+        // least 5, per 5 minutes), with the tripwire on.
+        default_failsafe: true,
+        ..thirty_seconds(consul, dir.path())
+    })
+    .await
+    .unwrap();
+    // Which of the two a seed draws, and how many fit in 30 s, varies with the machine's
+    // pace (a clock fault holds 3–20 s): at least two of them, of either kind.
+    assert_faulted(&report, &["clock-", "audit-db-"], 2, dir.path());
+}
+
+/// 30 s of every fault and mutation on 10 nodes and 12 RCs, on the run's quick failsafe.
 fn thirty_seconds(consul: ChaosConsul, dir: &std::path::Path) -> ChaosConfig {
     ChaosConfig {
         farm_binary: BIN.into(),
@@ -148,8 +174,37 @@ fn thirty_seconds(consul: ChaosConsul, dir: &std::path::Path) -> ChaosConfig {
         farm_faults: true,
         consul_faults: true,
         partition_faults: false,
+        clock_faults: false,
+        audit_db_faults: false,
+        default_failsafe: false,
         mutations: true,
     }
+}
+
+/// The Consul a chaos run starts for `backend`: its own embedded server (as Consul 1.x:
+/// `on_both_backends!` asks no other), or a real agent.
+fn chaos_consul(backend: Backend) -> ChaosConsul {
+    match backend {
+        Backend::Embedded(_) => ChaosConsul::Embedded,
+        Backend::Real(bin) => ChaosConsul::Agent(bin),
+    }
+}
+
+/// At least `least` faults of the kinds named `prefix…` were injected, and every promise held.
+fn assert_faulted(report: &ChaosReport, prefixes: &[&str], least: u64, dir: &std::path::Path) {
+    let summary = report.summary();
+    println!("{summary}");
+    let n: u64 = report
+        .faults
+        .iter()
+        .filter(|(k, _)| prefixes.iter().any(|p| k.starts_with(p)))
+        .map(|(_, n)| n)
+        .sum();
+    assert!(
+        n >= least,
+        "{least} {prefixes:?}… faults injected: {summary}"
+    );
+    explain_failure(report, dir);
 }
 
 fn explain_failure(report: &ChaosReport, dir: &std::path::Path) {

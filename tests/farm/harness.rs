@@ -232,6 +232,37 @@ impl Cluster {
 
     /// A cluster around a real Consul agent run with `config` (the test's own client uses the
     /// agent's HTTP listener, with the ACL master token when ACLs are on).
+    /// A server that keeps its data on disk, in `data_dir` (the embedded one; a real one is a
+    /// one-server cluster that keeps its raft log and snapshots in a directory of its own).
+    /// Returns the config to restart the embedded server with.
+    pub async fn start_persistent(
+        backend: &Backend,
+        data_dir: &std::path::Path,
+    ) -> (Cluster, ServerConfig) {
+        let config = ServerConfig {
+            data_dir: Some(data_dir.to_path_buf()),
+            ..Cluster::server_config()
+        };
+        let c = match backend {
+            Backend::Embedded(compat) => {
+                Cluster::start_with(ServerConfig {
+                    compat: *compat,
+                    ..config.clone()
+                })
+                .await
+            }
+            Backend::Real(bin) => {
+                Cluster::start_real(AgentConfig {
+                    dev: false,
+                    bootstrap_expect: Some(1),
+                    ..AgentConfig::dev(bin, "rcfarm-data")
+                })
+                .await
+            }
+        };
+        (c, config)
+    }
+
     pub async fn start_real(config: AgentConfig) -> Cluster {
         init_tracing();
         let agent = ConsulAgent::start(config).await.unwrap();
@@ -760,13 +791,26 @@ impl Cluster {
     pub async fn restart_server(
         &mut self,
         down: Duration,
+        config: ServerConfig,
+    ) -> Vec<LoggedCommit> {
+        self.restart_server_doing(down, config, |_| {}).await
+    }
+
+    /// [`Cluster::restart_server`], running `while_down` with the server's data directory (a
+    /// real agent's; the embedded server's is `config.data_dir`) while it is stopped: a backup
+    /// copied, or one restored.
+    pub async fn restart_server_doing(
+        &mut self,
+        down: Duration,
         mut config: ServerConfig,
+        while_down: impl FnOnce(&std::path::Path),
     ) -> Vec<LoggedCommit> {
         let addr = self.server.addr();
         match &mut self.server {
             Server::Real(agent) => {
                 let seen = self.external.as_ref().map_or(0, |e| e.report().snapshots);
                 agent.stop().await;
+                while_down(agent.data_dir());
                 tokio::time::sleep(down).await;
                 agent.restart().await.unwrap();
                 // The outside observer's history must reach past the restart: a test that
@@ -792,6 +836,9 @@ impl Cluster {
                 };
                 let log = old.commit_log();
                 old.shutdown().await;
+                if let Some(d) = &config.data_dir {
+                    while_down(d);
+                }
                 tokio::time::sleep(down).await;
                 config.listen = addr;
                 let new = EmbeddedServer::start(config).await.unwrap();

@@ -181,7 +181,9 @@ async fn a_failed_roll_is_reverted_by_its_farm_and_a_failed_revert_stays_failed(
     nodes(&c, 4, 1).await;
     let _sim = c.simulate_failing(4, "9.tar.gz");
     let mut flags = ROLL_FLAGS.to_vec();
-    flags.push("--roll-auto-revert");
+    // A revert's deadline is the longer of the failed roll's and the farm's: 3 s here, so
+    // that a revert that cannot succeed either fails within the test.
+    flags.extend(["--roll-auto-revert", "--roll-progress-deadline", "3s"]);
     c.spawn_farm("f1", &flags).await;
     let old = crate::harness::rcs(&c, 1, 3).await[0];
     let original = manifest_of(&c, old).await;
@@ -303,7 +305,8 @@ async fn a_failed_roll_is_reverted_by_its_farm_and_a_failed_revert_stays_failed(
         .rcctl(&["--json", "roll", "show", &first.to_string()])
         .await;
     assert_eq!(code, 0, "{out}");
-    assert!(out.contains("Failed: no new pod became up for 2s"), "{out}");
+    // The revert's deadline: the farm's 3 s, longer than the failed roll's 2 s.
+    assert!(out.contains("Failed: no new pod became up for 3s"), "{out}");
     assert!(
         out.contains(&format!(
             "Reverting: rolls back the failed rolling update {second}"

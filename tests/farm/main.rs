@@ -22,6 +22,8 @@ mod p2_behaviour;
 mod p2_nodes;
 mod p2_side_by_side;
 mod partitions;
+mod restore;
 mod rolls;
 mod security;
+mod sick_audit;
 mod trouble;

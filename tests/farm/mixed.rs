@@ -147,8 +147,8 @@ async fn an_operators_day_across_an_upgrade(backend: Backend) {
 on_every_backend!(a_node_transfer_crosses_releases_both_ways);
 /// A node transfer started by one release and ended by the other: the previous release's
 /// start (P2's status key only) is resumed and timed out by this one, and this one's start
-/// (P2's key and rcfarm's own) is resumed and rolled back by the previous one, which leaves
-/// rcfarm's key behind; this release deletes it when it next takes the RC.
+/// (P2's key and rcfarm's own) is resumed and rolled back by the previous one (a release that
+/// leaves rcfarm's key behind has it deleted by this one when it next takes the RC).
 async fn a_node_transfer_crosses_releases_both_ways(backend: Backend) {
     let Some(previous) = previous_bin() else {
         return;
@@ -186,9 +186,10 @@ async fn a_node_transfer_crosses_releases_both_ways(backend: Backend) {
         )
         .await;
         if previous_ends {
-            // The previous release deleted P2's key only: rcfarm's start key is left, naming
-            // the transfer that ended. It misleads nobody (it names that transfer's id); this
-            // release's farm deletes it when it takes the RC over.
+            // A release from before rcfarm's start key (5509f94) deleted P2's key only, leaving
+            // rcfarm's, naming the transfer that ended: it misleads nobody (it names that
+            // transfer's id), and this release's farm deletes it when it takes the RC over.
+            // Releases since delete both.
             let ours = rcfarm::rctask::rcfarm_status_key(o);
             c.wait_for(
                 Duration::from_secs(15),
@@ -196,11 +197,9 @@ async fn a_node_transfer_crosses_releases_both_ways(backend: Backend) {
                 move || async move { !cr.transfer_in_flight(o).await },
             )
             .await;
-            assert_eq!(
-                c.count_prefix(&ours).await,
-                1,
-                "left by the previous release"
-            );
+            let left = c.count_prefix(&ours).await;
+            println!("the previous release left {left} rcfarm start key(s) behind");
+            assert!(left <= 1);
             signal(c.farms[1].pid, "KILL");
             c.spawn_farm_from(crate::harness::BIN, "cleans", &url, &flags, &[])
                 .await;

@@ -1142,12 +1142,9 @@ async fn a_rolling_restart_replaces_every_pod_with_the_same_manifest_through_a_r
     c.check_invariants(|_| false);
 }
 
-on_both_backends!(a_handover_does_not_postpone_a_rolls_progress_deadline);
-async fn a_handover_does_not_postpone_a_rolls_progress_deadline(backend: Backend) {
-    // Version 9 never passes: the roll must fail about its deadline after its step, even
-    // though its farm stops half-way and another farm carries it on.
-    let (mut c, _sim, old) = rolling_cluster_failing(&backend, 4, 3, Some("-9.tar.gz")).await;
-    c.spawn_farm("f2", &ROLL_FLAGS).await;
+/// Starts a roll of `old` (pod `svc-0`) onto version 9 of its manifest (which the simulator
+/// of [`rolling_cluster_failing`] with `-9.tar.gz` never passes), with `deadline`.
+pub(crate) async fn start_bad_roll(c: &Cluster, old: RcId, deadline: &str) -> RcId {
     let dir = tempfile::tempdir().unwrap();
     let manifest = dir.path().join("v9.yaml");
     std::fs::write(&manifest, Cluster::manifest("svc-0", 9)).unwrap();
@@ -1159,11 +1156,20 @@ async fn a_handover_does_not_postpone_a_rolls_progress_deadline(backend: Backend
             "-f",
             manifest.to_str().unwrap(),
             "--progress-deadline",
-            "8s",
+            deadline,
         ])
         .await;
     assert_eq!(code, 0, "{out}{err}");
-    let roll = RcId::parse(out.trim()).unwrap();
+    RcId::parse(out.trim()).unwrap()
+}
+
+on_both_backends!(a_handover_does_not_postpone_a_rolls_progress_deadline);
+async fn a_handover_does_not_postpone_a_rolls_progress_deadline(backend: Backend) {
+    // Version 9 never passes: the roll must fail about its deadline after its step, even
+    // though its farm stops half-way and another farm carries it on.
+    let (mut c, _sim, old) = rolling_cluster_failing(&backend, 4, 3, Some("-9.tar.gz")).await;
+    c.spawn_farm("f2", &ROLL_FLAGS).await;
+    let roll = start_bad_roll(&c, old, "8s").await;
     audited(&c, "ROLLING_UPDATE_STEP", 1).await;
     let stepped = std::time::Instant::now();
     // Half-way to the deadline, the roll's farm stops: the other one takes the roll over.

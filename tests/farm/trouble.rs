@@ -9,10 +9,8 @@ use std::time::Duration;
 use rcfarm::chaos::proxy::{FaultyProxy, ProxyFaults};
 use rcfarm::invariants::Observer;
 use rcfarm::rc::RcId;
-use rcfarm::server::{LoggedCommit, ServerConfig};
+use rcfarm::server::LoggedCommit;
 use serde_json::json;
-
-use rcfarm::chaos::agent::AgentConfig;
 
 use crate::harness::{Backend, Cluster, TTL, nodes, rcs};
 use crate::on_both_backends;
@@ -27,7 +25,7 @@ async fn converged(c: &Cluster, ids: &[RcId], farms: &[&str], replicas: usize) -
     })
 }
 
-fn assert_no_violations(logs: &[&[LoggedCommit]]) -> u64 {
+pub(crate) fn assert_no_violations(logs: &[&[LoggedCommit]]) -> u64 {
     let mut o = Observer::default();
     for log in logs {
         for c in *log {
@@ -66,28 +64,7 @@ fn assert_running(c: &mut Cluster) {
 on_both_backends!(consul_down_past_the_ttl_and_back_with_its_data_dir);
 async fn consul_down_past_the_ttl_and_back_with_its_data_dir(backend: Backend) {
     let dir = tempfile::tempdir().unwrap();
-    let config = ServerConfig {
-        data_dir: Some(dir.path().to_path_buf()),
-        ..Cluster::server_config()
-    };
-    let mut c = match &backend {
-        Backend::Embedded(compat) => {
-            Cluster::start_with(ServerConfig {
-                compat: *compat,
-                ..config.clone()
-            })
-            .await
-        }
-        // A one-server cluster that keeps its raft log and snapshots on disk.
-        Backend::Real(bin) => {
-            Cluster::start_real(AgentConfig {
-                dev: false,
-                bootstrap_expect: Some(1),
-                ..AgentConfig::dev(bin, "rcfarm-data")
-            })
-            .await
-        }
-    };
+    let (mut c, config) = Cluster::start_persistent(&backend, dir.path()).await;
     nodes(&c, 4, 1).await;
     // Both farms serving (not one that converged everything while the other was still
     // starting): the test is about farms that lose Consul mid-service. Their TTL is longer

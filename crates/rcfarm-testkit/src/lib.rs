@@ -8,6 +8,8 @@ use rcfarm_core::{audit, failsafe, farm, health, labels, rc, rctask, roll, sched
 use rcfarm_server as server;
 
 pub mod chaos;
+pub mod fullfs;
 pub mod invariants;
 pub mod model;
+pub mod postgres;
 pub mod simulator;

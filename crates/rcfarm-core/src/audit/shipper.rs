@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
+use super::pace::{AuditPace, BACKLOG_KEY, Backlog, worth_publishing};
 use super::record::{AUDIT_PREFIX, AuditRecord};
 use super::store::AuditStore;
 use crate::clock::Clock;
@@ -83,6 +84,8 @@ pub struct Shipper {
     pub config: ShipperConfig,
     pub stats: Arc<ShipperStats>,
     pub clock: Clock,
+    /// The farm's pace, told each count; the count is published for the other farms.
+    pub pace: Arc<AuditPace>,
 }
 
 impl Shipper {
@@ -142,6 +145,7 @@ impl Shipper {
         let _ = self
             .fenced()
             .op(TxnOp::delete(SHIPPER_LOCK))
+            .op(TxnOp::delete(BACKLOG_KEY))
             .commit(&self.consul)
             .await;
     }
@@ -184,6 +188,8 @@ impl Shipper {
     /// Ships whatever appears in the outbox until an error or the loss of the lock.
     async fn ship_forever(&self, backoff: &mut Backoff) -> ShipError {
         let mut index = 0u64;
+        let mut published = None;
+        let mut shipping = true;
         loop {
             let keys = self
                 .consul
@@ -206,6 +212,15 @@ impl Shipper {
                 .backlog
                 .store(keys.len() as u64, Ordering::Relaxed);
             metrics::gauge!("rcfarm_audit_backlog").set(keys.len() as f64);
+            let count = keys.len() as u64;
+            self.pace.set_backlog(count);
+            if worth_publishing(published, count, self.pace.config().slow_at) {
+                match self.publish(count, shipping).await {
+                    Ok(()) => published = Some(count),
+                    Err(ShipError::Fenced) => return ShipError::Fenced,
+                    Err(e) => tracing::debug!(error = %e, "cannot publish the outbox's size"),
+                }
+            }
             let mut failed = None;
             for chunk in keys.chunks(self.config.batch.max(1)) {
                 if let Err(e) = self.ship_batch(chunk).await {
@@ -213,6 +228,7 @@ impl Shipper {
                     break;
                 }
             }
+            shipping = failed.is_none();
             match failed {
                 Some(ShipError::Fenced) => return ShipError::Fenced,
                 Some(e) => {
@@ -228,6 +244,30 @@ impl Shipper {
                     metrics::gauge!("rcfarm_audit_backlog_oldest_seconds").set(0.0);
                 }
             }
+        }
+    }
+
+    /// Tells every farm how many records wait ([`BACKLOG_KEY`]), as the shipper.
+    async fn publish(&self, records: u64, shipping: bool) -> Result<(), ShipError> {
+        let backlog = Backlog {
+            records,
+            farm_id: self.farm_id.clone(),
+            shipping,
+            at: self.clock.wall(),
+        };
+        let value = serde_json::to_vec(&backlog).map_err(|e| ShipError::Other(e.to_string()))?;
+        match self
+            .fenced()
+            // Held by the shipper's session: a count dies with its counter, and never stays
+            // behind, too high, for farms to pace by after another farm (of a release that
+            // does not publish) drained the outbox.
+            .op(TxnOp::lock(BACKLOG_KEY, value, &self.session))
+            .commit(&self.consul)
+            .await
+        {
+            Ok(_) => Ok(()),
+            Err(FenceError::Fenced { .. }) => Err(ShipError::Fenced),
+            Err(e) => Err(ShipError::Other(e.to_string())),
         }
     }
 

@@ -87,6 +87,9 @@ pub struct FarmConfig {
     /// Consul's `audit_logs/` for another consumer, as P2's farm leaves them.
     pub audit_shipping: bool,
     pub shipper: ShipperConfig,
+    /// When the outbox is too big for Consul's good, and how slow the farm then goes
+    /// (`--audit-outbox-slow`, `--audit-outbox-pace`).
+    pub audit_pace: crate::audit::PaceConfig,
     pub roll: RollConfig,
     /// The removal budget and the RC tree tripwire (`--max-removals`, `--failsafe-confirm`).
     pub failsafe: crate::failsafe::FailsafeConfig,
@@ -112,6 +115,7 @@ impl FarmConfig {
             audit_db: None,
             audit_shipping: true,
             shipper: ShipperConfig::default(),
+            audit_pace: crate::audit::PaceConfig::default(),
             roll: RollConfig::default(),
             failsafe: crate::failsafe::FailsafeConfig::default(),
             clock: Clock::system(),
@@ -223,6 +227,8 @@ pub struct Farm {
     ready: watch::Sender<bool>,
     audit: watch::Sender<Option<Arc<AuditStore>>>,
     shipper_stats: Arc<ShipperStats>,
+    /// Paces RC and roll writes while the audit outbox is too big.
+    pace: Arc<crate::audit::AuditPace>,
     /// Unclaimable RC keys already reported, with the version reported.
     unclaimable_reported: parking_lot::Mutex<HashMap<String, u64>>,
     /// Keys under the lock prefix that are not RC locks, already logged.
@@ -272,6 +278,7 @@ impl Farm {
                 .with_clock(config.clock),
         );
         let readers = Arc::new(std::sync::atomic::AtomicUsize::new(1));
+        let pace = Arc::new(crate::audit::AuditPace::new(config.audit_pace));
         Ok(Farm {
             failsafe,
             failsafe_seen: parking_lot::Mutex::default(),
@@ -287,6 +294,7 @@ impl Farm {
             ready,
             audit,
             shipper_stats: Arc::default(),
+            pace,
             unclaimable_reported: parking_lot::Mutex::default(),
             garbage_locks_reported: parking_lot::Mutex::default(),
         })
@@ -295,6 +303,11 @@ impl Farm {
     /// The audit database, once connected.
     pub fn audit_store(&self) -> watch::Receiver<Option<Arc<AuditStore>>> {
         self.audit.subscribe()
+    }
+
+    /// The farm's audit pace (the outbox's size as last heard, and writes paced).
+    pub fn audit_pace(&self) -> Arc<crate::audit::AuditPace> {
+        self.pace.clone()
     }
 
     pub fn shipper_stats(&self) -> Arc<ShipperStats> {
@@ -324,6 +337,7 @@ impl Farm {
     pub async fn run(&self, shutdown: CancellationToken) -> Result<(), FarmError> {
         // The audit database does not depend on Consul: connect it while Consul is checked.
         self.connect_audit(&shutdown);
+        self.read_backlog(&shutdown);
         if !self.check_access(&shutdown).await? {
             return Ok(());
         }
@@ -424,6 +438,7 @@ impl Farm {
                 health: views.health.clone(),
                 status: self.roll_status.clone(),
                 failsafe: self.failsafe.clone(),
+                pace: self.pace.clone(),
                 config: cfg.roll.clone(),
                 clock: cfg.clock,
             });
@@ -441,6 +456,7 @@ impl Farm {
                 failsafe: self.failsafe.clone(),
                 pod_tickets: Default::default(),
                 roll_sources: Default::default(),
+                pace: self.pace.clone(),
                 config: cfg.task.clone(),
                 clock: cfg.clock,
             });

@@ -7,8 +7,9 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 use super::Farm;
-use crate::audit::{AuditStore, Shipper};
-use crate::consul::Session;
+use crate::audit::pace::BACKLOG_READ_EVERY;
+use crate::audit::{AuditStore, BACKLOG_KEY, Backlog, Shipper};
+use crate::consul::{ConsulError, QueryOptions, Session};
 use crate::util::Backoff;
 
 impl Farm {
@@ -46,6 +47,50 @@ impl Farm {
         });
     }
 
+    /// Reads the outbox's size the shipper publishes, every few seconds, into the farm's pace
+    /// (the shipper itself tells its own farm as it counts).
+    pub(super) fn read_backlog(&self, shutdown: &CancellationToken) {
+        if self.config.audit_pace.slow_at == 0 {
+            return;
+        }
+        let consul = self.consul.clone();
+        let pace = self.pace.clone();
+        let shutdown = shutdown.clone();
+        tokio::spawn(async move {
+            let mut denied_said = false;
+            loop {
+                let read = consul
+                    .kv_get(
+                        BACKLOG_KEY,
+                        &QueryOptions {
+                            stale: true,
+                            ..QueryOptions::default()
+                        },
+                    )
+                    .await;
+                match read {
+                    Ok((Some(e), _)) => match serde_json::from_slice::<Backlog>(e.value_bytes()) {
+                        Ok(b) => pace.set_backlog(b.records),
+                        Err(err) => tracing::debug!(error = %err, "unreadable {BACKLOG_KEY}"),
+                    },
+                    Ok((None, _)) => pace.set_backlog(0),
+                    Err(ConsulError::PermissionDenied(_)) if !denied_said => {
+                        denied_said = true;
+                        tracing::warn!(
+                            "the ACL token may not read {BACKLOG_KEY}: this farm will not slow down when the audit outbox grows (give it read on rcfarm/audit-shipper)"
+                        );
+                    }
+                    // Unreachable Consul: the last count stands.
+                    Err(_) => {}
+                }
+                tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    _ = tokio::time::sleep(BACKLOG_READ_EVERY) => {}
+                }
+            }
+        });
+    }
+
     /// Runs the shipper under `session` until `stop`.
     pub(super) fn spawn_shipper(
         &self,
@@ -62,6 +107,7 @@ impl Farm {
         let config = self.config.shipper.clone();
         let stats = self.shipper_stats.clone();
         let clock = self.config.clock;
+        let pace = self.pace.clone();
         Some(tokio::spawn(async move {
             let store = tokio::select! {
                 _ = stop.cancelled() => return,
@@ -79,6 +125,7 @@ impl Farm {
                 config,
                 stats,
                 clock,
+                pace,
             }
             .run(stop)
             .await;

@@ -203,6 +203,12 @@ impl State {
     /// Applies a full snapshot; returns what changed.
     fn apply(&mut self, t: LabelType, index: u64, entries: &KvList) -> LabelChanges {
         let prefix = t.prefix();
+        if index < self.index {
+            // An answer older than one already applied is taken as the truth only when the
+            // store went back (a restored or emptied Consul: the watch resets): our own writes
+            // recorded at later indexes may be gone with it.
+            self.local.clear();
+        }
         let mut seen: BTreeSet<&str> = BTreeSet::new();
         let mut changes = Vec::new();
         let mut errors = BTreeMap::new();
@@ -267,6 +273,17 @@ impl State {
         self.index = index;
         self.synced = true;
         LabelChanges { index, changes }
+    }
+
+    /// Stops preferring this process's own writes of `ids` to what the watch answers: Consul
+    /// refused a write guarded by the index one of them recorded, so the store no longer
+    /// holds it (another writer changed the key, or the store went back in time: restored
+    /// from a backup, where our write at an index the restored store has not reached would
+    /// otherwise be kept over every answer until the store's index passes it).
+    fn forget_own(&mut self, ids: &[&str]) {
+        for id in ids {
+            self.local.remove(*id);
+        }
     }
 
     /// Applies this process's own committed write at `index`: `(id, labels or None if the
@@ -517,6 +534,19 @@ impl LabelCache {
         }
     }
 
+    /// Believes the watch again about these keys ([`State::forget_own`]): a write guarded by
+    /// the index the cache held for them was refused.
+    pub fn forget_own(&self, keys: &[String]) {
+        let prefix = self.label_type.prefix();
+        let ids: Vec<&str> = keys
+            .iter()
+            .filter_map(|k| k.strip_prefix(prefix.as_str()))
+            .collect();
+        if !ids.is_empty() {
+            self.watched.write().state.forget_own(&ids);
+        }
+    }
+
     /// How the tree is read, if on demand.
     pub fn demand(&self) -> Option<&Arc<Demand>> {
         self.demand.as_ref()
@@ -735,6 +765,36 @@ mod tests {
         let c = st.apply_pairs(p, 13, &[]);
         assert_eq!(c.changes.len(), 1);
         assert!(st.matches(&sel).is_empty());
+    }
+
+    /// A store restored from a backup lacks our writes made after it, at indexes it has not
+    /// reached: once a guarded write of ours is refused, or an answer older than one applied
+    /// comes (the watch reset), the cache believes the store again instead of holding our
+    /// write until the store's index passes it (seen: a farm's every write refused as stale
+    /// after a restore, for over 90 s).
+    #[test]
+    fn own_writes_a_restored_store_lost_are_forgotten() {
+        let mut st = State::default();
+        let p = LabelType::Pod;
+        let sel = Selector::parse("rc=a").unwrap();
+        st.apply_pairs(p, 40, &[kv("labels/pod/n1/web", r#"{"rc":"a"}"#, 40)]);
+        st.apply_own(vec![
+            ("n1/web".into(), Some(labels(&[("rc", "b")])), 60),
+            ("n2/web".into(), Some(labels(&[("rc", "a")])), 61),
+        ]);
+        // The restored store, written to since, at 52: both our writes held (we cannot tell).
+        st.apply_pairs(p, 52, &[kv("labels/pod/n1/web", r#"{"rc":"a"}"#, 40)]);
+        assert_eq!(st.matches(&sel), ["n2/web"]);
+        // Our write guarded by n1's index 60 refused: n1 is believed at the next answer.
+        st.forget_own(&["n1/web"]);
+        st.apply_pairs(p, 53, &[kv("labels/pod/n1/web", r#"{"rc":"a"}"#, 40)]);
+        assert_eq!(st.matches(&sel), ["n1/web", "n2/web"]);
+        assert_eq!(st.entries.get("n1/web").unwrap().modify_index, 40);
+        // An answer older than one applied (the watch reset on a store gone back): all ours
+        // are forgotten.
+        st.apply_pairs(p, 45, &[kv("labels/pod/n1/web", r#"{"rc":"a"}"#, 40)]);
+        assert!(st.local.is_empty());
+        assert_eq!(st.matches(&sel), ["n1/web"]);
     }
 
     /// A write that changed nothing keeps its key's `ModifyIndex` on Consul 1.x (and says so in

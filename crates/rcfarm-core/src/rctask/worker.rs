@@ -86,6 +86,8 @@ pub struct TaskContext {
     /// For each RC a rolling update moves replicas onto (its new RC), the RC it moves them
     /// from, per the farm's watch of `rolls/`: the only RC whose given-up pods it takes over.
     pub roll_sources: parking_lot::RwLock<Arc<HashMap<RcId, RcId>>>,
+    /// Every write waits for its slot here while the audit outbox is too big.
+    pub pace: Arc<crate::audit::AuditPace>,
     pub config: TaskConfig,
     pub clock: Clock,
 }

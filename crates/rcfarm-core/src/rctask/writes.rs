@@ -94,6 +94,8 @@ impl Worker {
     }
 
     async fn commit_txn(&self, txn: FencedTxn) -> Result<u64, FenceError> {
+        // Before the cancellation check: a task handed over while it waited writes nothing.
+        self.ctx.pace.admit().await;
         if self.inbox.cancel.is_cancelled() {
             // Stopped (session lost or handed over): never write again.
             return Err(FenceError::Fenced {
@@ -124,8 +126,18 @@ impl Worker {
                 // Someone else changed one of our pods' labels, or our write may have been
                 // applied with its answer lost (and so not applied to the cache): the next
                 // plan waits for the tree as it is now.
-                let label_failed = matches!(&e, FenceError::Conflict { ops, .. }
-                    if ops.iter().any(|(i, _)| label_at.contains(i)));
+                let failed_labels: Vec<String> = match &e {
+                    FenceError::Conflict { ops, .. } => ops
+                        .iter()
+                        .filter_map(|(i, _)| label_at.iter().position(|p| p == i))
+                        .map(|j| label_ops[j].key.clone())
+                        .collect(),
+                    _ => Vec::new(),
+                };
+                let label_failed = !failed_labels.is_empty();
+                // The store does not hold what the cache recorded for these labels: believe
+                // the next read of the tree rather than our own earlier write.
+                self.ctx.pods.forget_own(&failed_labels);
                 if (label_failed || e.is_retryable())
                     && let Some(d) = self.ctx.pods.demand()
                 {

@@ -398,9 +398,23 @@ impl Worker {
             "rcfarm auto-revert of rolling update {} (farm {})",
             self.id, self.ctx.farm_id
         );
+        // The way back gets at least the farm's own deadline (--roll-progress-deadline): the
+        // failed roll's may be one chosen to give up on a new version fast, and the revert
+        // goes back to pods that ran before. A revert that failed on a short deadline (a
+        // partition delaying health by seconds, seen in the chaos with 3 s) stays Failed,
+        // never reverted, with the service half rolled back.
+        let inherited = failed
+            .progress_deadline
+            .as_deref()
+            .and_then(|d| crate::util::parse_go_duration(d).ok())
+            .filter(|d| !d.negative && d.nanos > 0)
+            .map(|d| Duration::from_nanos(d.nanos));
+        let deadline = inherited.map_or(self.ctx.config.progress_deadline, |d| {
+            d.max(self.ctx.config.progress_deadline)
+        });
         let control = RollControl {
             max_parallel: failed.max_parallel,
-            progress_deadline: failed.progress_deadline.clone(),
+            progress_deadline: Some(crate::util::format_go_duration(deadline)),
             created_by: Some(actor.clone()),
             auto_revert: Some(false),
             revert_of: Some(self.id),
@@ -563,6 +577,8 @@ impl Worker {
     }
 
     pub(super) async fn commit_txn(&self, txn: FencedTxn) -> Result<u64, FenceError> {
+        // Before the cancellation check: a roll handed over while it waited writes nothing.
+        self.ctx.pace.admit().await;
         if self.inbox.cancel.is_cancelled() {
             return Err(FenceError::Fenced {
                 key: roll_lock_key(self.id),

@@ -94,6 +94,8 @@ pub struct RollContext {
     pub status: Arc<RollStatusRegistry>,
     /// The farm's removal budget and tripwire: a step that takes pods down asks it first.
     pub failsafe: Arc<crate::failsafe::Failsafe>,
+    /// Every write waits for its slot here while the audit outbox is too big.
+    pub pace: Arc<crate::audit::AuditPace>,
     pub config: RollConfig,
     pub clock: Clock,
 }

@@ -55,9 +55,18 @@ pub struct ChaosArgs {
     pub partitions: bool,
     /// Which faults to inject, instead of the default mix: a comma-separated list of
     /// `farms` (kill, stop, terminate, restart), `servers` (Consul servers killed, stopped,
-    /// restarted) and `partitions` (see --partitions).
+    /// restarted), `partitions` (see --partitions), `clock` (a farm's wall clock stepped an
+    /// hour forward or back, or run 10 % fast, with libfaketime; its monotonic clock untouched)
+    /// and `audit-db` (the farms ship to a PostgreSQL of the run's own, stopped for 5–20 s or
+    /// slowed now and then; needs PostgreSQL's server tools).
     #[arg(long, value_name = "KINDS", value_delimiter = ',')]
     pub faults: Option<Vec<String>>,
+    /// Run the farms on their default failsafe (20 % of what each serves, at least 5, per 5
+    /// minutes; the tripwire on), as a new user runs them, instead of the run's quick one (8
+    /// removals per 10 s, tripwire off): the observer checks the default blast radius, and
+    /// after the faults the run releases held removals as an operator would.
+    #[arg(long)]
+    pub default_failsafe: bool,
     /// Change nothing (no RC, node or roll changes): faults only, to count handovers.
     #[arg(long)]
     pub no_mutations: bool,
@@ -188,13 +197,18 @@ pub async fn run(args: ChaosArgs) -> Result<(), CliError> {
         rcs: args.rcs,
         session_ttl: args.session_ttl,
         seed,
-        settle_margin: Duration::from_secs(10),
+        // On the default failsafe, removals wait for the run's releases (every 5 s) when a
+        // farm has more to remove than its budget allows.
+        settle_margin: Duration::from_secs(if args.default_failsafe { 30 } else { 10 }),
         proxy,
         log_dir,
         consul,
         farm_faults: kinds.farms,
         consul_faults: kinds.servers,
         partition_faults: kinds.partitions,
+        clock_faults: kinds.clock,
+        audit_db_faults: kinds.audit_db,
+        default_failsafe: args.default_failsafe,
         mutations: !args.no_mutations,
     })
     .await
@@ -214,6 +228,8 @@ struct FaultKinds {
     farms: bool,
     servers: bool,
     partitions: bool,
+    clock: bool,
+    audit_db: bool,
 }
 
 impl FaultKinds {
@@ -223,33 +239,40 @@ impl FaultKinds {
                 farms: !args.no_farm_faults,
                 servers: !args.no_consul_faults,
                 partitions: args.partitions,
+                clock: false,
+                audit_db: false,
             });
         };
         let mut k = FaultKinds {
             farms: false,
             servers: false,
             partitions: false,
+            clock: false,
+            audit_db: false,
         };
         for kind in list.iter().map(|s| s.trim()).filter(|s| !s.is_empty()) {
             match kind {
                 "farms" => k.farms = true,
                 "servers" => k.servers = true,
                 "partitions" => k.partitions = true,
-                "clock" | "restore" | "audit-db" => {
-                    return Err(CliError::Usage(format!(
-                        "--faults {kind}: not built yet; available: farms, servers, partitions"
-                    )));
+                "clock" => k.clock = true,
+                "audit-db" => k.audit_db = true,
+                "restore" => {
+                    return Err(CliError::Usage(
+                        "--faults restore: not a chaos fault (a restore takes back what the run checks); it is tested on its own (tests/farm/restore.rs); available: farms, servers, partitions, clock, audit-db".into(),
+                    ));
                 }
                 other => {
                     return Err(CliError::Usage(format!(
-                        "--faults {other}: no such fault kind; use a comma-separated list of farms, servers, partitions (e.g. --faults partitions,farms)"
+                        "--faults {other}: no such fault kind; use a comma-separated list of farms, servers, partitions, clock, audit-db (e.g. --faults partitions,clock)"
                     )));
                 }
             }
         }
-        if !(k.farms || k.servers || k.partitions) {
+        if !(k.farms || k.servers || k.partitions || k.clock || k.audit_db) {
             return Err(CliError::Usage(
-                "--faults needs at least one kind: farms, servers, partitions".into(),
+                "--faults needs at least one kind: farms, servers, partitions, clock, audit-db"
+                    .into(),
             ));
         }
         Ok(k)

@@ -152,6 +152,15 @@ pub struct FarmArgs {
     /// P2's farm does (no SQL database is opened unless --audit-db is given, for queries).
     #[arg(long, env = "RCFARM_AUDIT_SHIPPING", value_enum, default_value = "on")]
     pub audit_shipping: AuditShipping,
+    /// Records waiting in Consul's audit_logs/ (SQL away or slow) past which every farm paces
+    /// its RC and roll writes to --audit-outbox-pace, so that the outbox cannot grow fast enough
+    /// to endanger Consul (0: never). The count is the shipping farm's.
+    #[arg(long, env = "RCFARM_AUDIT_OUTBOX_SLOW", default_value_t = 50_000)]
+    pub audit_outbox_slow: u64,
+    /// Record-carrying RC and roll writes per second per farm while the outbox is past
+    /// --audit-outbox-slow. Claims and operators' writes are never paced.
+    #[arg(long, env = "RCFARM_AUDIT_OUTBOX_PACE", default_value_t = 5.0, value_parser = parse_pace)]
+    pub audit_outbox_pace: f64,
     /// Directory for the farm's local state (the default SQLite audit database).
     #[arg(long, env = "RCFARM_STATE_DIR", default_value = "rcfarm-data")]
     pub state_dir: std::path::PathBuf,
@@ -162,6 +171,16 @@ pub struct FarmArgs {
     /// Flags and environment variables override it.
     #[arg(long, env = "RCFARM_CONFIG")]
     pub config: Option<std::path::PathBuf>,
+}
+
+/// A positive number of writes per second.
+fn parse_pace(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 => Ok(v),
+        _ => Err(format!(
+            "{s:?} is not a pace: give writes per second, a number above 0 such as 10 or 0.5"
+        )),
+    }
 }
 
 impl FarmArgs {
@@ -260,6 +279,10 @@ impl FarmArgs {
             ..WatchConfig::default()
         };
         c.audit_shipping = self.audit_shipping == AuditShipping::On;
+        c.audit_pace = crate::audit::PaceConfig {
+            slow_at: self.audit_outbox_slow,
+            per_second: self.audit_outbox_pace,
+        };
         let audit_db = match &self.audit_db {
             Some(u) => Some(u.clone()),
             // Not shipping, nothing would fill a default database: open none.

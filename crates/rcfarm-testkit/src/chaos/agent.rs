@@ -359,6 +359,11 @@ impl ConsulAgent {
         }
     }
 
+    /// Where the agent keeps its raft log and snapshots (nothing in it for a dev agent).
+    pub fn data_dir(&self) -> &Path {
+        &self.data_dir
+    }
+
     /// SIGKILL, and reaps it.
     pub async fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {

@@ -11,16 +11,19 @@ use crate::roll::{ControlChange, RollControl, RollStore, control_key};
 
 /// Does what an operator does with the rolls left braked when the faults stop: resumes paused
 /// ones, promotes canaries, aborts failed ones (their manifest never becomes healthy). How many
-/// it released.
-pub(super) async fn release_rolls(consul: &Consul) -> u64 {
+/// it released, and the failed rolls whose manifest is a good one (a roll that failed although
+/// its pods could pass: a broken promise), with why they failed.
+pub(super) async fn release_rolls(consul: &Consul) -> (u64, Vec<String>) {
     let store = RollStore::new(consul.clone());
     let Ok(rolls) = store.list().await else {
-        return 0;
+        return (0, Vec::new());
     };
     let keys: Vec<String> = rolls.rolls.keys().map(|id| control_key(*id)).collect();
     let Ok(controls) = consul.read_keys(&keys).await else {
-        return 0;
+        return (0, Vec::new());
     };
+    let listing = RcStore::new(consul.clone()).list().await.ok();
+    let mut good_failed = Vec::new();
     // RCs in a roll are the roll's; an aborted roll's are not any more.
     let mut in_rolls: BTreeSet<RcId> = BTreeSet::new();
     let mut released = 0;
@@ -29,6 +32,14 @@ pub(super) async fn release_rolls(consul: &Consul) -> u64 {
             .get(&control_key(*id))
             .and_then(|kv| RollControl::parse(kv.value_bytes()).ok())
             .unwrap_or_default();
+        if let Some(failure) = &control.failed
+            && let Some(new) = listing
+                .as_ref()
+                .and_then(|l| l.rcs.get(&roll.update.new_rc))
+            && !new.manifest.raw().contains(super::mutate::FAILING_BUILD)
+        {
+            good_failed.push(format!("{id}: {failure:?}"));
+        }
         let aborted = control.failed.is_some() && store.abort(*id, "chaos", false).await.is_ok();
         if !aborted {
             in_rolls.extend([roll.update.old_rc, roll.update.new_rc]);
@@ -74,7 +85,7 @@ pub(super) async fn release_rolls(consul: &Consul) -> u64 {
             }
         }
     }
-    released
+    (released, good_failed)
 }
 
 /// Who holds the shipper lock, and whether that session is still alive: what to look at when

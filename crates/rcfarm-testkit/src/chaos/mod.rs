@@ -15,10 +15,12 @@
 pub mod agent;
 mod backend;
 mod check;
+pub mod clock;
 mod mutate;
 pub mod partition;
 pub mod procfs;
 pub mod proxy;
+pub mod sickdb;
 
 use backend::Backend;
 pub use backend::ChaosConsul;
@@ -74,6 +76,16 @@ pub struct ChaosConfig {
     pub consul_faults: bool,
     /// Cut the network between Consul agents (a cluster started with `partitions`).
     pub partition_faults: bool,
+    /// Step farms' wall clocks an hour either way, or run them 10 % fast (libfaketime).
+    pub clock_faults: bool,
+    /// Stop the audit database (a PostgreSQL of the run's own, behind a proxy) for a while, or
+    /// slow it down.
+    pub audit_db_faults: bool,
+    /// Run the farms on their default failsafe (`--max-removals 20%` per 5 minutes, the
+    /// tripwire confirming for 2 minutes) instead of the run's tight, quick one (8 per 10 s,
+    /// tripwire off); after the faults the run releases held removals (every 5 s) as an
+    /// operator would.
+    pub default_failsafe: bool,
     /// Change RCs and node labels, start and abort rolls, while faulting.
     pub mutations: bool,
 }
@@ -124,6 +136,11 @@ pub struct ChaosReport {
     pub rolls_released: u64,
     /// Rolls that did not complete after the faults stopped, with why.
     pub rolls_unfinished: Vec<String>,
+    /// With the default failsafe: how many farms' removals the run released after the faults.
+    pub removal_releases: Option<u64>,
+    /// Rolls onto a good manifest (pods that pass) found Failed: a fault turned a healthy roll
+    /// into a failed one.
+    pub good_rolls_failed: Vec<String>,
     /// Rolls left that cannot complete as the nodes are labelled (too few eligible nodes).
     pub rolls_impossible: usize,
     /// How long the last roll took to complete after the faults stopped.
@@ -151,6 +168,7 @@ impl ChaosReport {
     pub fn ok(&self) -> bool {
         self.violations.is_empty()
             && self.rolls_unfinished.is_empty()
+            && self.good_rolls_failed.is_empty()
             && self.unconverged_at_start == self.rcs_at_start
             && self.converged_after.is_some()
             && self.audit_missing == 0
@@ -292,12 +310,27 @@ impl ChaosReport {
                 self.rolls_unfinished
             ));
         }
-        if let Some((seen, most)) = self.removals {
+        if self.good_rolls_failed.is_empty() {
+            s.push_str("no roll onto a good manifest failed\n");
+        } else {
             s.push_str(&format!(
+                "rolls onto a good manifest FAILED: {:?}\n",
+                self.good_rolls_failed
+            ));
+        }
+        match (self.removals, self.removal_releases) {
+            (Some((seen, most)), None) => s.push_str(&format!(
                 "removals: {seen}, at most {most} by one farm session within {}s (limit {CHAOS_MAX_REMOVALS} per {}s)\n",
                 CHAOS_REMOVALS_WINDOW.as_secs() - 2,
                 CHAOS_REMOVALS_WINDOW.as_secs()
-            ));
+            )),
+            (removals, Some(released)) => s.push_str(&format!(
+                "default failsafe (20 % of a farm's pods, at least 5, per 5 min; tripwire on): {}; {released} farm releases after the faults\n",
+                removals.map_or("removals not counted (no commit log)".to_string(), |(seen, most)| format!(
+                    "removals {seen}, at most {most} by one farm session within a window"
+                ))
+            )),
+            (None, None) => {}
         }
         s.push_str(&format!("violations: {}\n", self.violations.len()));
         for v in self.violations.iter().take(10) {
@@ -320,6 +353,8 @@ struct Cluster {
     audit_db: String,
     proxy: Option<FaultyProxy>,
     farms: Vec<Farm>,
+    /// The farms' fake wall clocks, with clock faults.
+    clocks: Option<clock::FarmClocks>,
 }
 
 fn signal(pid: u32, sig: &str) {
@@ -343,7 +378,9 @@ impl Cluster {
             .open(self.cfg.log_dir.join(format!("{id}.log")))
             .map_err(|e| e.to_string())?;
         let ttl = format!("{}ms", self.cfg.session_ttl.as_millis());
+        let clock_env = self.clocks.as_ref().map(|c| c.env(&id)).unwrap_or_default();
         let child = Command::new(&self.cfg.farm_binary)
+            .envs(clock_env)
             .args([
                 "serve",
                 "--consul",
@@ -377,15 +414,19 @@ impl Cluster {
             .arg("--transfer-static")
             // A blast-radius limit the observer checks (it holds now and then, and the run
             // still converges: its window is short); the tripwire (which holds for minutes)
-            // is off.
-            .args([
-                "--max-removals",
-                &CHAOS_MAX_REMOVALS.to_string(),
-                "--max-removals-window",
-                &crate::util::format_go_duration(CHAOS_REMOVALS_WINDOW),
-                "--failsafe-confirm",
-                "0s",
-            ])
+            // is off. Or the farms' defaults, as a new user runs them.
+            .args(if self.cfg.default_failsafe {
+                Vec::new()
+            } else {
+                vec![
+                    "--max-removals".to_string(),
+                    CHAOS_MAX_REMOVALS.to_string(),
+                    "--max-removals-window".to_string(),
+                    crate::util::format_go_duration(CHAOS_REMOVALS_WINDOW),
+                    "--failsafe-confirm".to_string(),
+                    "0s".to_string(),
+                ]
+            })
             .env("RUST_LOG", "info")
             .current_dir(&self.cfg.log_dir)
             .stdout(Stdio::null())
@@ -417,7 +458,15 @@ pub async fn run(cfg: ChaosConfig) -> Result<ChaosReport, String> {
     let backend = Backend::start(&cfg.consul, cfg.farms).await?;
     let consul = Consul::new(ConsulConfig::new(backend.url())).map_err(|e| e.to_string())?;
     std::fs::create_dir_all(&cfg.log_dir).map_err(|e| e.to_string())?;
-    let audit_db = format!("sqlite://{}", cfg.log_dir.join("audit.db").display());
+    let sick_db = if cfg.audit_db_faults {
+        Some(sickdb::SickDb::start().await?)
+    } else {
+        None
+    };
+    let audit_db = match &sick_db {
+        Some(db) => db.url(),
+        None => format!("sqlite://{}", cfg.log_dir.join("audit.db").display()),
+    };
     let proxy = match cfg.proxy {
         Some(f) => Some(
             FaultyProxy::start(backend.farm_addr(0), f)
@@ -467,6 +516,11 @@ pub async fn run(cfg: ChaosConfig) -> Result<ChaosReport, String> {
             pid: 0,
         })
         .collect();
+    let clocks = if cfg.clock_faults {
+        Some(clock::FarmClocks::new(&cfg.log_dir)?)
+    } else {
+        None
+    };
     let mut cl = Cluster {
         cfg: cfg.clone(),
         backend,
@@ -474,6 +528,7 @@ pub async fn run(cfg: ChaosConfig) -> Result<ChaosReport, String> {
         audit_db,
         proxy,
         farms,
+        clocks,
     };
     for i in 0..cfg.farms {
         cl.start_farm(i)?;
@@ -505,7 +560,24 @@ pub async fn run(cfg: ChaosConfig) -> Result<ChaosReport, String> {
         if Instant::now() >= deadline {
             break;
         }
-        // (Without partitions, the choice draws what it always drew: a seed replays as before.)
+        // (Without clock faults or partitions, the choice draws what it always drew: a seed
+        // replays as before.)
+        if let Some(db) = &sick_db
+            && (!(cfg.farm_faults || server_faults || partition_faults || cfg.clock_faults)
+                || rng.random_bool(0.25))
+        {
+            let kind = db.fault(&mut rng).await?;
+            *report.lock().faults.entry(kind).or_default() += 1;
+            continue;
+        }
+        if let Some(clocks) = &cl.clocks
+            && (!(cfg.farm_faults || server_faults || partition_faults) || rng.random_bool(0.4))
+        {
+            let ids: Vec<String> = cl.farms.iter().map(|f| f.id.clone()).collect();
+            let kind = clocks.fault(&ids, &mut rng).await;
+            *report.lock().faults.entry(kind).or_default() += 1;
+            continue;
+        }
         if partition_faults && (!(cfg.farm_faults || server_faults) || rng.random_bool(0.4)) {
             if let Some(kind) = cl.backend.partition_fault(&mut rng).await {
                 *report.lock().faults.entry(kind).or_default() += 1;
@@ -541,10 +613,12 @@ pub async fn run(cfg: ChaosConfig) -> Result<ChaosReport, String> {
     // Convergence: every RC as desired, within 2×TTL plus the margin.
     let quiet = Instant::now();
     let limit = cfg.session_ttl * 2 + cfg.settle_margin;
-    // The operator's part, while waiting: paused rolls resumed, canaries promoted, failed
-    // rolls aborted (a bad deploy fails at its deadline, after the faults stopped, too) and
-    // the RCs of aborted bad deploys removed.
-    let mut rolls_released = 0;
+    // The operator's part, while waiting (see `Operator`).
+    let mut operator = Operator {
+        default_failsafe: cfg.default_failsafe,
+        next_release: Duration::from_secs(5),
+        ..Operator::default()
+    };
     let mut unconverged = Vec::new();
     let mut converged_after = None;
     while quiet.elapsed() < limit {
@@ -554,8 +628,8 @@ pub async fn run(cfg: ChaosConfig) -> Result<ChaosReport, String> {
             .filter(|f| f.child.is_some())
             .map(|f| f.pid)
             .collect();
-        // The operator's part (below) starts here: a bad deploy's pods never converge.
-        rolls_released += release_rolls(&cl.consul).await;
+        // The operator's part starts here: a bad deploy's pods never converge.
+        operator.act(&cl, quiet.elapsed()).await;
         unconverged = not_converged(&cl.consul, &running).await;
         if unconverged.is_empty() {
             converged_after = Some(quiet.elapsed());
@@ -570,7 +644,7 @@ pub async fn run(cfg: ChaosConfig) -> Result<ChaosReport, String> {
     let mut rolls_done_after = None;
     let rolls_limit = cfg.session_ttl * 2 + cfg.settle_margin + Duration::from_secs(20);
     while quiet.elapsed() < limit + rolls_limit {
-        rolls_released += release_rolls(&cl.consul).await;
+        operator.act(&cl, quiet.elapsed()).await;
         (rolls_unfinished, rolls_impossible) = rolls_not_done(&cl.consul).await;
         if rolls_unfinished.is_empty() {
             rolls_done_after = Some(quiet.elapsed());
@@ -605,7 +679,11 @@ pub async fn run(cfg: ChaosConfig) -> Result<ChaosReport, String> {
     // What was written, before SQL is read: a record the farms write after this is not
     // expected in SQL yet.
     let replayed = cl.backend.embedded().map(|server| {
-        let mut o = Observer::with_removal_limit(CHAOS_MAX_REMOVALS, CHAOS_REMOVALS_WINDOW);
+        let mut o = if cfg.default_failsafe {
+            Observer::with_default_failsafe()
+        } else {
+            Observer::with_removal_limit(CHAOS_MAX_REMOVALS, CHAOS_REMOVALS_WINDOW)
+        };
         for c in &server.commit_log() {
             o.observe(c);
         }
@@ -674,7 +752,9 @@ pub async fn run(cfg: ChaosConfig) -> Result<ChaosReport, String> {
     r.outbox_left = left as u64;
     r.rolls_completed = rolls_completed;
     r.rolls_unfinished = rolls_unfinished;
-    r.rolls_released = rolls_released;
+    r.rolls_released = operator.rolls_released;
+    r.good_rolls_failed = operator.good_rolls_failed.into_iter().collect();
+    r.removal_releases = cfg.default_failsafe.then_some(operator.removal_releases);
     r.rolls_impossible = rolls_impossible;
     r.rolls_done_after = rolls_done_after;
     r.backend = match &cfg.consul {
@@ -740,6 +820,51 @@ pub async fn run(cfg: ChaosConfig) -> Result<ChaosReport, String> {
     });
     cl.backend.shutdown().await;
     Ok(r)
+}
+
+/// The operator's part while the run waits for convergence: paused rolls resumed, canaries
+/// promoted, failed rolls aborted (a bad deploy fails at its deadline, after the faults stopped,
+/// too) and the RCs of aborted bad deploys removed; with the default failsafe, removals held
+/// for minutes released once the run has waited 5 s, and every 5 s after.
+#[derive(Default)]
+struct Operator {
+    default_failsafe: bool,
+    next_release: Duration,
+    removal_releases: u64,
+    rolls_released: u64,
+    good_rolls_failed: BTreeSet<String>,
+}
+
+impl Operator {
+    async fn act(&mut self, cl: &Cluster, waited: Duration) {
+        if self.default_failsafe && waited >= self.next_release {
+            self.removal_releases += release_removals(&cl.consul, &cl.farms).await;
+            self.next_release = waited + Duration::from_secs(5);
+        }
+        let (released, good_failed) = release_rolls(&cl.consul).await;
+        self.rolls_released += released;
+        self.good_rolls_failed.extend(good_failed);
+    }
+}
+
+/// Releases every farm's held removals, as `rcctl farm release-removals` does; how many
+/// releases committed.
+async fn release_removals(consul: &Consul, farms: &[Farm]) -> u64 {
+    let mut n = 0;
+    for f in farms {
+        let rel = crate::failsafe::Release {
+            by: "chaos".into(),
+            at: chrono::Utc::now(),
+        };
+        if consul
+            .kv_put(&crate::failsafe::release_key(&f.id), &rel.to_bytes(), None)
+            .await
+            .is_ok()
+        {
+            n += 1;
+        }
+    }
+    n
 }
 
 /// One fault on a random farm: SIGKILL and restart, SIGSTOP past its session's expiry,

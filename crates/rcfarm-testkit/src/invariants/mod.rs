@@ -83,7 +83,10 @@ pub struct Observer {
     pub reverts: u64,
     /// The farms' blast-radius limit to check (`--max-removals N` per `--max-removals-window`),
     /// if any: see [`Observer::with_removal_limit`].
-    removal_limit: Option<(u64, std::time::Duration)>,
+    removal_limit: Option<(RemovalLimit, std::time::Duration)>,
+    /// Per session: the most pods it was seen serving (the locks of RCs it held), for a limit
+    /// in percent.
+    served_max: HashMap<String, u64>,
     /// Per writing session: when each removal it decided was committed.
     removals: HashMap<String, std::collections::VecDeque<std::time::Instant>>,
     /// The most removals one session committed within any window (less the slack).
@@ -92,6 +95,17 @@ pub struct Observer {
     pub removals_seen: u64,
     /// Rolls started as reverts and not finished: one of them reverted is a revert loop.
     reverting: BTreeSet<String>,
+}
+
+/// The farms' `--max-removals`, as the observer checks it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RemovalLimit {
+    Pods(u64),
+    /// Percent of the pods the writing farm serves, at least `min` (the default: 20 %, 5).
+    Percent {
+        percent: u64,
+        min: u64,
+    },
 }
 
 /// A roll as the observer reads it from the replayed KV.
@@ -587,9 +601,77 @@ impl Observer {
     /// An observer that also checks the farms' blast-radius limit: at most `limit` removals per
     /// `window` by any session.
     pub fn with_removal_limit(limit: u64, window: std::time::Duration) -> Observer {
+        Observer::with_removal_limits(RemovalLimit::Pods(limit), window)
+    }
+
+    /// [`Observer::with_removal_limit`], the limit in pods or in percent of what the writer
+    /// serves. An operator's release (`rcfarm/failsafe/release/<farm-id>`) empties the
+    /// windows of that farm's sessions, as it empties the farm's.
+    pub fn with_removal_limits(limit: RemovalLimit, window: std::time::Duration) -> Observer {
         Observer {
             removal_limit: Some((limit, window)),
             ..Observer::default()
+        }
+    }
+
+    /// The farms' default failsafe: 20 % of what a farm serves (at least 5) per 5 minutes.
+    pub fn with_default_failsafe() -> Observer {
+        let d = crate::failsafe::FailsafeConfig::default();
+        let limit = match d.max_removals {
+            crate::failsafe::MaxRemovals::Pods(n) => RemovalLimit::Pods(n),
+            crate::failsafe::MaxRemovals::Percent(p) => RemovalLimit::Percent {
+                percent: p,
+                min: crate::failsafe::MIN_REMOVALS,
+            },
+            crate::failsafe::MaxRemovals::Off => RemovalLimit::Pods(u64::MAX),
+        };
+        Observer::with_removal_limits(limit, d.window)
+    }
+
+    /// The limit for `session` now.
+    fn limit_for(&mut self, session: &str, limit: RemovalLimit) -> u64 {
+        match limit {
+            RemovalLimit::Pods(n) => n,
+            RemovalLimit::Percent { percent, min } => {
+                let served: u64 = self
+                    .sessions
+                    .iter()
+                    .filter(|(k, s)| {
+                        s.as_str() == session
+                            && k.strip_prefix(crate::rc::RC_LOCK_PREFIX)
+                                .is_some_and(|id| !id.contains('/'))
+                    })
+                    .map(|(k, _)| self.count(&k[crate::rc::RC_LOCK_PREFIX.len()..]) as u64)
+                    .sum();
+                let most = self.served_max.entry(session.to_string()).or_default();
+                *most = (*most).max(served);
+                (*most * percent / 100).max(min)
+            }
+        }
+    }
+
+    /// An operator's release of a farm's removals: its sessions' windows start empty.
+    fn apply_releases(&mut self, c: &LoggedCommit) {
+        let prefix = crate::failsafe::release_key("");
+        for ch in &c.changes {
+            let Change::Put(k, _) = ch else { continue };
+            let Some(farm) = k.strip_prefix(&prefix) else {
+                continue;
+            };
+            let of_farm: Vec<String> = self
+                .removals
+                .keys()
+                .filter(|s| {
+                    self.kv
+                        .get(&format!("{}{s}", crate::farm::registry::FARMS_PREFIX))
+                        .and_then(|v| serde_json::from_slice::<Value>(v).ok())
+                        .is_some_and(|v| v["farm_id"] == farm)
+                })
+                .cloned()
+                .collect();
+            for s in of_farm {
+                self.removals.remove(&s);
+            }
         }
     }
 
@@ -599,9 +681,12 @@ impl Observer {
         let Some((limit, window)) = self.removal_limit else {
             return;
         };
+        self.apply_releases(c);
         let Some((_, session)) = c.checks.first() else {
             return;
         };
+        let session = session.clone();
+        let limit = self.limit_for(&session, limit);
         // A transfer's removal was charged when it started: its completion (or rollback)
         // deletes an intent it already paid for.
         let transfer_end = audits.iter().any(|r| {
@@ -829,6 +914,51 @@ mod tests {
         free.observe(&commit(1, vec![intent("n1", 1)], &[lock]));
         free.observe(&commit(2, vec![del("n1")], &[lock]));
         assert_eq!(free.removals_seen, 0);
+    }
+
+    #[test]
+    fn a_percent_limit_has_its_floor_and_a_release_empties_the_farms_window() {
+        let intent = |i: usize| put(&format!("intent/n{i}/web"), b"id: web\n", None);
+        let del = |r: std::ops::Range<usize>| -> Vec<Change> {
+            r.map(|i| Change::Delete(format!("intent/n{i}/web")))
+                .collect()
+        };
+        let lock = ("lock/replication_controllers/rc-1", "s1");
+        let mut o = Observer::with_removal_limits(
+            RemovalLimit::Percent {
+                percent: 20,
+                min: 5,
+            },
+            std::time::Duration::from_secs(60),
+        );
+        let mut placed: Vec<Change> = (0..12).map(intent).collect();
+        placed.push(put("rcfarm/farms/s1", br#"{"farm_id": "f1"}"#, Some("s1")));
+        o.observe(&commit(1, placed, &[lock]));
+        // Five removals: the floor of a farm serving few pods.
+        o.observe(&commit(2, del(0..5), &[lock]));
+        assert!(o.violations.is_empty(), "{:?}", o.violations);
+        // An operator's release of f1: its window starts empty, five more are fine.
+        o.observe(&commit(
+            3,
+            vec![put(&crate::failsafe::release_key("f1"), b"{}", None)],
+            &[],
+        ));
+        o.observe(&commit(4, del(5..10), &[lock]));
+        assert!(o.violations.is_empty(), "{:?}", o.violations);
+        // A release of another farm changes nothing for f1: the sixth is one too many.
+        o.observe(&commit(
+            5,
+            vec![put(&crate::failsafe::release_key("f2"), b"{}", None)],
+            &[],
+        ));
+        o.observe(&commit(6, del(10..11), &[lock]));
+        assert!(
+            o.violations
+                .first()
+                .is_some_and(|v| v.what.contains("6 removals") && v.what.contains("limit of 5")),
+            "{:?}",
+            o.violations
+        );
     }
 
     #[test]
