@@ -162,6 +162,8 @@ pub struct ChaosReport {
     pub retargets_committed_late: u64,
     /// Snapshots the outside observer took and how many reads failed.
     pub external_snapshots: Option<(u64, u64)>,
+    /// Answers the outside observer held back as older than one it had seen.
+    pub stale_snapshots: u64,
 }
 
 impl ChaosReport {
@@ -216,7 +218,8 @@ impl ChaosReport {
         }
         match self.external_snapshots {
             Some((snaps, errors)) => s.push_str(&format!(
-                "observed from outside: {snaps} snapshots of the whole KV store ({errors} reads failed)\n"
+                "observed from outside: {snaps} snapshots of the whole KV store (consistent reads; {errors} failed, {} older than one seen held back)\n",
+                self.stale_snapshots
             )),
             None => s.push_str(&format!(
                 "commits observed: {}, fenced pod writes checked: {}\n",
@@ -800,6 +803,7 @@ pub async fn run(cfg: ChaosConfig) -> Result<ChaosReport, String> {
         r.retargets_committed = seen.retarget_ids.len() as u64;
         r.handovers = Some(seen.handovers);
         r.external_snapshots = Some((seen.snapshots, seen.errors));
+        r.stale_snapshots = seen.stale_snapshots;
     }
     r.elections = cl.backend.elections();
     // Only now: what the farms record as they shut down is not part of the run.

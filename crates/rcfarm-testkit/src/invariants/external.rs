@@ -41,6 +41,9 @@ pub struct ExternalReport {
     pub last_error: Option<String>,
     /// Rolling update → the fewest pods of its two RCs seen up at once after it started.
     pub roll_lowest_up: BTreeMap<String, usize>,
+    /// Answers older than one already observed (a server that had not caught up, or a leader
+    /// not yet deposed, answering), held back rather than compared with what came before.
+    pub stale_snapshots: u64,
 }
 
 #[derive(Default)]
@@ -53,6 +56,10 @@ struct State {
     /// RC → last session seen holding its ownership lock.
     owner: BTreeMap<String, String>,
 }
+
+/// How long answers older than one observed are held back before the observer takes the
+/// store as gone back in time.
+const STALE_GRACE: Duration = Duration::from_secs(5);
 
 /// A running observer; [`ExternalObserver::finish`] stops it and reports.
 pub struct ExternalObserver {
@@ -68,16 +75,41 @@ impl ExternalObserver {
         let (st, token) = (state.clone(), stop.clone());
         let task = tokio::spawn(async move {
             let mut index = 0;
+            // The highest index observed, and since when answers have been older than it.
+            let mut observed = 0;
+            let mut regressed_since: Option<tokio::time::Instant> = None;
             loop {
-                let q = QueryOptions::blocking(index, Duration::from_secs(5));
+                // Consistent: the leader checks it still leads before answering, so a leader
+                // cut off from the others (a partition) cannot answer with the past. A snapshot
+                // from the past, compared with the present, reads as pods that came and went.
+                let q = QueryOptions {
+                    consistent: true,
+                    ..QueryOptions::blocking(index, Duration::from_secs(5))
+                };
                 let read = tokio::select! {
                     _ = token.cancelled() => return,
                     r = consul.kv_list("", &q) => r,
                 };
                 match read {
                     Ok((entries, meta)) => {
-                        // An index going backwards (a restored or emptied Consul) starts over.
-                        index = if meta.index < index { 0 } else { meta.index };
+                        if meta.index < observed {
+                            // Older than what was seen: held back for a while; past that, the
+                            // store really went back (restored or emptied) and starts over.
+                            let since =
+                                *regressed_since.get_or_insert_with(tokio::time::Instant::now);
+                            if since.elapsed() < STALE_GRACE {
+                                st.lock().report.stale_snapshots += 1;
+                                index = 0;
+                                tokio::select! {
+                                    _ = token.cancelled() => return,
+                                    _ = tokio::time::sleep(Duration::from_millis(100)) => {}
+                                }
+                                continue;
+                            }
+                        }
+                        regressed_since = None;
+                        observed = meta.index;
+                        index = meta.index;
                         st.lock().observe(meta.index, &entries);
                     }
                     Err(e) => {
@@ -115,7 +147,9 @@ impl State {
     fn observe(&mut self, index: u64, entries: &[KvPair]) {
         self.report.snapshots += 1;
         let mut desired: BTreeMap<&str, i64> = BTreeMap::new();
-        let mut intents: BTreeSet<&str> = BTreeSet::new();
+        // Each RC record's ModifyIndex, and each intent's.
+        let mut rc_index: BTreeMap<&str, u64> = BTreeMap::new();
+        let mut intents: BTreeMap<&str, u64> = BTreeMap::new();
         let mut transfers: BTreeSet<&str> = BTreeSet::new();
         let mut owners: BTreeMap<String, String> = BTreeMap::new();
         let mut labels: Vec<(&str, &KvPair)> = Vec::new();
@@ -127,8 +161,9 @@ impl State {
                     .and_then(|v| v["replicas_desired"].as_i64())
                     .unwrap_or(0);
                 desired.insert(id, n);
+                rc_index.insert(id, e.modify_index);
             } else if let Some(rest) = k.strip_prefix("intent/") {
-                intents.insert(rest);
+                intents.insert(rest, e.modify_index);
             } else if let Some(rest) = k.strip_prefix("labels/pod/") {
                 labels.push((rest, e));
             } else if let Some(rest) = k.strip_prefix("status/replication_controllers/") {
@@ -152,14 +187,18 @@ impl State {
             }
         }
         let mut pods: BTreeMap<String, usize> = BTreeMap::new();
+        // Per RC, the latest write to any of its pods (intent or label).
+        let mut newest_pod_write: BTreeMap<String, u64> = BTreeMap::new();
         for (node_pod, e) in labels {
-            if !intents.contains(node_pod) {
+            let Some(intent_index) = intents.get(node_pod) else {
                 continue;
-            }
+            };
             if let Some(rc) = parse_labels(e.value_bytes())
                 .ok()
                 .and_then(|l| l.get(RC_ID_LABEL).cloned())
             {
+                let w = newest_pod_write.entry(rc.clone()).or_default();
+                *w = (*w).max(*intent_index).max(e.modify_index);
                 *pods.entry(rc).or_default() += 1;
             }
         }
@@ -175,7 +214,19 @@ impl State {
                 .max(self.desired.get(rc.as_str()).copied().unwrap_or(0));
             let limit = wanted.max(0) as usize + usize::from(transfers.contains(rc.as_str()));
             let before = self.pods.get(rc).copied().unwrap_or(0);
-            if *n > limit && *n > before && desired.contains_key(rc.as_str()) {
+            // Farms write pods under a check of the RC record's index: a pod written before the
+            // record's current version was planned under an earlier count (which a gap between
+            // snapshots can hide: 0, then 1 and a pod, then 0 again), and is the farm's to
+            // remove, not a broken promise. One written since is judged by the current count.
+            let written_under_this_version = newest_pod_write
+                .get(rc.as_str())
+                .zip(rc_index.get(rc.as_str()))
+                .is_some_and(|(pod, record)| pod > record);
+            if *n > limit
+                && *n > before
+                && desired.contains_key(rc.as_str())
+                && written_under_this_version
+            {
                 self.report.violations.push(Violation {
                     index,
                     what: format!("{rc} rose to {n} pods, desired {}", limit),
@@ -203,5 +254,59 @@ impl State {
             .into_iter()
             .map(|(id, n)| (id.to_string(), n))
             .collect();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn kv(key: &str, value: &str, modify_index: u64) -> KvPair {
+        KvPair {
+            key: key.to_string(),
+            value: Some(value.as_bytes().to_vec()),
+            modify_index,
+            ..Default::default()
+        }
+    }
+
+    fn rc(desired: i64, index: u64) -> KvPair {
+        kv(
+            "replication_controllers/r",
+            &format!(r#"{{"replicas_desired": {desired}}}"#),
+            index,
+        )
+    }
+
+    fn pod(node: &str, index: u64) -> [KvPair; 2] {
+        [
+            kv(&format!("intent/{node}/web"), "id: web", index),
+            kv(
+                &format!("labels/pod/{node}/web"),
+                r#"{"replication_controller_id": "r"}"#,
+                index,
+            ),
+        ]
+    }
+
+    /// A pod above the count is a broken promise only when it was written under the RC
+    /// record's current version: one written under an earlier count that a gap between two
+    /// snapshots hid (0, then 1 and a pod, then 0 again) is the farm's to remove.
+    #[test]
+    fn a_rise_is_judged_by_the_count_the_pod_was_written_under() {
+        let mut st = State::default();
+        st.observe(10, &[rc(0, 10)]);
+        let mut snap = vec![rc(0, 20)];
+        snap.extend(pod("n1", 15));
+        st.observe(20, &snap);
+        assert!(
+            st.report.violations.is_empty(),
+            "{:?}",
+            st.report.violations
+        );
+        snap.extend(pod("n2", 25));
+        st.observe(25, &snap);
+        assert_eq!(st.report.violations.len(), 1, "{:?}", st.report.violations);
+        assert!(st.report.violations[0].what.contains("rose to 2 pods"));
     }
 }
