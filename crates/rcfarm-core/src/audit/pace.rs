@@ -7,16 +7,16 @@
 //! (`--audit-outbox-slow`, 50,000 by default), each farm commits at most `per_second`
 //! record-carrying writes of its RC and roll tasks (`--audit-outbox-pace`, 5 by default). The
 //! outbox then grows by at most farms × pace records a second, which gives operators hours
-//! (the `RcfarmAuditBacklog` alert fires long before) instead of a store that grows with every
-//! pod change. Claims and operators' own writes (rcctl, the API) are never slowed: a handover
+//! (`RcfarmAuditOutboxGrowing` fires long before, `RcfarmAuditPaced` pages when pacing starts)
+//! instead of a store that grows with every pod change. Claims and operators' own writes (rcctl, the API) are never slowed: a handover
 //! must not wait on an audit outage, and an operator must be able to scale down.
 //!
 //! Who knows the backlog: the farm that holds the shipper lock lists the outbox on every pass
 //! (it goes on listing while SQL refuses), and publishes the count in
 //! [`BACKLOG_KEY`] (fenced by that lock, and held by its session, so that the count goes with
 //! the farm that made it) when it crosses the mark or moves by a tenth; every farm reads that key
-//! every few seconds. Farms of a release before this one neither publish nor pace. While no farm ships (none reaches SQL since it started),
-//! nothing publishes and nothing is slowed.
+//! every few seconds. Farms of a release before this one neither publish nor pace. While no
+//! farm ships (none reaches SQL since it started), nothing publishes and nothing is slowed.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;

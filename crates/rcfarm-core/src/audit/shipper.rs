@@ -208,11 +208,9 @@ impl Shipper {
             } else {
                 index = meta.index;
             }
-            self.stats
-                .backlog
-                .store(keys.len() as u64, Ordering::Relaxed);
-            metrics::gauge!("rcfarm_audit_backlog").set(keys.len() as f64);
             let count = keys.len() as u64;
+            self.stats.backlog.store(count, Ordering::Relaxed);
+            metrics::gauge!("rcfarm_audit_backlog").set(count as f64);
             self.pace.set_backlog(count);
             if worth_publishing(published, count, self.pace.config().slow_at) {
                 match self.publish(count, shipping).await {

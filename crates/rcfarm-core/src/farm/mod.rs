@@ -305,11 +305,6 @@ impl Farm {
         self.audit.subscribe()
     }
 
-    /// The farm's audit pace (the outbox's size as last heard, and writes paced).
-    pub fn audit_pace(&self) -> Arc<crate::audit::AuditPace> {
-        self.pace.clone()
-    }
-
     pub fn shipper_stats(&self) -> Arc<ShipperStats> {
         self.shipper_stats.clone()
     }

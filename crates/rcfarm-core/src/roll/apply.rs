@@ -403,15 +403,8 @@ impl Worker {
         // goes back to pods that ran before. A revert that failed on a short deadline (a
         // partition delaying health by seconds, seen in the chaos with 3 s) stays Failed,
         // never reverted, with the service half rolled back.
-        let inherited = failed
-            .progress_deadline
-            .as_deref()
-            .and_then(|d| crate::util::parse_go_duration(d).ok())
-            .filter(|d| !d.negative && d.nanos > 0)
-            .map(|d| Duration::from_nanos(d.nanos));
-        let deadline = inherited.map_or(self.ctx.config.progress_deadline, |d| {
-            d.max(self.ctx.config.progress_deadline)
-        });
+        let farm_default = self.ctx.config.progress_deadline;
+        let deadline = failed.progress_deadline_or(farm_default).max(farm_default);
         let control = RollControl {
             max_parallel: failed.max_parallel,
             progress_deadline: Some(crate::util::format_go_duration(deadline)),

@@ -88,6 +88,16 @@ pub struct RollFailure {
 pub const CANARY_PAUSER: &str = "canary";
 
 impl RollControl {
+    /// The progress deadline this roll runs under: its own (`--progress-deadline`) when it
+    /// names a positive one, else the farm's (`--roll-progress-deadline`).
+    pub fn progress_deadline_or(&self, farm_default: std::time::Duration) -> std::time::Duration {
+        self.progress_deadline
+            .as_deref()
+            .and_then(|d| crate::util::parse_go_duration(d).ok())
+            .filter(|d| !d.negative && d.nanos > 0)
+            .map_or(farm_default, |d| std::time::Duration::from_nanos(d.nanos))
+    }
+
     /// The canary still to prove itself: its size, until promoted.
     pub fn canary_pending(&self) -> Option<u64> {
         self.canary.filter(|_| self.promoted_by.is_none())

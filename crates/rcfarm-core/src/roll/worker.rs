@@ -587,11 +587,8 @@ impl Worker {
             .control
             .as_ref()
             .ok()
-            .and_then(|c| c.progress_deadline.as_deref())
-            .and_then(|d| crate::util::parse_go_duration(d).ok())
-            .filter(|d| !d.negative && d.nanos > 0)
-            .map_or(self.ctx.config.progress_deadline, |d| {
-                Duration::from_nanos(d.nanos)
+            .map_or(self.ctx.config.progress_deadline, |c| {
+                c.progress_deadline_or(self.ctx.config.progress_deadline)
             });
         let paused = match &control.control {
             Ok(c) if c.paused => Some(c.describe()),
