@@ -58,14 +58,7 @@ async fn thirty_seconds_of_chaos_on_a_consul_cluster_break_no_promise() {
     let report = run(ChaosConfig {
         farms: 2,
         seed: 12,
-        ..thirty_seconds(
-            ChaosConsul::Cluster {
-                bin,
-                servers: 3,
-                partitions: false,
-            },
-            dir.path(),
-        )
+        ..thirty_seconds(three_servers(bin, false), dir.path())
     })
     .await
     .unwrap();
@@ -103,18 +96,37 @@ async fn a_minute_of_partitions_on_a_consul_cluster_breaks_no_promise() {
         partition_faults: true,
         // As a new user runs them: deploys and brakes under partitions on the defaults.
         default_failsafe: true,
-        ..thirty_seconds(
-            ChaosConsul::Cluster {
-                bin,
-                servers: 3,
-                partitions: true,
-            },
-            dir.path(),
-        )
+        ..thirty_seconds(three_servers(bin, true), dir.path())
     })
     .await
     .unwrap();
     assert_faulted(&report, &["partition-"], 2, dir.path());
+}
+
+/// Every server of a real 3-server cluster stopped and copied (a cold backup, as Consul 0.7 is
+/// backed up), and later every server put back to that copy while the farms work: the store
+/// goes back in time (claims, rolls, pods and audit records written since vanish, locks taken
+/// since are free again, locks given up since are held again). Every promise holds, every
+/// RC converges on what the restored store desires, every audit record seen reaches SQL
+/// unless the restore took it before it was shipped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consul_cluster_restored_from_a_backup_under_chaos_breaks_no_promise() {
+    let Some(Backend::Real(bin)) = Backend::real() else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let report = run(ChaosConfig {
+        farms: 2,
+        seed: 3709,
+        duration: Duration::from_secs(45),
+        consul_faults: false,
+        restore_faults: true,
+        default_failsafe: true,
+        ..thirty_seconds(three_servers(bin, false), dir.path())
+    })
+    .await
+    .unwrap();
+    assert_faulted(&report, &["consul-restore"], 1, dir.path());
 }
 
 on_both_backends!(thirty_seconds_of_clock_and_audit_database_faults_break_no_promise);
@@ -142,6 +154,7 @@ async fn thirty_seconds_of_clock_and_audit_database_faults_break_no_promise(back
         farm_faults: false,
         clock_faults: true,
         audit_db_faults: true,
+        restore_faults: false,
         // The observer checks the default blast radius (20 % of what a farm serves, at
         // least 5, per 5 minutes), with the tripwire on.
         default_failsafe: true,
@@ -176,8 +189,19 @@ fn thirty_seconds(consul: ChaosConsul, dir: &std::path::Path) -> ChaosConfig {
         partition_faults: false,
         clock_faults: false,
         audit_db_faults: false,
+        restore_faults: false,
         default_failsafe: false,
         mutations: true,
+    }
+}
+
+/// A real cluster of 3 servers and a client agent per farm; `partitions`: each agent on an
+/// address of its own, so that the network between them can be cut.
+fn three_servers(bin: std::path::PathBuf, partitions: bool) -> ChaosConsul {
+    ChaosConsul::Cluster {
+        bin,
+        servers: 3,
+        partitions,
     }
 }
 

@@ -811,3 +811,29 @@ fn the_farm_runs_with_its_built_in_allocator_settings() {
         );
     }
 }
+
+/// `rcfarm chaos --faults` names what is wrong and how to fix it: an unknown kind, and a
+/// restore (which puts every server of a cluster back to a backup) without a cluster.
+#[tokio::test]
+async fn chaos_fault_kinds_are_checked_before_anything_starts() {
+    for (args, needle) in [
+        (
+            vec!["chaos", "--faults", "restore"],
+            "add --consul-bin PATH --consul-servers 3",
+        ),
+        (
+            vec!["chaos", "--faults", "farms,bogus"],
+            "--faults bogus: no such fault kind",
+        ),
+    ] {
+        let out = tokio::process::Command::new(RCFARM)
+            .args(&args)
+            .output()
+            .await
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(needle), "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{err}");
+    }
+}

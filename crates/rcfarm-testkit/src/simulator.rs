@@ -83,7 +83,15 @@ pub struct SimStats {
     /// a benchmark can tell the farms' requests from the simulator's.
     pub requests: u64,
     pub watch_queries: u64,
+    /// Batches of reports that failed (and were written again later).
+    pub write_failures: u64,
 }
+
+/// How long a pod whose report failed waits before it is written again.
+const RETRY_UNSYNCED: Duration = Duration::from_secs(1);
+
+/// A simulated node's name and a pod's id.
+type PodKey = (String, String);
 
 /// A pod on a simulated node.
 #[derive(Debug, Clone, PartialEq)]
@@ -200,13 +208,19 @@ impl NodeSimulator {
         let mut rx = intents.subscribe();
         let mut pods: BTreeMap<(String, String), Pod> = BTreeMap::new();
         let mut adopted = false;
+        // Pods whose reality and health in Consul may not say what the simulator knows: a
+        // write that failed (a partition, an election) is written again from the pod's state,
+        // as a node agent reports again, or the pod's health would be lost until its intent
+        // changed, and a roll waiting for it would wait for ever.
+        let mut unsynced: BTreeSet<PodKey> = BTreeSet::new();
         loop {
             let snap = rx.borrow_and_update().clone();
             self.stats.lock().watch_queries = intents
                 .stats()
                 .queries
                 .load(std::sync::atomic::Ordering::Relaxed);
-            let mut writes = Vec::new();
+            // What each changed pod must now say (written from its state below).
+            let mut dirty: BTreeSet<PodKey> = std::mem::take(&mut unsynced);
             if let Some(snap) = snap {
                 let now = Instant::now();
                 let mut seen = BTreeSet::new();
@@ -237,12 +251,7 @@ impl NodeSimulator {
                             p.want_digest = digest;
                             p.ready_at = Some(now + self.config.startup);
                             if p.running.is_some() {
-                                writes.extend(self.health_ops(
-                                    node,
-                                    pod,
-                                    HealthStatus::Critical,
-                                    "replacing the pod with a new manifest",
-                                ));
+                                dirty.insert(key);
                             }
                             self.stats.lock().replaced += 1;
                         }
@@ -264,49 +273,44 @@ impl NodeSimulator {
                     self.adopt(&mut pods).await?;
                     adopted = true;
                 }
-                let gone: Vec<(String, String)> = pods
+                let gone: Vec<PodKey> = pods
                     .keys()
                     .filter(|k| !seen.contains(*k))
                     .cloned()
                     .collect();
-                for (node, pod) in gone {
-                    pods.remove(&(node.clone(), pod.clone()));
-                    writes.push(TxnOp::delete(reality_key(&node, &pod)));
-                    writes.push(TxnOp::delete(format!("{HEALTH_PREFIX}{pod}/{node}")));
+                for key in gone {
+                    pods.remove(&key);
+                    dirty.insert(key);
                     self.stats.lock().removed += 1;
                 }
             }
             // Pods whose start-up is over.
             let now = Instant::now();
-            for ((node, pod), p) in pods.iter_mut() {
+            for (key, p) in pods.iter_mut() {
                 if p.ready_at.is_some_and(|t| t <= now) {
                     p.ready_at = None;
                     p.running = Some(p.want_digest.clone());
-                    writes.push(TxnOp::set(reality_key(node, pod), p.want.as_ref().clone()));
-                    let bad_manifest =
-                        self.config.fail_manifests.as_deref().is_some_and(|pat| {
-                            String::from_utf8_lossy(p.want.as_ref()).contains(pat)
-                        });
-                    let (status, why) = if bad_manifest {
-                        (
-                            HealthStatus::Critical,
-                            "simulated failure (--fail-manifests)",
-                        )
-                    } else if self.is_unhealthy(node, pod, &p.want_digest) {
+                    if !self.bad_manifest(p) && self.is_unhealthy(&key.0, &key.1, &p.want_digest) {
                         self.stats.lock().unhealthy += 1;
-                        (
-                            HealthStatus::Critical,
-                            "simulated failure (--unhealthy-rate)",
-                        )
-                    } else {
-                        (HealthStatus::Passing, "simulated pod is up")
-                    };
-                    writes.extend(self.health_ops(node, pod, status, why));
+                    }
+                    dirty.insert(key.clone());
                     self.stats.lock().started += 1;
                 }
             }
-            self.flush(writes).await;
-            let next = pods.values().filter_map(|p| p.ready_at).min();
+            let writes: Vec<(PodKey, Vec<TxnOp>)> = dirty
+                .into_iter()
+                .map(|key| {
+                    let ops = self.ops_for(&key, pods.get(&key));
+                    (key, ops)
+                })
+                .filter(|(_, ops)| !ops.is_empty())
+                .collect();
+            unsynced = self.flush(writes).await;
+            let mut next = pods.values().filter_map(|p| p.ready_at).min();
+            if !unsynced.is_empty() {
+                let retry = Instant::now() + RETRY_UNSYNCED;
+                next = Some(next.map_or(retry, |t| t.min(retry)));
+            }
             tokio::select! {
                 _ = stop.cancelled() => return Ok(()),
                 r = rx.changed() => if r.is_err() { return Ok(()) },
@@ -317,6 +321,55 @@ impl NodeSimulator {
                     }
                 } => {}
             }
+        }
+    }
+
+    fn bad_manifest(&self, p: &Pod) -> bool {
+        self.config
+            .fail_manifests
+            .as_deref()
+            .is_some_and(|pat| String::from_utf8_lossy(p.want.as_ref()).contains(pat))
+    }
+
+    /// The health a started pod reports.
+    fn status_of(&self, node: &str, pod: &str, p: &Pod) -> (HealthStatus, &'static str) {
+        if self.bad_manifest(p) {
+            (
+                HealthStatus::Critical,
+                "simulated failure (--fail-manifests)",
+            )
+        } else if self.is_unhealthy(node, pod, &p.want_digest) {
+            (
+                HealthStatus::Critical,
+                "simulated failure (--unhealthy-rate)",
+            )
+        } else {
+            (HealthStatus::Passing, "simulated pod is up")
+        }
+    }
+
+    /// What Consul must say of a pod, from its state: running → its reality and health;
+    /// replaced and starting → critical health; gone → neither key; starting for the first
+    /// time → nothing yet.
+    fn ops_for(&self, (node, pod): &PodKey, p: Option<&Pod>) -> Vec<TxnOp> {
+        match p {
+            None => vec![
+                TxnOp::delete(reality_key(node, pod)),
+                TxnOp::delete(format!("{HEALTH_PREFIX}{pod}/{node}")),
+            ],
+            Some(p) if p.ready_at.is_none() => {
+                let (status, why) = self.status_of(node, pod, p);
+                let mut ops = vec![TxnOp::set(reality_key(node, pod), p.want.as_ref().clone())];
+                ops.extend(self.health_ops(node, pod, status, why));
+                ops
+            }
+            Some(p) if p.running.is_some() => self.health_ops(
+                node,
+                pod,
+                HealthStatus::Critical,
+                "replacing the pod with a new manifest",
+            ),
+            Some(_) => Vec::new(),
         }
     }
 
@@ -374,19 +427,19 @@ impl NodeSimulator {
         )]
     }
 
-    /// Writes in batches; a failed batch is logged and retried by the next change (reality
-    /// and health are rewritten for pods that start later; a lost write of a running pod
-    /// is rewritten when its intent changes).
-    async fn flush(&self, writes: Vec<TxnOp>) {
+    /// Writes in batches, one pod's keys in one transaction; returns the pods whose writes
+    /// failed, to be written again from their state.
+    async fn flush(&self, writes: Vec<(PodKey, Vec<TxnOp>)>) -> BTreeSet<PodKey> {
+        let mut failed = BTreeSet::new();
         // Reality holds the manifest: with big ones, fewer writes per transaction.
-        let singles: Vec<Vec<TxnOp>> = writes.into_iter().map(|op| vec![op]).collect();
+        let groups: Vec<Vec<TxnOp>> = writes.iter().map(|(_, ops)| ops.clone()).collect();
         let budget = TxnBudget {
             groups: MAX_TXN_OPS,
             ops: MAX_TXN_OPS,
             bytes: MAX_TXN_BYTES,
         };
-        for run in split_to_fit(&singles, budget) {
-            let ops = singles[run].concat();
+        for run in split_to_fit(&groups, budget) {
+            let ops = groups[run.clone()].concat();
             let chunk = ops.as_slice();
             let mut attempt = 0;
             loop {
@@ -398,11 +451,85 @@ impl NodeSimulator {
                         tokio::time::sleep(Duration::from_millis(100 << attempt)).await;
                     }
                     Err(e) => {
-                        tracing::warn!(error = %e, ops = chunk.len(), "simulator: write failed");
+                        tracing::warn!(error = %e, ops = chunk.len(), "simulator: write failed; written again from the pods' state");
+                        self.stats.lock().write_failures += 1;
+                        failed.extend(writes[run].iter().map(|(k, _)| k.clone()));
                         break;
                     }
                 }
             }
         }
+        failed
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::chaos::proxy::{FaultyProxy, ProxyFaults};
+    use crate::consul::{ConsulConfig, QueryOptions};
+    use crate::server::{EmbeddedServer, ServerConfig};
+
+    /// A health report lost to a partition is written again: a roll waiting for that pod
+    /// would otherwise wait for ever (the 10-minute partition chaos, seed 37301, saw a good
+    /// roll fail at its deadline with "2 of the 4 new pods … waiting for health").
+    #[tokio::test]
+    async fn a_report_that_failed_is_written_again() {
+        let server = EmbeddedServer::start(ServerConfig::ephemeral())
+            .await
+            .unwrap();
+        let proxy = FaultyProxy::start(
+            server.addr(),
+            ProxyFaults {
+                max_delay: Duration::ZERO,
+                drop_per_mille: 0,
+            },
+        )
+        .await
+        .unwrap();
+        let direct = Consul::new(ConsulConfig::new(server.url())).unwrap();
+        let through = Consul::new(ConsulConfig::new(proxy.url())).unwrap();
+        let sim = NodeSimulator::new(
+            through,
+            SimConfig {
+                nodes: vec!["n1".into()],
+                startup: Duration::from_millis(100),
+                ..SimConfig::default()
+            },
+        )
+        .unwrap();
+        let stats = sim.stats();
+        let stop = CancellationToken::new();
+        let task = tokio::spawn(sim.run(stop.clone()));
+        // More refusals than one flush retries: the first report is certainly lost.
+        proxy.refuse_requests_with(b"health/web/n1", 8);
+        direct
+            .kv_put("intent/n1/web", b"id: web\n", None)
+            .await
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let health = loop {
+            let (kv, _) = direct
+                .kv_get("health/web/n1", &QueryOptions::default())
+                .await
+                .unwrap();
+            if let Some(kv) = kv {
+                break parse_health(kv.value_bytes()).unwrap();
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the pod's health was never written again: {:?}",
+                stats.lock().clone()
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        };
+        assert!(HealthStatus::is_passing(health), "{health:?}");
+        assert!(
+            stats.lock().write_failures >= 1,
+            "the fault did not happen: {:?}",
+            stats.lock().clone()
+        );
+        stop.cancel();
+        task.await.unwrap().unwrap();
     }
 }

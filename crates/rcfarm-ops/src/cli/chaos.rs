@@ -57,8 +57,10 @@ pub struct ChaosArgs {
     /// `farms` (kill, stop, terminate, restart), `servers` (Consul servers killed, stopped,
     /// restarted), `partitions` (see --partitions), `clock` (a farm's wall clock stepped an
     /// hour forward or back, or run 10 % fast, with libfaketime; its monotonic clock untouched)
-    /// and `audit-db` (the farms ship to a PostgreSQL of the run's own, stopped for 5–20 s or
-    /// slowed now and then; needs PostgreSQL's server tools).
+    /// `audit-db` (the farms ship to a PostgreSQL of the run's own, stopped for 5–20 s or
+    /// slowed now and then; needs PostgreSQL's server tools) and `restore` (with
+    /// --consul-servers 3 or more: every server stopped and its data copied, and later every
+    /// server put back to that copy, once per 4 minutes of run: the store goes back in time).
     #[arg(long, value_name = "KINDS", value_delimiter = ',')]
     pub faults: Option<Vec<String>>,
     /// Run the farms on their default failsafe (20 % of what each serves, at least 5, per 5
@@ -95,6 +97,11 @@ pub async fn run(args: ChaosArgs) -> Result<(), CliError> {
         )));
     }
     let kinds = FaultKinds::from_args(&args)?;
+    if kinds.restore && (args.consul_bin.is_none() || args.consul_servers < 3) {
+        return Err(CliError::Usage(
+            "restore puts every server of a real Consul cluster back to a backup of its data: add --consul-bin PATH --consul-servers 3".into(),
+        ));
+    }
     if kinds.partitions && (args.consul_bin.is_none() || args.consul_servers < 3) {
         return Err(CliError::Usage(
             "partitions cut the network between the agents of a real Consul cluster: add --consul-bin PATH --consul-servers 3".into(),
@@ -107,7 +114,11 @@ pub async fn run(args: ChaosArgs) -> Result<(), CliError> {
             "partitions are not possible here: {why}"
         )));
     }
-    if !kinds.farms && !kinds.partitions && (!kinds.servers || args.consul_servers < 3) {
+    if !kinds.farms
+        && !kinds.partitions
+        && !kinds.restore
+        && (!kinds.servers || args.consul_servers < 3)
+    {
         return Err(CliError::Usage(
             "nothing to fault: without farm faults, run a cluster (--consul-bin PATH --consul-servers 3) and fault its servers or its network (--faults servers,partitions)".into(),
         ));
@@ -208,6 +219,7 @@ pub async fn run(args: ChaosArgs) -> Result<(), CliError> {
         partition_faults: kinds.partitions,
         clock_faults: kinds.clock,
         audit_db_faults: kinds.audit_db,
+        restore_faults: kinds.restore,
         default_failsafe: args.default_failsafe,
         mutations: !args.no_mutations,
     })
@@ -230,6 +242,7 @@ struct FaultKinds {
     partitions: bool,
     clock: bool,
     audit_db: bool,
+    restore: bool,
 }
 
 impl FaultKinds {
@@ -241,6 +254,7 @@ impl FaultKinds {
                 partitions: args.partitions,
                 clock: false,
                 audit_db: false,
+                restore: false,
             });
         };
         let mut k = FaultKinds {
@@ -249,6 +263,7 @@ impl FaultKinds {
             partitions: false,
             clock: false,
             audit_db: false,
+            restore: false,
         };
         for kind in list.iter().map(|s| s.trim()).filter(|s| !s.is_empty()) {
             match kind {
@@ -257,21 +272,17 @@ impl FaultKinds {
                 "partitions" => k.partitions = true,
                 "clock" => k.clock = true,
                 "audit-db" => k.audit_db = true,
-                "restore" => {
-                    return Err(CliError::Usage(
-                        "--faults restore: not a chaos fault (a restore takes back what the run checks); it is tested on its own (tests/farm/restore.rs); available: farms, servers, partitions, clock, audit-db".into(),
-                    ));
-                }
+                "restore" => k.restore = true,
                 other => {
                     return Err(CliError::Usage(format!(
-                        "--faults {other}: no such fault kind; use a comma-separated list of farms, servers, partitions, clock, audit-db (e.g. --faults partitions,clock)"
+                        "--faults {other}: no such fault kind; use a comma-separated list of farms, servers, partitions, clock, audit-db, restore (e.g. --faults partitions,clock)"
                     )));
                 }
             }
         }
-        if !(k.farms || k.servers || k.partitions || k.clock || k.audit_db) {
+        if !(k.farms || k.servers || k.partitions || k.clock || k.audit_db || k.restore) {
             return Err(CliError::Usage(
-                "--faults needs at least one kind: farms, servers, partitions, clock, audit-db"
+                "--faults needs at least one kind: farms, servers, partitions, clock, audit-db, restore"
                     .into(),
             ));
         }

@@ -491,6 +491,65 @@ impl ConsulCluster {
         Ok(cluster)
     }
 
+    /// A cold backup of every server: all stopped (SIGTERM, which a server does not take as
+    /// leaving), their data directories copied under `to` (one directory per server), and all
+    /// started again. Consul 0.7 has no snapshot API (it came in 0.7.1); the copy of stopped
+    /// servers is the backup an operator of 0.7 takes.
+    pub async fn backup_servers(&mut self, to: &Path) -> Result<(), String> {
+        for s in &mut self.servers {
+            s.stop().await;
+        }
+        let _ = std::fs::remove_dir_all(to);
+        for (i, s) in self.servers.iter().enumerate() {
+            copy_tree(&s.data_dir, &to.join(format!("s{}", i + 1)))?;
+        }
+        self.start_servers().await
+    }
+
+    /// Every server stopped, its data directory replaced by the copy under `from` that
+    /// [`ConsulCluster::backup_servers`] took, and started: the whole store goes back to the
+    /// backup's moment (client agents keep running and find the servers again).
+    /// `while_down` runs once every server has stopped.
+    pub async fn restore_servers(
+        &mut self,
+        from: &Path,
+        while_down: impl FnOnce(),
+    ) -> Result<(), String> {
+        for s in &mut self.servers {
+            s.stop().await;
+        }
+        while_down();
+        for (i, s) in self.servers.iter().enumerate() {
+            let copy = from.join(format!("s{}", i + 1));
+            if !copy.is_dir() {
+                return Err(format!(
+                    "no backup of server {} in {}",
+                    i + 1,
+                    from.display()
+                ));
+            }
+            std::fs::remove_dir_all(&s.data_dir)
+                .map_err(|e| format!("{}: {e}", s.data_dir.display()))?;
+            copy_tree(&copy, &s.data_dir)?;
+            if let Some(uid) = s.config.uid {
+                chown_tree(&s.data_dir, uid)?;
+            }
+        }
+        self.start_servers().await
+    }
+
+    /// Starts every stopped server at once (one alone cannot elect a leader) and waits for a
+    /// leader.
+    async fn start_servers(&mut self) -> Result<(), String> {
+        for s in self.servers.iter_mut().filter(|s| !s.is_running()) {
+            s.spawn()?;
+        }
+        for s in &self.servers {
+            s.wait_ready(true, Duration::from_secs(60)).await?;
+        }
+        Ok(())
+    }
+
     /// The server that leads now, per the first server that answers.
     pub async fn leader(&self) -> Option<usize> {
         crate::consul::init_tls();
@@ -514,6 +573,23 @@ impl ConsulCluster {
         }
         None
     }
+}
+
+/// Copies a directory tree (files, directories; an agent's data directory has nothing else).
+fn copy_tree(from: &Path, to: &Path) -> Result<(), String> {
+    std::fs::create_dir_all(to).map_err(|e| format!("{}: {e}", to.display()))?;
+    for entry in std::fs::read_dir(from).map_err(|e| format!("{}: {e}", from.display()))? {
+        let entry = entry.map_err(|e| e.to_string())?;
+        let kind = entry.file_type().map_err(|e| e.to_string())?;
+        let target = to.join(entry.file_name());
+        if kind.is_dir() {
+            copy_tree(&entry.path(), &target)?;
+        } else if kind.is_file() {
+            std::fs::copy(entry.path(), &target)
+                .map_err(|e| format!("{}: {e}", entry.path().display()))?;
+        }
+    }
+    Ok(())
 }
 
 /// Gives `path` and everything under it to user and group `uid`.

@@ -244,6 +244,40 @@ impl Backend {
         Some(kind)
     }
 
+    /// Whether the whole store can be backed up and restored: a cluster whose servers keep
+    /// their data on disk.
+    pub(super) fn restores(&self) -> bool {
+        matches!(self, Backend::Real { cluster, .. } if cluster.servers.len() >= 3)
+    }
+
+    /// A cold backup of every server into `dir` (see [`ConsulCluster::backup_servers`]), or,
+    /// with `restore`, every server put back to the backup in `dir`. The outside observer is
+    /// told when the store goes back (what it saw in the outbox and does not see again was
+    /// lost with the store). Waits for a leader.
+    pub(super) async fn backup_or_restore(
+        &mut self,
+        dir: &std::path::Path,
+        restore: bool,
+    ) -> Result<&'static str, String> {
+        let Backend::Real {
+            cluster, observer, ..
+        } = self
+        else {
+            return Err("a backup needs a Consul cluster".into());
+        };
+        let kind = if restore {
+            cluster
+                .restore_servers(dir, || observer.store_restored())
+                .await?;
+            "consul-restore"
+        } else {
+            cluster.backup_servers(dir).await?;
+            "consul-backup"
+        };
+        wait_for_leader(cluster, Duration::from_secs(30)).await;
+        Ok(kind)
+    }
+
     /// Elections seen so far (raft term increases), on real Consul.
     pub(super) fn elections(&self) -> Option<u64> {
         match self {

@@ -28,7 +28,7 @@ pub use check::{not_converged, rolls_not_done};
 use check::{release_rolls, shipper_diagnosis};
 use mutate::{mutate, new_rc, node_labels};
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::path::PathBuf;
 use std::process::Stdio;
 use std::sync::Arc;
@@ -81,6 +81,9 @@ pub struct ChaosConfig {
     /// Stop the audit database (a PostgreSQL of the run's own, behind a proxy) for a while, or
     /// slow it down.
     pub audit_db_faults: bool,
+    /// Take a cold backup of every Consul server and, later, restore every server from it: the
+    /// store goes back in time under the running farms (a cluster of 3 or more only).
+    pub restore_faults: bool,
     /// Run the farms on their default failsafe (`--max-removals 20%` per 5 minutes, the
     /// tripwire confirming for 2 minutes) instead of the run's tight, quick one (8 per 10 s,
     /// tripwire off); after the faults the run releases held removals (every 5 s) as an
@@ -153,8 +156,12 @@ pub struct ChaosReport {
     pub elections: Option<u64>,
     /// Times an RC's ownership lock went from one session to another (outside observer).
     pub handovers: Option<u64>,
-    /// Audit records seen in the outbox but not found in SQL (outside observer).
+    /// Audit records seen in the outbox but not found in SQL (outside observer), not counting
+    /// those a restore of the store took before they were shipped.
     pub audit_missing: u64,
+    /// Audit records seen in the outbox before a restore, gone with it before they were
+    /// shipped (Consul's backup did not hold them).
+    pub audit_lost_to_restore: u64,
     /// Records in SQL that Consul never committed (embedded server: its whole commit log).
     pub audit_unknown: u64,
     /// Records (and RETARGET records) committed between the replay and the reads of SQL.
@@ -164,6 +171,14 @@ pub struct ChaosReport {
     pub external_snapshots: Option<(u64, u64)>,
     /// Answers the outside observer held back as older than one it had seen.
     pub stale_snapshots: u64,
+    /// Pod writes the outside observer placed under a live session's hold of their RC's lock
+    /// at their commit, and those it could not place (the lock changed between snapshots).
+    pub pod_writes_checked: Option<(u64, u64)>,
+    /// Restores of the whole store the outside observer was told of.
+    pub restores: u64,
+    /// Batches of the node simulator's reports (reality, health) that failed and were written
+    /// again: a pod's health lost this way would hold a roll back.
+    pub sim_write_failures: u64,
 }
 
 impl ChaosReport {
@@ -178,7 +193,7 @@ impl ChaosReport {
             && if self.external_snapshots.is_some() {
                 // From outside, records that came and went between two snapshots are not
                 // seen: what was seen must be in SQL.
-                self.audit_in_sql >= self.audit_written
+                self.audit_in_sql + self.audit_lost_to_restore >= self.audit_written
                     && self.retargets_in_sql >= self.retargets_committed
             } else {
                 // Every record committed by the replay is in SQL once, and nothing else but
@@ -226,6 +241,23 @@ impl ChaosReport {
                 self.commits, self.fenced_writes
             )),
         }
+        if let Some((under, unplaced)) = self.pod_writes_checked {
+            s.push_str(&format!(
+                "pod writes checked against their RC's lock at their commit: {under} made under a live session's lock, none under a free one; {unplaced} fell where the snapshots do not say\n"
+            ));
+        }
+        if self.sim_write_failures > 0 {
+            s.push_str(&format!(
+                "node simulator: {} batches of pod reports failed and were written again\n",
+                self.sim_write_failures
+            ));
+        }
+        if self.restores > 0 {
+            s.push_str(&format!(
+                "the whole store restored from a backup {} times\n",
+                self.restores
+            ));
+        }
         if let Some(e) = self.elections {
             s.push_str(&format!("Consul elections (raft term increases): {e}\n"));
         }
@@ -259,6 +291,10 @@ impl ChaosReport {
                 self.audit_unknown,
                 self.audit_written_late
             ) {
+                (0, 0, 0) if self.audit_lost_to_restore > 0 => format!(
+                    " ({} seen before a restore went with it, unshipped: the backup did not hold them)",
+                    self.audit_lost_to_restore
+                ),
                 (0, 0, 0) => String::new(),
                 (0, 0, late) => format!(" ({late} more committed before SQL was read)"),
                 (missing, unknown, _) => format!(
@@ -502,6 +538,7 @@ pub async fn run(cfg: ChaosConfig) -> Result<ChaosReport, String> {
         },
     )
     .map_err(|e| e.to_string())?;
+    let sim_stats = sim.stats();
     tokio::spawn(sim.run(sim_stop.clone()));
     let store = RcStore::new(consul.clone());
     for i in 0..cfg.rcs {
@@ -558,10 +595,31 @@ pub async fn run(cfg: ChaosConfig) -> Result<ChaosReport, String> {
     if cfg.partition_faults && !partition_faults {
         return Err("partition faults need a cluster started with partitions (ChaosConsul::Cluster { partitions: true, .. })".into());
     }
+    if cfg.restore_faults && !cl.backend.restores() {
+        return Err(
+            "restore faults need a Consul cluster of 3 or more servers (their data is on disk)"
+                .into(),
+        );
+    }
+    let mut restore_plan = if cfg.restore_faults {
+        restore_schedule(started, cfg.duration)
+    } else {
+        VecDeque::new()
+    };
+    let backup_dir = cfg.log_dir.join("consul-backup");
     while Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(rng.random_range(2000..5000))).await;
         if Instant::now() >= deadline {
             break;
+        }
+        if let Some(&(at, restore)) = restore_plan.front()
+            && Instant::now() >= at
+        {
+            restore_plan.pop_front();
+            let kind = cl.backend.backup_or_restore(&backup_dir, restore).await?;
+            tracing::info!(kind, "the whole store backed up or restored");
+            *report.lock().faults.entry(kind).or_default() += 1;
+            continue;
         }
         // (Without clock faults or partitions, the choice draws what it always drew: a seed
         // replays as before.)
@@ -799,13 +857,21 @@ pub async fn run(cfg: ChaosConfig) -> Result<ChaosReport, String> {
         r.rolls_reverted = reverts_in_sql;
         r.violations = seen.violations;
         r.audit_written = seen.audit_ids.len() as u64;
-        r.audit_missing = seen.audit_ids.difference(&sql_ids).count() as u64;
+        let missing: Vec<&String> = seen.audit_ids.difference(&sql_ids).collect();
+        r.audit_lost_to_restore = missing
+            .iter()
+            .filter(|id| seen.audit_restored_away.contains(id.as_str()))
+            .count() as u64;
+        r.audit_missing = missing.len() as u64 - r.audit_lost_to_restore;
         r.retargets_committed = seen.retarget_ids.len() as u64;
         r.handovers = Some(seen.handovers);
         r.external_snapshots = Some((seen.snapshots, seen.errors));
         r.stale_snapshots = seen.stale_snapshots;
+        r.pod_writes_checked = Some((seen.pod_writes_under_lock, seen.pod_writes_unplaced));
+        r.restores = seen.restores;
     }
     r.elections = cl.backend.elections();
+    r.sim_write_failures = sim_stats.lock().write_failures;
     // Only now: what the farms record as they shut down is not part of the run.
     for i in 0..cl.farms.len() {
         signal(cl.farms[i].pid, "CONT");
@@ -926,4 +992,19 @@ async fn all_ids(sql: &AuditStore) -> Result<BTreeSet<String>, String> {
             None => return Ok(ids),
         }
     }
+}
+
+/// When a run backs the whole store up and restores it (`true`): at fixed points, not drawn,
+/// so a seed's other faults are drawn as without them. One backup and restore per 4 minutes
+/// of run (at least one): the backup a quarter into its span, the restore past the half, so
+/// the store goes back over a stretch of work (claims, rolls, audit records).
+fn restore_schedule(started: Instant, duration: Duration) -> VecDeque<(Instant, bool)> {
+    let pairs = (duration.as_secs() / 240).max(1) as u32;
+    let span = duration / pairs;
+    (0..pairs)
+        .flat_map(|k| {
+            let from = started + span * k;
+            [(from + span / 4, false), (from + span * 3 / 5, true)]
+        })
+        .collect()
 }

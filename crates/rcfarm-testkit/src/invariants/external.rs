@@ -31,6 +31,13 @@ pub struct ExternalReport {
     pub violations: Vec<Violation>,
     /// Ids of every audit record seen in `audit_logs/`.
     pub audit_ids: BTreeSet<String>,
+    /// Audit records last seen before the store was restored from a backup that did not hold
+    /// them: unless they were shipped before, the restore took them (SQL keeps what happened,
+    /// Consul what is now), and a record not in SQL among these is lost to the restore, not
+    /// by a farm.
+    pub audit_restored_away: BTreeSet<String>,
+    /// Restores of the store from a backup, as told by the run.
+    pub restores: u64,
     /// Ids of the `RC_RETARGET` records among them.
     pub retarget_ids: BTreeSet<String>,
     /// Times an RC's ownership lock went from one session to another (through a gap or not).
@@ -44,6 +51,12 @@ pub struct ExternalReport {
     /// Answers older than one already observed (a server that had not caught up, or a leader
     /// not yet deposed, answering), held back rather than compared with what came before.
     pub stale_snapshots: u64,
+    /// Pod writes (intent and label, one commit) found made while their RC's lock was held by
+    /// a session the store had at that commit.
+    pub pod_writes_under_lock: u64,
+    /// Pod writes whose commit fell in a stretch where the snapshots do not say what their
+    /// RC's lock was (it changed between two of them).
+    pub pod_writes_unplaced: u64,
 }
 
 #[derive(Default)]
@@ -55,6 +68,76 @@ struct State {
     desired: BTreeMap<String, i64>,
     /// RC → last session seen holding its ownership lock.
     owner: BTreeMap<String, String>,
+    /// RC → what its ownership lock was over stretches of the store's history, oldest first.
+    locks: BTreeMap<String, Vec<LockSpan>>,
+    /// Pod label → the ModifyIndex at which its write was last checked against its RC's lock.
+    pod_writes_checked: BTreeMap<String, u64>,
+}
+
+/// Over `from..=to` (Consul indexes), an RC's ownership lock was held by `holder` (`None`:
+/// free). Known from a snapshot at index `to` whose lock key, last modified at `from`, said
+/// so: nothing changed the key in between. Consul releases a session's locks in the same
+/// commit that invalidates it, so a lock a snapshot shows held is held by a live session.
+#[derive(Debug, Clone, PartialEq)]
+struct LockSpan {
+    from: u64,
+    to: u64,
+    holder: Option<String>,
+}
+
+impl State {
+    /// The store went back in time (a restore): indexes are reused, histories start over.
+    fn store_went_back(&mut self) {
+        self.locks.clear();
+        self.pod_writes_checked.clear();
+    }
+
+    /// Records what each RC's lock was up to `index`.
+    fn note_locks(&mut self, index: u64, locks: &BTreeMap<&str, (Option<String>, u64)>) {
+        for (rc, (holder, from)) in locks {
+            let spans = self.locks.entry(rc.to_string()).or_default();
+            match spans.last_mut() {
+                Some(last) if last.from == *from && last.holder == *holder => {
+                    last.to = last.to.max(index);
+                }
+                _ => spans.push(LockSpan {
+                    from: *from,
+                    to: index,
+                    holder: holder.clone(),
+                }),
+            }
+        }
+    }
+
+    /// Checks a pod write (its label, written in one commit with its intent, names its RC)
+    /// against what its RC's lock was at that commit: held by a live session (checked), free
+    /// (a broken promise: a write from a session the store no longer had), or not known (the
+    /// commit fell between two snapshots that saw the lock change).
+    fn check_pod_write(&mut self, index: u64, label: &str, rc: &str, written_at: u64) {
+        if self.pod_writes_checked.get(label) == Some(&written_at) {
+            return;
+        }
+        self.pod_writes_checked
+            .insert(label.to_string(), written_at);
+        let span = self.locks.get(rc).and_then(|spans| {
+            spans
+                .iter()
+                .rev()
+                .find(|s| (s.from..=s.to).contains(&written_at))
+        });
+        match span {
+            Some(LockSpan {
+                holder: Some(_), ..
+            }) => self.report.pod_writes_under_lock += 1,
+            Some(LockSpan { from, to, .. }) => self.report.violations.push(Violation {
+                index,
+                what: format!(
+                    "pod {label} of {rc} written at index {written_at}, while its RC's lock was free (indexes {from} to {to}): written from a session the store no longer had"
+                ),
+            }),
+            None => self.report.pod_writes_unplaced += 1,
+        }
+    }
 }
 
 /// How long answers older than one observed are held back before the observer takes the
@@ -86,10 +169,19 @@ impl ExternalObserver {
                     consistent: true,
                     ..QueryOptions::blocking(index, Duration::from_secs(5))
                 };
+                let restores = st.lock().report.restores;
                 let read = tokio::select! {
                     _ = token.cancelled() => return,
                     r = consul.kv_list("", &q) => r,
                 };
+                if st.lock().report.restores != restores {
+                    // The store was restored while this read was out: its answer may be from
+                    // before, and what comes next starts from the backup's (lower) index.
+                    index = 0;
+                    observed = 0;
+                    regressed_since = None;
+                    continue;
+                }
                 match read {
                     Ok((entries, meta)) => {
                         if meta.index < observed {
@@ -106,6 +198,9 @@ impl ExternalObserver {
                                 }
                                 continue;
                             }
+                        }
+                        if meta.index < observed {
+                            st.lock().store_went_back();
                         }
                         regressed_since = None;
                         observed = meta.index;
@@ -130,6 +225,16 @@ impl ExternalObserver {
         ExternalObserver { state, stop, task }
     }
 
+    /// The run restored the store from a backup (called while every server is down, so no
+    /// answer after it is from before the restore).
+    pub fn store_restored(&self) {
+        let mut st = self.state.lock();
+        let seen = st.report.audit_ids.clone();
+        st.report.audit_restored_away.extend(seen);
+        st.report.restores += 1;
+        st.store_went_back();
+    }
+
     /// What it found so far.
     pub fn report(&self) -> ExternalReport {
         self.state.lock().report.clone()
@@ -152,6 +257,7 @@ impl State {
         let mut intents: BTreeMap<&str, u64> = BTreeMap::new();
         let mut transfers: BTreeSet<&str> = BTreeSet::new();
         let mut owners: BTreeMap<String, String> = BTreeMap::new();
+        let mut locks: BTreeMap<&str, (Option<String>, u64)> = BTreeMap::new();
         let mut labels: Vec<(&str, &KvPair)> = Vec::new();
         for e in entries {
             let k = e.key.as_str();
@@ -173,22 +279,28 @@ impl State {
                     transfers.insert(id);
                 }
             } else if let Some(id) = k.strip_prefix(RC_LOCK_PREFIX) {
-                if !id.contains('/')
-                    && let Some(s) = &e.session
-                {
-                    owners.insert(id.to_string(), s.clone());
+                if !id.contains('/') {
+                    if let Some(s) = &e.session {
+                        owners.insert(id.to_string(), s.clone());
+                    }
+                    locks.insert(id, (e.session.clone(), e.modify_index));
                 }
-            } else if let Some(id) = k.strip_prefix(AUDIT_PREFIX)
-                && self.report.audit_ids.insert(id.to_string())
-                && AuditRecord::from_kv(k, e.value_bytes())
-                    .is_ok_and(|r| r.event_type == events::RC_RETARGET)
-            {
-                self.report.retarget_ids.insert(id.to_string());
+            } else if let Some(id) = k.strip_prefix(AUDIT_PREFIX) {
+                if !self.report.audit_restored_away.is_empty() {
+                    self.report.audit_restored_away.remove(id);
+                }
+                if self.report.audit_ids.insert(id.to_string())
+                    && AuditRecord::from_kv(k, e.value_bytes())
+                        .is_ok_and(|r| r.event_type == events::RC_RETARGET)
+                {
+                    self.report.retarget_ids.insert(id.to_string());
+                }
             }
         }
         let mut pods: BTreeMap<String, usize> = BTreeMap::new();
         // Per RC, the latest write to any of its pods (intent or label).
         let mut newest_pod_write: BTreeMap<String, u64> = BTreeMap::new();
+        self.note_locks(index, &locks);
         for (node_pod, e) in labels {
             let Some(intent_index) = intents.get(node_pod) else {
                 continue;
@@ -197,6 +309,7 @@ impl State {
                 .ok()
                 .and_then(|l| l.get(RC_ID_LABEL).cloned())
             {
+                self.check_pod_write(index, node_pod, &rc, e.modify_index);
                 let w = newest_pod_write.entry(rc.clone()).or_default();
                 *w = (*w).max(*intent_index).max(e.modify_index);
                 *pods.entry(rc).or_default() += 1;
@@ -287,6 +400,46 @@ mod tests {
                 index,
             ),
         ]
+    }
+
+    fn lock(session: Option<&str>, index: u64) -> KvPair {
+        KvPair {
+            key: format!("{RC_LOCK_PREFIX}r"),
+            session: session.map(str::to_string),
+            modify_index: index,
+            ..Default::default()
+        }
+    }
+
+    /// A pod written while its RC's lock was held is checked; one written while the lock was
+    /// free is a broken promise; one whose commit fell where the snapshots do not tell is
+    /// only counted.
+    #[test]
+    fn pod_writes_are_judged_by_what_the_lock_was_at_their_commit() {
+        let mut st = State::default();
+        // Held by S from 5; a pod written at 8 (seen at 10).
+        let mut snap = vec![rc(2, 3), lock(Some("S"), 5)];
+        snap.extend(pod("n1", 8));
+        st.observe(10, &snap);
+        assert_eq!(st.report.pod_writes_under_lock, 1);
+        // Free from 12 (S gone); seen at 20, with a pod written at 15: under no lock.
+        let mut snap = vec![rc(2, 3), lock(None, 12)];
+        snap.extend(pod("n1", 8));
+        snap.extend(pod("n2", 15));
+        st.observe(20, &snap);
+        assert_eq!(st.report.violations.len(), 1, "{:?}", st.report.violations);
+        assert!(st.report.violations[0].what.contains("lock was free"));
+        // Held by T from 30; a pod written at 25, between the snapshots at 20 and 31: not
+        // known, counted.
+        let mut snap = vec![rc(2, 3), lock(Some("T"), 30)];
+        snap.extend(pod("n3", 25));
+        st.observe(31, &snap);
+        assert_eq!(st.report.pod_writes_unplaced, 1);
+        assert_eq!(st.report.violations.len(), 1);
+        // Each write is checked once.
+        st.observe(32, &snap);
+        assert_eq!(st.report.pod_writes_under_lock, 1);
+        assert_eq!(st.report.pod_writes_unplaced, 1);
     }
 
     /// A pod above the count is a broken promise only when it was written under the RC
