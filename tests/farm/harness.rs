@@ -541,17 +541,9 @@ impl Cluster {
     /// outbox (by id, so a record in both counts once). Details only.
     pub async fn audit_events(&self, event_type: &str) -> Vec<Value> {
         let mut by_id: BTreeMap<String, Value> = BTreeMap::new();
-        if let Ok(store) = rcfarm::audit::AuditStore::connect(&self.audit_db).await {
-            let q = rcfarm::audit::AuditQuery {
-                event_type: Some(event_type.to_string()),
-                limit: Some(1000),
-                ..Default::default()
-            };
-            for r in store.query(&q).await.unwrap().records {
-                by_id.insert(r.id.clone(), r.details);
-            }
-            store.close().await;
-        }
+        // The outbox first, then SQL: a record leaves the outbox only once it is in SQL, and
+        // SQL never forgets one, so whatever was written before this read is in one of the two.
+        // (SQL first could miss a record shipped between the two reads: seen once in CI.)
         let (entries, _) = self
             .consul
             .kv_list("audit_logs/", &QueryOptions::default())
@@ -563,6 +555,17 @@ impl Cluster {
             {
                 by_id.insert(r.id.to_string(), r.event_details);
             }
+        }
+        if let Ok(store) = rcfarm::audit::AuditStore::connect(&self.audit_db).await {
+            let q = rcfarm::audit::AuditQuery {
+                event_type: Some(event_type.to_string()),
+                limit: Some(1000),
+                ..Default::default()
+            };
+            for r in store.query(&q).await.unwrap().records {
+                by_id.entry(r.id.clone()).or_insert(r.details);
+            }
+            store.close().await;
         }
         by_id.into_values().collect()
     }
