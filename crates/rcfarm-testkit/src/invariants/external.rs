@@ -72,6 +72,10 @@ struct State {
     locks: BTreeMap<String, Vec<LockSpan>>,
     /// Pod label → the ModifyIndex at which its write was last checked against its RC's lock.
     pod_writes_checked: BTreeMap<String, u64>,
+    /// The store went back in time: the next snapshot is a new baseline, not compared with
+    /// the last one from before (a restored store may hold more pods than the store had just
+    /// before the restore, as the backup held them: removals held by the failsafe, say).
+    baseline_next: bool,
 }
 
 /// Over `from..=to` (Consul indexes), an RC's ownership lock was held by `holder` (`None`:
@@ -90,6 +94,7 @@ impl State {
     fn store_went_back(&mut self) {
         self.locks.clear();
         self.pod_writes_checked.clear();
+        self.baseline_next = true;
     }
 
     /// Records what each RC's lock was up to `index`.
@@ -336,6 +341,7 @@ impl State {
                 .zip(rc_index.get(rc.as_str()))
                 .is_some_and(|(pod, record)| pod > record);
             if *n > limit
+                && !self.baseline_next
                 && *n > before
                 && desired.contains_key(rc.as_str())
                 && written_under_this_version
@@ -362,6 +368,7 @@ impl State {
             }
             self.owner.insert(rc.clone(), s.clone());
         }
+        self.baseline_next = false;
         self.pods = pods;
         self.desired = desired
             .into_iter()
@@ -440,6 +447,33 @@ mod tests {
         st.observe(32, &snap);
         assert_eq!(st.report.pod_writes_under_lock, 1);
         assert_eq!(st.report.pod_writes_unplaced, 1);
+    }
+
+    /// Across a restore the counts start over: the restored store's pods are what the backup
+    /// held, not a rise since the last snapshot; a rise after it is judged again.
+    #[test]
+    fn a_restored_store_is_a_new_baseline() {
+        let mut st = State::default();
+        let mut snap = vec![rc(2, 10)];
+        snap.extend(pod("n1", 11));
+        snap.extend(pod("n2", 12));
+        st.observe(20, &snap);
+        st.store_went_back();
+        // The backup: 4 pods under a count of 2 (removals held), one rewritten since the
+        // record (a repair).
+        let mut restored = vec![rc(2, 5)];
+        for (i, n) in ["n1", "n2", "n3", "n4"].iter().enumerate() {
+            restored.extend(pod(n, 6 + i as u64));
+        }
+        st.observe(9, &restored);
+        assert!(
+            st.report.violations.is_empty(),
+            "{:?}",
+            st.report.violations
+        );
+        restored.extend(pod("n5", 12));
+        st.observe(12, &restored);
+        assert_eq!(st.report.violations.len(), 1, "{:?}", st.report.violations);
     }
 
     /// A pod above the count is a broken promise only when it was written under the RC
