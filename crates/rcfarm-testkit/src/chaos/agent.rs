@@ -496,9 +496,7 @@ impl ConsulCluster {
     /// started again. Consul 0.7 has no snapshot API (it came in 0.7.1); the copy of stopped
     /// servers is the backup an operator of 0.7 takes.
     pub async fn backup_servers(&mut self, to: &Path) -> Result<(), String> {
-        for s in &mut self.servers {
-            s.stop().await;
-        }
+        self.stop_servers().await;
         let _ = std::fs::remove_dir_all(to);
         for (i, s) in self.servers.iter().enumerate() {
             copy_tree(&s.data_dir, &to.join(format!("s{}", i + 1)))?;
@@ -515,9 +513,7 @@ impl ConsulCluster {
         from: &Path,
         while_down: impl FnOnce(),
     ) -> Result<(), String> {
-        for s in &mut self.servers {
-            s.stop().await;
-        }
+        self.stop_servers().await;
         while_down();
         for (i, s) in self.servers.iter().enumerate() {
             let copy = from.join(format!("s{}", i + 1));
@@ -530,12 +526,17 @@ impl ConsulCluster {
             }
             std::fs::remove_dir_all(&s.data_dir)
                 .map_err(|e| format!("{}: {e}", s.data_dir.display()))?;
+            // Its own again when it starts (an agent with a uid of its own is given its data
+            // directory at every start).
             copy_tree(&copy, &s.data_dir)?;
-            if let Some(uid) = s.config.uid {
-                chown_tree(&s.data_dir, uid)?;
-            }
         }
         self.start_servers().await
+    }
+
+    async fn stop_servers(&mut self) {
+        for s in &mut self.servers {
+            s.stop().await;
+        }
     }
 
     /// Starts every stopped server at once (one alone cannot elect a leader) and waits for a
