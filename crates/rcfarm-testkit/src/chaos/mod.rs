@@ -243,7 +243,7 @@ impl ChaosReport {
         }
         if let Some((under, unplaced)) = self.pod_writes_checked {
             s.push_str(&format!(
-                "pod writes checked against their RC's lock at their commit: {under} made under a live session's lock, none under a free one; {unplaced} fell where the snapshots do not say\n"
+                "pod writes checked against their RC's lock at their commit: {under} made under a live session's lock; {unplaced} fell where the snapshots do not say (one made under a free lock is a violation, listed below)\n"
             ));
         }
         if self.sim_write_failures > 0 {
