@@ -8,6 +8,18 @@ use rcfarm::server::{EmbeddedServer, ServerConfig};
 
 use crate::common::{client, client_for, eventually, parked, server, server_with};
 
+/// A memory-only server stopped and started again on its port: it comes back empty, with low
+/// indexes.
+async fn restarted_empty(s: EmbeddedServer) -> EmbeddedServer {
+    let addr = s.addr();
+    s.shutdown().await;
+    server_with(ServerConfig {
+        listen: addr,
+        ..ServerConfig::ephemeral()
+    })
+    .await
+}
+
 fn wait(index: u64, ms: u64) -> QueryOptions {
     QueryOptions::blocking(index, Duration::from_millis(ms))
 }
@@ -255,7 +267,6 @@ async fn watch_publishes_changes_and_skips_identical_results() {
 async fn watch_holds_an_older_state_back_then_resets_when_the_index_stays_lower() {
     // A memory-only server restarted on the same port comes back with low indexes.
     let s = server().await;
-    let addr = s.addr();
     let c = client(&s);
     for i in 0..50 {
         c.kv_put(&format!("r/{i}"), b"x", None).await.unwrap();
@@ -274,12 +285,7 @@ async fn watch_holds_an_older_state_back_then_resets_when_the_index_stays_lower(
         async move { v }
     })
     .await;
-    s.shutdown().await;
-    let s2: EmbeddedServer = server_with(ServerConfig {
-        listen: addr,
-        ..ServerConfig::ephemeral()
-    })
-    .await;
+    let s2 = restarted_empty(s).await;
     let c2 = client_for(&s2.url());
     c2.kv_put("r/new", b"fresh", None).await.unwrap();
     // An older state is not believed at once (it is what a Consul leader replaying its log
@@ -452,4 +458,60 @@ async fn a_watch_read_on_demand_reads_when_asked() {
     assert_eq!(rx.borrow_and_update().clone().unwrap().value.len(), 3);
     drop(fast);
     watch.stop().await;
+}
+
+/// A watch whose query reached the server after it came back empty blocks on an index the new
+/// store has not reached, until `wait` runs out (the farm of
+/// `trouble::consul_down_past_the_ttl_and_back_empty` that claimed nothing for 30 s: the
+/// server's shutdown ends blocking queries with an answer, and the next one goes to the new
+/// server). Another watch of the same process that sees the store go back (here: its shorter
+/// wait ends first) makes it ask again at once.
+#[tokio::test]
+async fn a_watch_that_sees_the_store_go_back_wakes_the_others() {
+    let s = server().await;
+    let c = client(&s);
+    for i in 0..50 {
+        c.kv_put(&format!("quiet/{i}"), b"x", None).await.unwrap();
+    }
+    c.kv_put("busy/a", b"x", None).await.unwrap();
+    let regressions = std::sync::Arc::new(rcfarm::consul::Regressions::default());
+    let config = |wait: Duration| WatchConfig {
+        wait,
+        regression_grace: Duration::ZERO,
+        error_backoff_base: Duration::from_millis(20),
+        regressions: Some(regressions.clone()),
+        ..Default::default()
+    };
+    let quiet = c.watch_prefix("quiet/", config(Duration::from_secs(60)));
+    let busy = c.watch_prefix("busy/", config(Duration::from_secs(2)));
+    let rx = quiet.subscribe();
+    eventually(
+        Duration::from_secs(5),
+        "the quiet watch's first answer",
+        || {
+            let v = rx.borrow().clone().filter(|s| s.value.len() == 50);
+            async move { v }
+        },
+    )
+    .await;
+    let s2 = restarted_empty(s).await;
+    let c2 = client_for(&s2.url());
+    c2.kv_put("quiet/new", b"fresh", None).await.unwrap();
+    let started = Instant::now();
+    eventually(
+        Duration::from_secs(20),
+        "the quiet watch on the new server's store",
+        || {
+            let v = rx.borrow().clone().filter(|s| s.value.len() == 1);
+            async move { v }
+        },
+    )
+    .await;
+    assert!(regressions.count() >= 1);
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "not at the end of the 60 s wait"
+    );
+    quiet.stop().await;
+    busy.stop().await;
 }

@@ -48,7 +48,7 @@ pub use types::{
     SessionRequest,
 };
 pub use watch::{
-    Demand, FastGuard, REFERENCE_READERS, SinkWatch, Snapshot, SnapshotRx, Watch, WatchConfig,
-    WatchStats, readers_scale, spawn_sink_watch, spawn_watch,
+    Demand, FastGuard, REFERENCE_READERS, Regressions, SinkWatch, Snapshot, SnapshotRx, Watch,
+    WatchConfig, WatchStats, readers_scale, spawn_sink_watch, spawn_watch,
 };
 pub use watched::{CacheSignals, Fold, Watched};

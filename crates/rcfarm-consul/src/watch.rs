@@ -48,11 +48,42 @@ pub struct WatchConfig {
     pub error_backoff_cap: Duration,
     /// Reads on demand instead of after every change (see [`Demand`]); `None`: a plain watch.
     pub demand: Option<Arc<Demand>>,
+    /// Shared by the watches of one process: see [`Regressions`].
+    pub regressions: Option<Arc<Regressions>>,
     /// How many processes (farms) watch the same trees, if known. The pacing above was
     /// measured with [`REFERENCE_READERS`] farms; with `r` of them each paces `r / 3` times
     /// as long, so that all of them together re-read a changing tree at the same rate whatever
     /// their number: Consul's cost of the farms' reads does not grow with the farms.
     pub readers: Option<Arc<std::sync::atomic::AtomicUsize>>,
+}
+
+/// Counts the times any watch sharing it was answered with an older state than it had seen
+/// (at the first such answer, whether or not the store really went back, and whether the answer
+/// is believed after the grace or overtaken by newer ones): what a process holds from before
+/// may no longer be in the store. Each such answer also makes every other watch sharing it ask
+/// again at once, without blocking: a store restored or emptied has not reached the index
+/// their blocking queries wait on, and Consul would hold them until `wait` runs out.
+#[derive(Debug)]
+pub struct Regressions {
+    count: watch::Sender<u64>,
+}
+
+impl Default for Regressions {
+    fn default() -> Self {
+        Regressions {
+            count: watch::Sender::new(0),
+        }
+    }
+}
+
+impl Regressions {
+    pub fn count(&self) -> u64 {
+        *self.count.borrow()
+    }
+
+    fn seen(&self) {
+        self.count.send_modify(|c| *c += 1);
+    }
 }
 
 /// The number of farms [`WatchConfig`]'s pacing was measured with.
@@ -216,6 +247,7 @@ impl Default for WatchConfig {
             error_backoff_base: Duration::from_millis(100),
             error_backoff_cap: Duration::from_secs(5),
             demand: None,
+            regressions: None,
             readers: None,
         }
     }
@@ -430,6 +462,7 @@ async fn run_watch<T, F, Fut, P>(
     let mut urged = false;
     // The last answer's size: the next is read into one buffer of about that size.
     let mut last_len = 0usize;
+    let mut regressions = config.regressions.as_ref().map(|r| r.count.subscribe());
     loop {
         let mut seq = 0;
         if let Some(d) = &config.demand {
@@ -460,6 +493,23 @@ async fn run_watch<T, F, Fut, P>(
                 urged = true;
                 continue;
             }
+            // Another watch saw the store go back: our index may be one it has not reached.
+            _ = async {
+                match regressions.as_mut() {
+                    Some(rx) if block_on > 0 && !urged => {
+                        if rx.changed().await.is_err() {
+                            std::future::pending::<()>().await;
+                        }
+                    }
+                    _ => std::future::pending().await,
+                }
+            } => {
+                if let Some(rx) = regressions.as_mut() {
+                    rx.borrow_and_update();
+                }
+                urged = true;
+                continue;
+            }
         };
         urged = false;
         match result {
@@ -473,6 +523,13 @@ async fn run_watch<T, F, Fut, P>(
                 if index < last_seen {
                     let first = regressed_since.is_none();
                     let since = *regressed_since.get_or_insert_with(Instant::now);
+                    if first && let Some(r) = &config.regressions {
+                        r.seen();
+                        // Not news to this watch, which takes in this answer or asks again.
+                        if let Some(rx) = regressions.as_mut() {
+                            rx.borrow_and_update();
+                        }
+                    }
                     if since.elapsed() < config.regression_grace {
                         if first {
                             tracing::warn!(watch = %name, seen = last_seen, answered = index, "Consul answered with an older state than already seen (a new leader replaying its log?); holding the last view and asking again");

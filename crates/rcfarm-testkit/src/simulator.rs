@@ -41,6 +41,11 @@ pub struct SimConfig {
     pub fail_manifests: Option<String>,
     pub seed: u64,
     pub watch: WatchConfig,
+    /// How often the reports in Consul are compared with the pods' state and what differs is
+    /// written again, as a node agent re-reports (P2's preparer writes reality it finds
+    /// unlike its intent; Consul's anti-entropy re-registers checks). Off: reports are
+    /// written on change (and again after a failed write) only.
+    pub anti_entropy: Option<Duration>,
 }
 
 impl SimConfig {
@@ -60,6 +65,7 @@ impl Default for SimConfig {
             fail_manifests: None,
             seed: 0,
             watch: WatchConfig::default(),
+            anti_entropy: None,
         }
     }
 }
@@ -85,6 +91,9 @@ pub struct SimStats {
     pub watch_queries: u64,
     /// Batches of reports that failed (and were written again later).
     pub write_failures: u64,
+    /// Pods whose reports the anti-entropy comparison found changed behind the simulator's
+    /// back (and wrote again).
+    pub resynced: u64,
 }
 
 /// How long a pod whose report failed waits before it is written again.
@@ -213,6 +222,8 @@ impl NodeSimulator {
         // as a node agent reports again, or the pod's health would be lost until its intent
         // changed, and a roll waiting for it would wait for ever.
         let mut unsynced: BTreeSet<PodKey> = BTreeSet::new();
+        // When the reports in Consul are next compared with the pods' state.
+        let mut next_sync = self.config.anti_entropy.map(|d| Instant::now() + d);
         loop {
             let snap = rx.borrow_and_update().clone();
             self.stats.lock().watch_queries = intents
@@ -297,6 +308,12 @@ impl NodeSimulator {
                     self.stats.lock().started += 1;
                 }
             }
+            if let Some(every) = self.config.anti_entropy
+                && next_sync.is_some_and(|t| t <= now)
+            {
+                dirty.extend(self.out_of_sync(&pods).await);
+                next_sync = Some(Instant::now() + every);
+            }
             let writes: Vec<(PodKey, Vec<TxnOp>)> = dirty
                 .into_iter()
                 .map(|key| {
@@ -310,6 +327,9 @@ impl NodeSimulator {
             if !unsynced.is_empty() {
                 let retry = Instant::now() + RETRY_UNSYNCED;
                 next = Some(next.map_or(retry, |t| t.min(retry)));
+            }
+            if let Some(t) = next_sync {
+                next = Some(next.map_or(t, |n| n.min(t)));
             }
             tokio::select! {
                 _ = stop.cancelled() => return Ok(()),
@@ -371,6 +391,46 @@ impl NodeSimulator {
             ),
             Some(_) => Vec::new(),
         }
+    }
+
+    /// The running pods whose reality or health in Consul is not what their state says (a
+    /// store restored from a backup took or changed them); a failed read finds none, and the
+    /// next comparison tries again.
+    async fn out_of_sync(&self, pods: &BTreeMap<PodKey, Pod>) -> Vec<PodKey> {
+        let running: Vec<(&PodKey, &Pod)> =
+            pods.iter().filter(|(_, p)| p.ready_at.is_none()).collect();
+        let keys: Vec<String> = running
+            .iter()
+            .flat_map(|((n, p), _)| [reality_key(n, p), format!("{HEALTH_PREFIX}{p}/{n}")])
+            .collect();
+        if keys.is_empty() {
+            return Vec::new();
+        }
+        self.stats.lock().requests += keys.len().div_ceil(MAX_TXN_OPS) as u64;
+        let Ok(found) = self.consul.read_keys(&keys).await else {
+            return Vec::new();
+        };
+        let stale: Vec<PodKey> = running
+            .into_iter()
+            .filter(|((node, pod), p)| {
+                let real = found
+                    .get(&reality_key(node, pod))
+                    .is_some_and(|kv| kv.value_bytes() == p.want.as_slice());
+                let health = found
+                    .get(&format!("{HEALTH_PREFIX}{pod}/{node}"))
+                    .and_then(|kv| parse_health(kv.value_bytes()).ok());
+                !real || health != Some(self.status_of(node, pod, p).0)
+            })
+            .map(|(k, _)| k.clone())
+            .collect();
+        if !stale.is_empty() {
+            self.stats.lock().resynced += stale.len() as u64;
+            tracing::info!(
+                pods = stale.len(),
+                "simulator: reports in Consul unlike the pods (a restored store?); writing them again"
+            );
+        }
+        stale
     }
 
     /// Marks as running the pods whose reality already matches their intent and whose health
@@ -531,5 +591,90 @@ mod tests {
         );
         stop.cancel();
         task.await.unwrap().unwrap();
+    }
+
+    /// Consul restored from a backup takes the reports written since: with anti-entropy on,
+    /// the simulator writes them again, as a node agent does (the restore chaos in CI saw a roll stay at 2 of 4
+    /// replicas moved after the restore, a pod of its new RC never healthy again).
+    #[tokio::test]
+    async fn reports_a_restore_took_are_written_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let (data, backup) = (dir.path().join("data"), dir.path().join("backup"));
+        let config = |listen| ServerConfig {
+            listen,
+            data_dir: Some(data.clone()),
+            ..ServerConfig::ephemeral()
+        };
+        let copy = |from: &std::path::Path, to: &std::path::Path| {
+            let _ = std::fs::remove_dir_all(to);
+            crate::chaos::agent::copy_tree(from, to).unwrap();
+        };
+        // The backup holds the pod's intent, and no report of it.
+        let server = EmbeddedServer::start(config(ServerConfig::ephemeral().listen))
+            .await
+            .unwrap();
+        let addr = server.addr();
+        let direct = Consul::new(ConsulConfig::new(server.url())).unwrap();
+        direct
+            .kv_put("intent/n1/web", b"id: web\n", None)
+            .await
+            .unwrap();
+        server.shutdown().await;
+        copy(&data, &backup);
+        let server = EmbeddedServer::start(config(addr)).await.unwrap();
+        let sim = NodeSimulator::new(
+            direct.clone(),
+            SimConfig {
+                nodes: vec!["n1".into()],
+                startup: Duration::from_millis(100),
+                anti_entropy: Some(Duration::from_secs(1)),
+                ..SimConfig::default()
+            },
+        )
+        .unwrap();
+        let stats = sim.stats();
+        let stop = CancellationToken::new();
+        let task = tokio::spawn(sim.run(stop.clone()));
+        let health = async || {
+            direct
+                .kv_get("health/web/n1", &QueryOptions::default())
+                .await
+                .ok()
+                .and_then(|(kv, _)| kv)
+                .and_then(|kv| parse_health(kv.value_bytes()).ok())
+                .is_some_and(HealthStatus::is_passing)
+        };
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !health().await {
+            assert!(Instant::now() < deadline, "the pod was never reported");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        // Writes after the backup, so that the restored store's index is well below.
+        for i in 0..20 {
+            direct
+                .kv_put(&format!("filler/{i}"), b"x", None)
+                .await
+                .unwrap();
+        }
+        server.shutdown().await;
+        copy(&backup, &data);
+        let server = EmbeddedServer::start(config(addr)).await.unwrap();
+        let (gone, _) = direct
+            .kv_get("health/web/n1", &QueryOptions::default())
+            .await
+            .unwrap();
+        assert!(gone.is_none(), "the restore took the pod's health");
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !health().await {
+            assert!(
+                Instant::now() < deadline,
+                "the pod's health, taken by the restore, was never written again"
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        assert!(stats.lock().resynced >= 1, "{:?}", stats.lock().clone());
+        stop.cancel();
+        task.await.unwrap().unwrap();
+        server.shutdown().await;
     }
 }

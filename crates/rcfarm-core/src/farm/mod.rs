@@ -246,6 +246,10 @@ pub struct Farm {
     claim_inputs: parking_lot::Mutex<Option<Arc<rcs::ClaimInputs>>>,
     /// Which pods the pod label cache keeps.
     pod_interest: Arc<parking_lot::RwLock<rcs::PodInterest>>,
+    /// How many times a watch was answered with an older state than it had seen, and how
+    /// many of those the RC reconcile has acted on (see `reconcile_rcs`).
+    store_regressions: Arc<crate::consul::Regressions>,
+    regressions_acted: std::sync::atomic::AtomicU64,
 }
 
 /// The longest the RC lock tree goes unread while it changes and nothing asks for it (a
@@ -287,6 +291,8 @@ impl Farm {
             lock_demand: Demand::shared(LOCK_TREE_IDLE, Some(readers)),
             claim_inputs: parking_lot::Mutex::default(),
             pod_interest: Arc::default(),
+            store_regressions: Arc::default(),
+            regressions_acted: Default::default(),
             config,
             consul,
             status,
@@ -342,6 +348,7 @@ impl Farm {
             .set(cfg.task.transfer_timeout.as_secs_f64());
         let mut w = cfg.watch.clone();
         w.readers = Some(self.readers.clone());
+        w.regressions = Some(self.store_regressions.clone());
         let pod_demand = Demand::new(cfg.consistency_interval);
         // The pool scheduler counts every pod on a node, whoever wrote it.
         let pool = cfg.pool_scheduler();

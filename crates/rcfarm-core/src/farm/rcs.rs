@@ -4,6 +4,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
 use tokio::sync::{broadcast, mpsc, watch};
 
@@ -333,6 +334,33 @@ impl Farm {
             .unwrap_or(0);
         // Tickets for the RCs that would need a read of the pod label tree if claimed now.
         let pod_demand = views.pods.demand().cloned();
+        // A watch was answered with an older state than it had seen: Consul restored from a
+        // backup or emptied (or a new leader replaying its log, which costs one read). The
+        // watches of the RC tree and of the pod label tree each take in a store gone back on
+        // their own, seconds apart (each holds an older answer back for its grace, or until
+        // the restored store's index passes the one it held), so a task handed the restored RC
+        // record could plan it against the pods as they were before, and its writes pass every
+        // check the restored store makes: the record's index is the restored one, a pod on a
+        // node the old view shows empty is created. (The restore chaos: an RC scaled down
+        // after the backup got its 3 replicas and 3 pods back, and its farm, still seeing
+        // none, wrote 3 more.) So before the tasks are handed what the RC watch now says
+        // (below), every task's next plan and every claim's first waits for a read of the pod
+        // labels sent from now on, and that read is believed over our own earlier writes.
+        let regressions = self.store_regressions.count();
+        if let Some(d) = &pod_demand
+            && self.regressions_acted.swap(regressions, Ordering::SeqCst) != regressions
+        {
+            views.pods.forget_all_own();
+            let ticket = d.urge();
+            self.pod_freshness.lock().pending = Some(ticket);
+            let mut tickets = ctx.pod_tickets.lock();
+            for id in owned.tasks.keys() {
+                tickets.insert(*id, ticket);
+            }
+            tracing::warn!(
+                "Consul answered with an older state than seen (restored, emptied, or a new leader replaying its log): every RC's next plan waits for a fresh read of the pod labels"
+            );
+        }
         let candidates: BTreeSet<RcId> = match &pod_demand {
             Some(d) => {
                 let mut f = self.pod_freshness.lock();
@@ -343,10 +371,16 @@ impl Farm {
                 }
                 f.foreign.extend(owned.refused().copied());
                 f.pending = f.pending.filter(|t| !d.is_fresh(*t));
+                // Free locks, and ours without a task: a lock our session holds that this
+                // farm serves no task for is taken up as if claimed (a store restored from a
+                // backup hands back locks we gave up since, of RCs whose pods the cache
+                // stopped keeping when another farm took them: planned from that view, the
+                // RC's pods were not there, and one was scheduled twice).
                 let c: BTreeSet<RcId> = inputs
                     .held
                     .unheld
                     .iter()
+                    .chain(&inputs.held.ours)
                     .filter(|id| !owned.tasks.contains_key(*id))
                     .filter(|id| {
                         f.pending.is_some()
@@ -441,15 +475,20 @@ impl Farm {
         // RCs taken over from another session: their intents are swept soon too. New RCs
         // have none to sweep (a sweep lists every intent: 100,000 of them were most of what a
         // farm read while claiming, and its peak memory).
-        let taken_over = claimed.iter().any(|id| candidates.contains(id));
         if let Some(d) = &pod_demand
             && !candidates.is_empty()
         {
-            if taken_over {
+            // Claimed, or a lock of ours taken up: its task waits for the read.
+            let started: Vec<RcId> = candidates
+                .iter()
+                .filter(|id| owned.tasks.contains_key(*id))
+                .copied()
+                .collect();
+            if !started.is_empty() {
                 d.urge();
             }
             let mut f = self.pod_freshness.lock();
-            for id in &claimed {
+            for id in claimed.iter().chain(&started) {
                 f.foreign.remove(id);
             }
             let mut tickets = ctx.pod_tickets.lock();

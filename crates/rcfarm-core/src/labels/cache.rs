@@ -286,6 +286,11 @@ impl State {
         }
     }
 
+    /// Stops preferring any of this process's own writes to what the watch answers.
+    fn forget_all_own(&mut self) {
+        self.local.clear();
+    }
+
     /// Applies this process's own committed write at `index`: `(id, labels or None if the
     /// key was deleted)`. Returns what changed.
     fn apply_own(&mut self, writes: Vec<(String, Option<LabelSet>, u64)>) -> LabelChanges {
@@ -545,6 +550,13 @@ impl LabelCache {
         if !ids.is_empty() {
             self.watched.write().state.forget_own(&ids);
         }
+    }
+
+    /// Believes the watch again about every key: the store went back in time (seen on another
+    /// tree first), so writes of ours it recorded may be gone, and an answer read since, at an
+    /// index above the restored store's yet below those writes, must not be overruled by them.
+    pub fn forget_all_own(&self) {
+        self.watched.write().state.forget_all_own();
     }
 
     /// How the tree is read, if on demand.

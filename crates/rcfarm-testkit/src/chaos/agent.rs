@@ -577,7 +577,7 @@ impl ConsulCluster {
 }
 
 /// Copies a directory tree (files, directories; an agent's data directory has nothing else).
-fn copy_tree(from: &Path, to: &Path) -> Result<(), String> {
+pub fn copy_tree(from: &Path, to: &Path) -> Result<(), String> {
     std::fs::create_dir_all(to).map_err(|e| format!("{}: {e}", to.display()))?;
     for entry in std::fs::read_dir(from).map_err(|e| format!("{}: {e}", from.display()))? {
         let entry = entry.map_err(|e| e.to_string())?;

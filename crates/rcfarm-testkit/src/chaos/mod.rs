@@ -534,6 +534,9 @@ pub async fn run(cfg: ChaosConfig) -> Result<ChaosReport, String> {
             nodes: (0..cfg.nodes).map(|i| format!("node-{i:02}")).collect(),
             startup: Duration::from_millis(300),
             fail_manifests: Some(mutate::FAILING_BUILD.to_string()),
+            // A restored store takes reports written since the backup (or puts back older
+            // ones): nodes report again, or a pod left without health holds its roll for ever.
+            anti_entropy: Some(Duration::from_secs(5)),
             ..SimConfig::default()
         },
     )
