@@ -99,6 +99,11 @@ pub struct SimStats {
 /// How long a pod whose report failed waits before it is written again.
 const RETRY_UNSYNCED: Duration = Duration::from_secs(1);
 
+/// The key of P2's health result for `pod` on `node`.
+fn health_key(node: &str, pod: &str) -> String {
+    format!("{HEALTH_PREFIX}{pod}/{node}")
+}
+
 /// A simulated node's name and a pod's id.
 type PodKey = (String, String);
 
@@ -375,7 +380,7 @@ impl NodeSimulator {
         match p {
             None => vec![
                 TxnOp::delete(reality_key(node, pod)),
-                TxnOp::delete(format!("{HEALTH_PREFIX}{pod}/{node}")),
+                TxnOp::delete(health_key(node, pod)),
             ],
             Some(p) if p.ready_at.is_none() => {
                 let (status, why) = self.status_of(node, pod, p);
@@ -399,29 +404,20 @@ impl NodeSimulator {
     async fn out_of_sync(&self, pods: &BTreeMap<PodKey, Pod>) -> Vec<PodKey> {
         let running: Vec<(&PodKey, &Pod)> =
             pods.iter().filter(|(_, p)| p.ready_at.is_none()).collect();
-        let keys: Vec<String> = running
-            .iter()
-            .flat_map(|((n, p), _)| [reality_key(n, p), format!("{HEALTH_PREFIX}{p}/{n}")])
-            .collect();
-        if keys.is_empty() {
+        if running.is_empty() {
             return Vec::new();
         }
-        self.stats.lock().requests += keys.len().div_ceil(MAX_TXN_OPS) as u64;
-        let Ok(found) = self.consul.read_keys(&keys).await else {
+        let Ok(found) = self.read_reports(running.iter().map(|(k, _)| *k)).await else {
             return Vec::new();
         };
         let stale: Vec<PodKey> = running
             .into_iter()
-            .filter(|((node, pod), p)| {
-                let real = found
-                    .get(&reality_key(node, pod))
-                    .is_some_and(|kv| kv.value_bytes() == p.want.as_slice());
-                let health = found
-                    .get(&format!("{HEALTH_PREFIX}{pod}/{node}"))
-                    .and_then(|kv| parse_health(kv.value_bytes()).ok());
-                !real || health != Some(self.status_of(node, pod, p).0)
+            .zip(found)
+            .filter(|(((node, pod), p), (real, health))| {
+                real.as_deref() != Some(p.want.as_slice())
+                    || *health != Some(self.status_of(node, pod, p).0)
             })
-            .map(|(k, _)| k.clone())
+            .map(|((k, _), _)| k.clone())
             .collect();
         if !stale.is_empty() {
             self.stats.lock().resynced += stale.len() as u64;
@@ -433,29 +429,45 @@ impl NodeSimulator {
         stale
     }
 
-    /// Marks as running the pods whose reality already matches their intent and whose health
-    /// passes, so a restarted simulator does not restart every pod.
-    async fn adopt(&self, pods: &mut BTreeMap<(String, String), Pod>) -> Result<(), SimError> {
+    /// What Consul holds of each pod's reports, in the order given: its reality's bytes and
+    /// its health (`None`: absent, or health that does not parse).
+    async fn read_reports<'a>(
+        &self,
+        pods: impl Iterator<Item = &'a PodKey>,
+    ) -> Result<Vec<(Option<Vec<u8>>, Option<HealthStatus>)>, SimError> {
+        let pods: Vec<&PodKey> = pods.collect();
         let keys: Vec<String> = pods
-            .keys()
-            .flat_map(|(n, p)| [reality_key(n, p), format!("{HEALTH_PREFIX}{p}/{n}")])
+            .iter()
+            .flat_map(|(n, p)| [reality_key(n, p), health_key(n, p)])
             .collect();
         self.stats.lock().requests += keys.len().div_ceil(MAX_TXN_OPS) as u64;
         let found = self.consul.read_keys(&keys).await?;
+        Ok(pods
+            .into_iter()
+            .map(|(node, pod)| {
+                let real = found
+                    .get(&reality_key(node, pod))
+                    .map(|kv| kv.value_bytes().to_vec());
+                let health = found
+                    .get(&health_key(node, pod))
+                    .and_then(|kv| parse_health(kv.value_bytes()).ok());
+                (real, health)
+            })
+            .collect())
+    }
+
+    /// Marks as running the pods whose reality already matches their intent and whose health
+    /// passes, so a restarted simulator does not restart every pod.
+    async fn adopt(&self, pods: &mut BTreeMap<(String, String), Pod>) -> Result<(), SimError> {
+        let found = self.read_reports(pods.keys()).await?;
         let mut adopted = 0;
-        for ((node, pod), p) in pods.iter_mut() {
-            let real = found
-                .get(&reality_key(node, pod))
-                .and_then(|kv| {
-                    std::str::from_utf8(kv.value_bytes())
-                        .ok()
-                        .and_then(|s| Manifest::parse(s).ok())
-                })
+        for (p, (real, health)) in pods.values_mut().zip(found) {
+            let real = real
+                .as_deref()
+                .and_then(|b| std::str::from_utf8(b).ok())
+                .and_then(|s| Manifest::parse(s).ok())
                 .map(|m| m.digest().to_string());
-            let passing = found
-                .get(&format!("{HEALTH_PREFIX}{pod}/{node}"))
-                .and_then(|kv| parse_health(kv.value_bytes()).ok())
-                .is_some_and(HealthStatus::is_passing);
+            let passing = health.is_some_and(HealthStatus::is_passing);
             if real.as_deref() == Some(p.want_digest.as_str()) && passing {
                 p.running = real;
                 p.ready_at = None;
@@ -482,7 +494,7 @@ impl NodeSimulator {
             "Time": Utc::now().to_rfc3339(),
         });
         vec![TxnOp::set(
-            format!("{HEALTH_PREFIX}{pod}/{node}"),
+            health_key(node, pod),
             value.to_string().into_bytes(),
         )]
     }
