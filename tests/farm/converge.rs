@@ -8,7 +8,7 @@ use rcfarm::consul::QueryOptions;
 use rcfarm::rc::RcId;
 use serde_json::json;
 
-use crate::harness::{Backend, Cluster, nodes};
+use crate::harness::{Backend, Cluster, nodes, rcs};
 use crate::{on_both_backends, on_every_backend};
 
 on_every_backend!(three_farms_converge_fifty_p2_rcs_balanced);
@@ -426,4 +426,57 @@ async fn a_farm_converging_a_burst_of_rcs_stays_within_its_connection_bound(b: B
     if let crate::harness::Server::Embedded(s) = &c.server {
         assert_eq!(s.stats().conns_refused, 0, "the server refused connections");
     }
+}
+
+on_every_backend!(a_farm_reads_the_records_of_the_rcs_it_serves_only);
+/// Issue 38: claims come from the RC tree's keys; a farm reads the records of the RCs it
+/// serves only. Here a farm whose `--rc-selector` matches no RC reads the keys and no record,
+/// while the farm serving every RC reads theirs.
+async fn a_farm_reads_the_records_of_the_rcs_it_serves_only(b: Backend) {
+    let mut c = Cluster::start_on(&b).await;
+    nodes(&c, 6, 1).await;
+    c.spawn_farm("all", &[]).await;
+    c.spawn_farm("none", &["--rc-selector", "team=nobody"])
+        .await;
+    let ids = rcs(&c, 30, 1).await;
+    let (cr, idr) = (&c, &ids);
+    c.wait_for(
+        Duration::from_secs(60),
+        "30 RCs placed",
+        move || async move {
+            let p = cr.placements().await;
+            idr.iter().all(|id| p.get(id).is_some_and(|s| s.len() == 1))
+        },
+    )
+    .await;
+    let bytes = |metrics: &str, watch: &str| -> f64 {
+        metrics
+            .lines()
+            .filter(|l| {
+                l.starts_with("rcfarm_consul_watch_answer_bytes_total")
+                    && l.contains(&format!("watch=\"{watch}\""))
+            })
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    };
+    let (records, keys) = (
+        "records:replication_controllers/",
+        "keys:replication_controllers/",
+    );
+    let all = c.metrics("all").await;
+    let none = c.metrics("none").await;
+    assert!(bytes(&all, records) > 0.0, "{all}");
+    assert!(bytes(&none, keys) > 0.0, "{none}");
+    assert_eq!(bytes(&none, records), 0.0, "{none}");
+    // It still sees every RC (its gauge counts the keys) and serves none.
+    assert!(none.contains("rcfarm_rcs 30"), "{none}");
+    assert!(none.contains("rcfarm_owned_rcs 0"), "{none}");
+    assert_eq!(
+        c.owner_farms()
+            .await
+            .values()
+            .filter(|f| *f == "all")
+            .count(),
+        30
+    );
 }

@@ -77,7 +77,7 @@ async fn a_bulk_edit_to_zero_removes_nothing_until_confirmed(backend: Backend) {
                 .any(|c| c["kind"] == "FailsafeTripped")
                 && f["failsafe"]["tripped"]
                     .as_str()
-                    .is_some_and(|w| w.contains("every RC went to 0 replicas"))
+                    .is_some_and(|w| w.contains("every RC this farm serves went to 0 replicas"))
         },
     )
     .await;

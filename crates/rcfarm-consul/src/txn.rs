@@ -328,6 +328,8 @@ pub struct TxnResponse {
     pub results: Vec<KvPair>,
     /// `X-Consul-Index` if the server sent one.
     pub index: Option<u64>,
+    /// The answer's size in bytes, as sent.
+    pub body_len: usize,
 }
 
 impl TxnResponse {

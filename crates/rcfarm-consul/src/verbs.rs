@@ -154,16 +154,56 @@ impl Consul {
         &self,
         keys: &[String],
     ) -> Result<std::collections::HashMap<String, KvPair>> {
+        self.read_keys_counted(keys, None).await
+    }
+
+    /// [`Consul::read_keys`], the answers' bytes counted under `label` (as a watch's are).
+    async fn read_keys_counted(
+        &self,
+        keys: &[String],
+        label: Option<&str>,
+    ) -> Result<std::collections::HashMap<String, KvPair>> {
         let mut found = std::collections::HashMap::with_capacity(keys.len());
         for chunk in keys.chunks(MAX_TXN_OPS) {
             let ops: Vec<TxnOp> = chunk.iter().map(|k| TxnOp::get_tree(k.clone())).collect();
             let resp = self.txn(&ops).await?;
+            if let Some(label) = label {
+                metrics::counter!("rcfarm_consul_watch_answers_total", "watch" => label.to_string())
+                    .increment(1);
+                metrics::counter!("rcfarm_consul_watch_answer_bytes_total", "watch" => label.to_string())
+                    .increment(resp.body_len as u64);
+            }
             for kv in resp.results {
                 // A prefix read also returns longer keys (`a/web` finds `a/web2`).
                 if chunk.contains(&kv.key) {
                     found.insert(kv.key.clone(), kv);
                 }
             }
+        }
+        Ok(found)
+    }
+
+    /// [`Consul::read_keys`] with up to `concurrency` transactions in flight: for reads of
+    /// thousands of keys (a farm's records of the RCs it owns), where one transaction at a time
+    /// is a round trip per 64 keys.
+    /// The answers' bytes count as `rcfarm_consul_watch_answer_bytes_total{watch=label}`: such
+    /// reads stand in for the values a prefix watch would have brought.
+    pub async fn read_keys_concurrently(
+        &self,
+        keys: &[String],
+        concurrency: usize,
+        label: &str,
+    ) -> Result<std::collections::HashMap<String, KvPair>> {
+        use futures::{StreamExt, TryStreamExt};
+        let batches: Vec<std::collections::HashMap<String, KvPair>> =
+            futures::stream::iter(keys.chunks(MAX_TXN_OPS))
+                .map(|chunk| self.read_keys_counted(chunk, Some(label)))
+                .buffer_unordered(concurrency.max(1))
+                .try_collect()
+                .await?;
+        let mut found = std::collections::HashMap::with_capacity(keys.len());
+        for b in batches {
+            found.extend(b);
         }
         Ok(found)
     }
@@ -401,6 +441,7 @@ impl Consul {
             .and_then(|v| v.parse().ok());
         let result = match raw.status.as_u16() {
             200 => {
+                let body_len = raw.meta().body_len;
                 let wire: WireTxnResponse = raw.json()?;
                 let results = wire
                     .results
@@ -408,7 +449,11 @@ impl Consul {
                     .into_iter()
                     .filter_map(|r| r.kv)
                     .collect();
-                Ok(TxnResponse { results, index })
+                Ok(TxnResponse {
+                    results,
+                    index,
+                    body_len,
+                })
             }
             409 => {
                 let wire: WireTxnResponse = raw.json()?;

@@ -677,6 +677,25 @@ impl Consul {
         })
     }
 
+    /// Watches the key names under `prefix` (no values: `?keys`), handing each answer to
+    /// `sink` (see [`spawn_sink_watch`]): a farm keeps only what it parses them into.
+    pub fn sink_keys(
+        &self,
+        prefix: impl Into<String>,
+        config: WatchConfig,
+        sink: impl FnMut(u64, Vec<String>) + Send + 'static,
+    ) -> SinkWatch {
+        let prefix = prefix.into();
+        let name = format!("keys:{prefix}");
+        let consul = self.clone();
+        let fetch = move |opts: QueryOptions| -> BoxFuture<Result<(Vec<String>, QueryMeta)>> {
+            let consul = consul.clone();
+            let prefix = prefix.clone();
+            Box::pin(async move { consul.kv_keys(&prefix, None, &opts).await })
+        };
+        spawn_sink_watch(name, config, fetch, sink)
+    }
+
     /// Watches the list of sessions.
     pub fn watch_sessions(&self, config: WatchConfig) -> Watch<Vec<SessionEntry>> {
         let consul = self.clone();

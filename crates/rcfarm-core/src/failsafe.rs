@@ -39,6 +39,9 @@ pub const TRIPPED: &str = "failsafe tripped";
 pub const MIN_REMOVALS: u64 = 5;
 
 /// `rcfarm/failsafe/release/<farm-id>`: the last release of one farm's removals.
+/// Why removals wait while the tripwire's first look at a share waits for its pods.
+pub const FIRST_LOOK: &str = "removals held: this farm took up RCs that are all at 0 replicas; they wait for a read of those RCs' pods, whose result decides whether the failsafe trips (a bulk edit)";
+
 pub fn release_key(farm_id: &str) -> String {
     format!("{FAILSAFE_PREFIX}release/{farm_id}")
 }
@@ -241,20 +244,25 @@ pub enum TreeShape {
     Serving,
 }
 
-/// What the tripwire counts of the RC tree.
+/// What the tripwire counts: the RC tree's keys, and the RCs this farm serves (issue 38: a
+/// farm reads the records of its own RCs only, so a bulk edit to 0 trips every farm, each on
+/// its own share).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Tree {
-    /// RC keys, valid or not.
+    /// Keys in the RC tree, valid or not, whoever serves them.
+    pub keys: usize,
+    /// RCs this farm serves, valid or not.
     pub rcs: usize,
-    /// RCs that want pods, or cannot be read (never read as 0).
+    /// Of those, the RCs that want pods, or cannot be read (never read as 0).
     pub serving: usize,
 }
 
 impl Tree {
-    /// The tree of a listing: `replicas` the counts of the valid RCs, `invalid` how many keys
-    /// could not be read.
+    /// A farm's share: `replicas` the counts of its valid RCs, `invalid` how many of its
+    /// records could not be read; the tree's keys are taken to be these (see [`Tree::keys`]).
     pub fn of(replicas: impl IntoIterator<Item = u64>, invalid: usize) -> Tree {
         let mut t = Tree {
+            keys: invalid,
             rcs: invalid,
             serving: invalid,
         };
@@ -262,13 +270,19 @@ impl Tree {
             t.rcs += 1;
             t.serving += usize::from(r > 0);
         }
+        t.keys = t.rcs;
         t
     }
 
+    /// The same share in a tree of `keys` keys.
+    pub fn keys(self, keys: usize) -> Tree {
+        Tree { keys, ..self }
+    }
+
     pub fn shape(self) -> TreeShape {
-        if self.rcs == 0 {
+        if self.keys == 0 {
             TreeShape::Empty
-        } else if self.serving == 0 {
+        } else if self.rcs > 0 && self.serving == 0 {
             TreeShape::AllZero
         } else {
             TreeShape::Serving
@@ -312,6 +326,11 @@ impl Tripwire {
         self.trip.as_ref()
     }
 
+    /// Whether the next look is the first at a share (see [`Tripwire::observe`]).
+    pub fn at_first_look(&self) -> bool {
+        self.last.is_none_or(|l| l.rcs == 0)
+    }
+
     /// Looks at the tree now (each valid RC's replica count, and how many keys could not be
     /// read); `removable`: whether pods of its RCs exist (looked at on the first look only). It
     /// trips on bulk changes only: the tree went empty from two RCs or more at once, or every
@@ -321,17 +340,19 @@ impl Tripwire {
     /// empty tree then removes nothing anyway (deleting an RC key leaves its pods), but an
     /// all-zero tree of two RCs or more with pods is held as a change would be (a farm
     /// restarted into a bulk edit).
+    #[allow(clippy::too_many_arguments)]
     pub fn observe(
         &mut self,
         now: Instant,
         wall: DateTime<Utc>,
+        keys: usize,
         rcs: impl IntoIterator<Item = (RcId, u64)>,
         invalid: usize,
         removable: bool,
         confirm: Duration,
     ) -> Option<TripEvent> {
         let rcs: Vec<(RcId, u64)> = rcs.into_iter().collect();
-        let tree = Tree::of(rcs.iter().map(|(_, r)| *r), invalid);
+        let tree = Tree::of(rcs.iter().map(|(_, r)| *r), invalid).keys(keys);
         let shape = tree.shape();
         let last = self.last.replace(tree);
         // What served at the last look served until now.
@@ -381,16 +402,19 @@ impl Tripwire {
             return None;
         }
         let trips = match shape {
-            TreeShape::Empty => last.is_some_and(|l| l.rcs >= 2),
+            TreeShape::Empty => last.is_some_and(|l| l.keys >= 2),
             // A bulk change trips whatever this farm's view of the pods shows: a farm reads
             // only the pods of the RCs it serves, and one that has just been handed RCs over
             // has not read theirs yet (on real Consul, three farms: 9 pods of 24 removed
             // within 15 s by the farms whose view looked empty). Tripping with nothing to
             // remove holds nothing. Only the first look relies on the view, which then holds
             // every pod (no RC is another farm's yet).
+            // The first look at a share (a farm's first claims, after a start or when it
+            // served nothing) has nothing to compare with either.
             TreeShape::AllZero => {
                 last.is_none_or(|l| l.shape() != TreeShape::AllZero)
-                    && (zeroed_recently >= 2 || last.is_none() && tree.rcs >= 2 && removable)
+                    && (zeroed_recently >= 2
+                        || last.is_none_or(|l| l.rcs == 0) && tree.rcs >= 2 && removable)
             }
             TreeShape::Serving => false,
         };
@@ -399,10 +423,11 @@ impl Tripwire {
         }
         let why = match (shape, last) {
             (TreeShape::Empty, _) => "the RC tree went from non-empty to empty".to_string(),
-            (_, None) => {
-                "every RC is at 0 replicas at start while their pods still run".to_string()
+            (_, l) if l.is_none_or(|l| l.rcs == 0) => {
+                "every RC this farm takes up is at 0 replicas while their pods still run"
+                    .to_string()
             }
-            _ => "every RC went to 0 replicas".to_string(),
+            _ => "every RC this farm serves went to 0 replicas".to_string(),
         };
         let why = format!(
             "{why} (a wiped or bulk-edited Consul?): no pod is removed until this has held for {}",
@@ -502,6 +527,9 @@ struct State {
     tripwire: Tripwire,
     /// RCs and rolls held now (`rc:<id>`, `roll:<id>`).
     held: BTreeSet<String>,
+    /// Set while the tripwire's first look at a share just taken up waits for a read of its
+    /// pods (the ticket of that read): every removal waits with it.
+    first_look: Option<u64>,
 }
 
 /// A farm's failsafe, shared by its RC tasks, roll tasks and the farm loop.
@@ -551,6 +579,9 @@ impl Failsafe {
         if let Some(t) = s.tripwire.trip() {
             return format!("{TRIPPED}: {}", t.why);
         }
+        if s.first_look.is_some() {
+            return FIRST_LOOK.to_string();
+        }
         let limit = self.config.max_removals.limit(s.served);
         let used = s.budget.used(now, self.config.window);
         let when = s
@@ -578,7 +609,7 @@ impl Failsafe {
     pub fn room(&self) -> (u64, Option<String>) {
         let now = self.clock.now();
         let mut s = self.state.lock();
-        if s.tripwire.trip().is_some() {
+        if s.tripwire.trip().is_some() || s.first_look.is_some() {
             let why = self.held_reason(&mut s, now);
             return (0, Some(why));
         }
@@ -599,7 +630,7 @@ impl Failsafe {
         }
         let now = self.clock.now();
         let mut s = self.state.lock();
-        let (granted, id) = if s.tripwire.trip().is_some() {
+        let (granted, id) = if s.tripwire.trip().is_some() || s.first_look.is_some() {
             (0, u64::MAX)
         } else {
             let limit = self.config.max_removals.limit(s.served);
@@ -639,8 +670,32 @@ impl Failsafe {
     pub fn tripped(&self) -> Option<String> {
         let now = self.clock.now();
         let mut s = self.state.lock();
-        s.tripwire.trip()?;
+        if s.tripwire.trip().is_none() && s.first_look.is_none() {
+            return None;
+        }
         Some(self.held_reason(&mut s, now))
+    }
+
+    /// Whether the tripwire has not looked at a share yet (it started, or served nothing at
+    /// its last look): its next look trips on two RCs or more at 0 whose pods run.
+    pub fn at_first_look(&self) -> bool {
+        self.state.lock().tripwire.at_first_look()
+    }
+
+    /// Holds every removal until [`Failsafe::first_look_done`]: the farm takes up RCs all at 0
+    /// replicas whose pods it has not read yet (they are read with `ticket`), so whether they
+    /// would remove anything, and the tripwire trip, is not known yet.
+    pub fn await_first_look(&self, ticket: u64) {
+        self.state.lock().first_look = Some(ticket);
+    }
+
+    /// The ticket of the read the tripwire's first look waits for, if it waits.
+    pub fn first_look_pending(&self) -> Option<u64> {
+        self.state.lock().first_look
+    }
+
+    pub fn first_look_done(&self) {
+        self.state.lock().first_look = None;
     }
 
     /// Marks `who` (`rc:<id>`, `roll:<id>`) held or not. `true`: that changed (held: a new
@@ -669,6 +724,7 @@ impl Failsafe {
     /// The tripwire's look at the RC tree (see [`Tripwire::observe`]).
     pub fn observe_tree(
         &self,
+        keys: usize,
         rcs: impl IntoIterator<Item = (RcId, u64)>,
         invalid: usize,
         removable: bool,
@@ -677,6 +733,7 @@ impl Failsafe {
         let ev = s.tripwire.observe(
             self.clock.now(),
             self.clock.wall(),
+            keys,
             rcs,
             invalid,
             removable,
@@ -856,6 +913,7 @@ mod tests {
         w.observe(
             t,
             Utc::now(),
+            replicas.len(),
             ids.iter().copied().zip(replicas.iter().copied()),
             0,
             removable,
@@ -965,7 +1023,7 @@ mod tests {
         let mut w = Tripwire::default();
         assert!(matches!(
             look(&mut w, &ids, t0, &[0, 0], true, C),
-            Some(TripEvent::Tripped(why)) if why.contains("at start")
+            Some(TripEvent::Tripped(why)) if why.contains("takes up")
         ));
         assert!(w.release());
         assert!(!w.release());
@@ -977,11 +1035,63 @@ mod tests {
         assert_eq!(look(&mut one, &ids, t0, &[0], true, C), None);
     }
 
+    /// Issue 38: the all-to-zero check looks at the farm's own share of a bigger tree. A farm
+    /// that serves nothing yet is at its first look when it takes RCs up (a farm starts
+    /// before it claims); a share that goes to 0 trips whatever the rest of the tree does.
+    #[test]
+    fn the_all_to_zero_check_looks_at_the_farms_share() {
+        let ids = ids();
+        let t0 = Instant::now();
+        let share = |w: &mut Tripwire, keys: usize, replicas: &[u64]| {
+            w.observe(
+                t0,
+                Utc::now(),
+                keys,
+                ids.iter().copied().zip(replicas.iter().copied()),
+                0,
+                true,
+                C,
+            )
+        };
+        // Started, serving nothing of a tree of 10 keys: no shape to trip on.
+        let mut w = Tripwire::default();
+        assert_eq!(share(&mut w, 10, &[]), None);
+        // Then takes up two RCs at 0 whose pods run: held as a start into a bulk edit.
+        assert!(matches!(
+            share(&mut w, 10, &[0, 0]),
+            Some(TripEvent::Tripped(why)) if why.contains("takes up")
+        ));
+        // A share that served, set to 0 in a tree of 10 keys.
+        let mut w = Tripwire::default();
+        assert_eq!(share(&mut w, 10, &[2, 3, 1]), None);
+        assert!(matches!(
+            share(&mut w, 10, &[0, 0, 0]),
+            Some(TripEvent::Tripped(why)) if why.contains("every RC this farm serves")
+        ));
+        // The tree emptied while this farm served none of it: tripped on the keys.
+        let mut w = Tripwire::default();
+        assert_eq!(share(&mut w, 10, &[]), None);
+        assert!(matches!(
+            share(&mut w, 0, &[]),
+            Some(TripEvent::Tripped(why)) if why.contains("non-empty to empty")
+        ));
+    }
+
     #[test]
     fn tree_shapes() {
         assert_eq!(Tree::of([], 0).shape(), TreeShape::Empty);
         assert_eq!(Tree::of([0, 0], 0).shape(), TreeShape::AllZero);
-        assert_eq!(Tree::of([0, 3], 0), Tree { rcs: 2, serving: 1 });
+        assert_eq!(
+            Tree::of([0, 3], 0),
+            Tree {
+                keys: 2,
+                rcs: 2,
+                serving: 1
+            }
+        );
+        // A farm that serves none of a tree's RCs has no share to go to 0.
+        assert_eq!(Tree::of([], 0).keys(5).shape(), TreeShape::Serving);
+        assert_eq!(Tree::of([0], 0).keys(5).shape(), TreeShape::AllZero);
         // An unreadable record is never taken for 0.
         assert_eq!(Tree::of([0], 1).shape(), TreeShape::Serving);
         assert_eq!(Tree::of([], 1).shape(), TreeShape::Serving);
@@ -1013,10 +1123,10 @@ mod tests {
 
         let ids = ids();
         assert!(
-            f.observe_tree(ids.iter().map(|id| (*id, 3)), 0, true)
+            f.observe_tree(ids.len(), ids.iter().map(|id| (*id, 3)), 0, true)
                 .is_none()
         );
-        assert!(f.observe_tree([], 0, true).is_some(), "emptied: tripped");
+        assert!(f.observe_tree(0, [], 0, true).is_some(), "emptied: tripped");
         let tripped = f.status();
         assert_eq!(
             tripped.tripped_since,
@@ -1024,10 +1134,10 @@ mod tests {
             "stamped from the clock"
         );
         tokio::time::advance(Duration::from_secs(119)).await;
-        f.observe_tree([], 0, true);
+        f.observe_tree(0, [], 0, true);
         assert!(f.status().tripped.is_some(), "not confirmed before 120 s");
         tokio::time::advance(Duration::from_secs(1)).await;
-        f.observe_tree([], 0, true);
+        f.observe_tree(0, [], 0, true);
         assert!(f.status().tripped.is_none(), "confirmed after 120 s");
     }
 
@@ -1068,9 +1178,9 @@ mod tests {
         assert!(!f.release());
         assert_eq!(f.room().0, 2);
         let (a, b) = (RcId::new(), RcId::new());
-        f.observe_tree([(a, 1), (b, 1)], 0, true);
+        f.observe_tree(2, [(a, 1), (b, 1)], 0, true);
         assert!(matches!(
-            f.observe_tree([(a, 0), (b, 0)], 0, true),
+            f.observe_tree(2, [(a, 0), (b, 0)], 0, true),
             Some(TripEvent::Tripped(_))
         ));
         let g = f.take(1);

@@ -2,7 +2,7 @@
 //! operators' releases (`rcfarm/failsafe/release/<farm-id>`), the base of a percentage limit,
 //! and what the farm reports about it (log, status, metric, audit).
 
-use std::sync::Arc;
+use std::collections::HashSet;
 
 use chrono::{DateTime, Utc};
 use serde_json::json;
@@ -13,14 +13,15 @@ use super::{Farm, Serving, Views};
 use crate::audit::{AuditRecord, events};
 use crate::failsafe::{Release, Tree, TreeShape, TripEvent};
 use crate::labels::Selector;
-use crate::rc::{RC_ID_LABEL, RcId, RcListing};
+use crate::rc::{RC_ID_LABEL, RcId};
 use crate::rctask::TaskHandle;
 
 /// What the farm last acted on.
 #[derive(Debug)]
 pub(super) struct FailsafeSeen {
-    /// The RC listing's index last looked at.
-    listing: u64,
+    /// What the tripwire last looked at: the keys' index, the records' index, and the RCs
+    /// served (their number and ids folded).
+    look: (u64, u64, usize, u128),
     /// The release key's index last acted on (or set aside as older than this farm).
     release: u64,
     started: DateTime<Utc>,
@@ -33,7 +34,7 @@ pub(super) struct FailsafeSeen {
 impl Default for FailsafeSeen {
     fn default() -> Self {
         FailsafeSeen {
-            listing: 0,
+            look: (0, 0, 0, 0),
             release: 0,
             started: Utc::now(),
             unrecorded: Vec::new(),
@@ -41,8 +42,8 @@ impl Default for FailsafeSeen {
     }
 }
 
-/// Whether pods of the listing's RCs exist (something would be removed).
-fn removable(views: &Views, listing: &RcListing) -> bool {
+/// Whether pods of `rcs` exist (something would be removed).
+fn removable(views: &Views, rcs: &HashSet<RcId>) -> bool {
     let Ok(sel) = Selector::parse(RC_ID_LABEL) else {
         return true;
     };
@@ -51,7 +52,7 @@ fn removable(views: &Views, listing: &RcListing) -> bool {
             .pods
             .get(id)
             .and_then(|l| l.get(RC_ID_LABEL).and_then(|v| RcId::parse(v).ok()))
-            .is_some_and(|rc| listing.rcs.contains_key(&rc))
+            .is_some_and(|rc| rcs.contains(&rc))
     })
 }
 
@@ -90,28 +91,21 @@ impl Farm {
         }
         // `--failsafe-confirm 0s`: no tripwire, nothing to look at.
         let tripwire = !fs.config().confirm.is_zero();
-        if tripwire && let Some(listing) = views.rcs.latest() {
-            let pending = fs.status().tripped.is_some();
-            let changed = {
-                let mut seen = self.failsafe_seen.lock();
-                std::mem::replace(&mut seen.listing, listing.index) != listing.index
-            };
-            if changed || pending {
-                let replicas = listing.rcs.iter().map(|(id, r)| (*id, r.replicas_desired));
-                let shape =
-                    Tree::of(replicas.clone().map(|(_, r)| r), listing.invalid.len()).shape();
-                let can_remove = shape == TreeShape::AllZero && removable(views, &listing);
-                let trip_before = fs.status().tripped_since;
-                if let Some(ev) = fs.observe_tree(replicas, listing.invalid.len(), can_remove) {
-                    let since = match ev {
-                        TripEvent::Tripped(_) => fs.status().tripped_since,
-                        _ => trip_before,
-                    };
-                    wake |= !matches!(ev, TripEvent::Tripped(_));
-                    self.report_trip(sv, &listing, ev, since).await;
-                }
+        match fs.first_look_pending() {
+            // The first look at a share taken up all at 0, once its pods are read.
+            Some(ticket) if views.pods.demand().is_none_or(|d| d.is_fresh(ticket)) => {
+                self.failsafe_seen.lock().look = (0, 0, 0, 0);
+                self.look_at_share(views, owned.tasks.keys().copied());
+                fs.first_look_done();
+                wake = true;
             }
+            Some(_) => {}
+            None if tripwire => {
+                wake |= self.look_at_share(views, owned.tasks.keys().copied());
+            }
+            None => {}
         }
+        self.record_trips(sv).await;
         let status = fs.status();
         self.status.update_farm(|f| {
             crate::rctask::set_condition(
@@ -127,37 +121,79 @@ impl Farm {
         }
     }
 
+    /// The tripwire's look at the tree's keys (the emptied-tree check) and at the RCs of
+    /// `share`, the RCs this farm serves (the all-to-zero check: it reads no other record,
+    /// issue 38). Called before tasks are started for new RCs too, so that a share that is all
+    /// at 0 trips before any of them plans. What it decided is logged and its audit record
+    /// queued (committed by `watch_failsafe`). Returns whether the failsafe let go.
+    pub(super) fn look_at_share(&self, views: &Views, share: impl Iterator<Item = RcId>) -> bool {
+        let fs = &self.failsafe;
+        if fs.config().confirm.is_zero() {
+            return false;
+        }
+        let (Some(keys), Some(listing)) = (views.rc_keys.latest(), views.records.latest()) else {
+            return false;
+        };
+        let share: Vec<RcId> = share.collect();
+        let pending = fs.status().tripped.is_some();
+        let folded = share.iter().fold(0u128, |x, id| x ^ id.as_u128());
+        let look = (keys.index, listing.index, share.len(), folded);
+        let changed = std::mem::replace(&mut self.failsafe_seen.lock().look, look) != look;
+        if !changed && !pending {
+            return false;
+        }
+        let replicas: Vec<(RcId, u64)> = share
+            .iter()
+            .filter_map(|id| Some((*id, listing.rcs.get(id)?.replicas_desired)))
+            .collect();
+        let invalid = share
+            .iter()
+            .filter(|id| listing.invalid.contains_key(&keys.key_of(id)))
+            .count();
+        let shape = Tree::of(replicas.iter().map(|(_, r)| *r), invalid)
+            .keys(keys.len())
+            .shape();
+        let can_remove = shape == TreeShape::AllZero
+            && removable(views, &replicas.iter().map(|(id, _)| *id).collect());
+        let trip_before = fs.status().tripped_since;
+        let served = replicas.len() + invalid;
+        let Some(ev) = fs.observe_tree(keys.len(), replicas, invalid, can_remove) else {
+            return false;
+        };
+        let since = match ev {
+            TripEvent::Tripped(_) => fs.status().tripped_since,
+            _ => trip_before,
+        };
+        let let_go = !matches!(ev, TripEvent::Tripped(_));
+        self.report_trip(served, ev, since);
+        let_go
+    }
+
     /// Log, metric and audit record of what the tripwire decided (the trip it concerns began
     /// at `since`).
-    async fn report_trip(
-        &self,
-        sv: &Serving<'_>,
-        listing: &Arc<RcListing>,
-        ev: TripEvent,
-        since: Option<DateTime<Utc>>,
-    ) {
+    fn report_trip(&self, served: usize, ev: TripEvent, since: Option<DateTime<Utc>>) {
         let confirm = crate::util::format_go_duration(self.failsafe.config().confirm);
         let (event, details) = match &ev {
             TripEvent::Tripped(why) => {
-                tracing::error!(reason = %why, rcs = listing.rcs.len(), "FAILSAFE TRIPPED: this farm removes no pod until the state is confirmed or an operator runs `rcctl farm release-removals`");
+                tracing::error!(reason = %why, rcs = served, "FAILSAFE TRIPPED: this farm removes no pod until the state is confirmed or an operator runs `rcctl farm release-removals`");
                 metrics::counter!("rcfarm_failsafe_trips_total").increment(1);
                 (
                     events::FAILSAFE_TRIPPED,
-                    json!({"reason": why, "rcs": listing.rcs.len(), "confirm": confirm}),
+                    json!({"reason": why, "rcs": served, "confirm": confirm}),
                 )
             }
             TripEvent::Confirmed => {
                 tracing::warn!(%confirm, "failsafe: the RC tree stayed so for the confirmation window; acting on it");
                 (
                     events::FAILSAFE_CLEARED,
-                    json!({"reason": format!("confirmed: the state held for {confirm}"), "rcs": listing.rcs.len()}),
+                    json!({"reason": format!("confirmed: the state held for {confirm}"), "rcs": served}),
                 )
             }
             TripEvent::Cleared(why) => {
                 tracing::warn!(reason = %why, "failsafe cleared");
                 (
                     events::FAILSAFE_CLEARED,
-                    json!({"reason": why, "rcs": listing.rcs.len()}),
+                    json!({"reason": why, "rcs": served}),
                 )
             }
         };
@@ -172,7 +208,6 @@ impl Farm {
         let audit =
             AuditRecord::deterministic(&identity, event, details).at(self.config.clock.wall());
         self.failsafe_seen.lock().unrecorded.push(audit);
-        self.record_trips(sv).await;
     }
 
     /// Commits the failsafe's records not yet committed, fenced by the farm's registration

@@ -33,7 +33,7 @@ use crate::consul::{
 };
 use crate::health::HealthCache;
 use crate::labels::{LabelCache, LabelType, Selector};
-use crate::rc::{LockView, LockWatch, RcId, RcStore, RcWatch};
+use crate::rc::{LockView, LockWatch, RcId, RcKeysWatch, RcRecords, RcStore};
 use crate::rctask::{IntentView, StatusRegistry, TaskConfig, TaskContext, TaskEvent};
 use crate::roll::{
     ROLL_LOCK_PREFIX, RollConfig, RollContext, RollEvent, RollStatusRegistry, RollStore, RollWatch,
@@ -205,7 +205,11 @@ enum Ended {
 
 /// The farm's watched view of Consul.
 struct Views {
-    rcs: RcWatch,
+    /// Every RC key (claims and the emptied-tree tripwire need no more of the tree).
+    rc_keys: RcKeysWatch,
+    /// The records of the RCs this farm serves or is about to, of rolling updates' RCs and of
+    /// RCs under a held mutation lock, read when the keys' index moves (see `rc::records`).
+    records: RcRecords,
     locks: LockWatch,
     farms: Watch<Vec<KvPair>>,
     rolls: RollWatch,
@@ -261,6 +265,9 @@ const LOCK_TREE_IDLE: Duration = Duration::from_secs(2);
 /// How often a farm counts the pods whose RC is gone (`rcfarm_orphaned_pods`): a walk of the
 /// pod cache's index of RC ids, for an alert that waits 15 minutes.
 const ORPHAN_COUNT_EVERY: Duration = Duration::from_secs(10);
+
+/// How much slower than other watches the RC keys are read, per MiB of answer.
+const KEYS_PACE_FACTOR: u32 = 4;
 
 /// How long after a farm left every change of the lock tree is read.
 const HANDOVER_FAST: Duration = Duration::from_secs(15);
@@ -355,7 +362,17 @@ impl Farm {
         let _pool_reads_every_change = pool.then(|| pod_demand.fast());
         self.pod_interest.write().everything = pool;
         let views = Views {
-            rcs: RcStore::new(self.consul.clone()).watch(w.clone()),
+            // Each answer of the keys costs a read of the records of every RC this farm serves
+            // too (a keys answer cannot say which changed): paced as an answer four times its
+            // size (20,000 RCs: one a second at most; 200: every 20 ms).
+            rc_keys: RcKeysWatch::spawn(
+                &self.consul,
+                WatchConfig {
+                    pace_per_mib: w.pace_per_mib * KEYS_PACE_FACTOR,
+                    ..w.clone()
+                },
+            ),
+            records: RcRecords::new(self.consul.clone()),
             // Read on demand too: claims of RCs assigned to this farm need no view of the
             // others' (a claim of a held lock just fails), so during a claim rush the tree is
             // read every `LOCK_TREE_IDLE`, and at once when a farm comes or goes, a claim
@@ -434,7 +451,7 @@ impl Farm {
             let roll_ctx = Arc::new(RollContext {
                 consul: self.consul.clone(),
                 farm_id: cfg.farm_id.clone(),
-                rcs: views.rcs.subscribe(),
+                rcs: views.records.subscribe(),
                 locks: locks_rx.clone(),
                 pods: views.pods.clone(),
                 health: views.health.clone(),
@@ -454,7 +471,7 @@ impl Farm {
                 transfers: Arc::new(crate::rctask::TransferReader::new(self.consul.clone())),
                 status: self.status.clone(),
                 locks: locks_rx,
-                rcs: views.rcs.subscribe(),
+                rcs: views.records.subscribe(),
                 failsafe: self.failsafe.clone(),
                 pod_tickets: Default::default(),
                 roll_sources: Default::default(),
@@ -626,7 +643,7 @@ impl Farm {
             status: self.roll_status.clone(),
         });
         let mut roll_dispatch = RollDispatch::default();
-        let mut rc_rx = views.rcs.subscribe();
+        let mut rc_rx = views.rc_keys.subscribe();
         let mut lock_rx = views.locks.subscribe();
         let mut farm_rx = views.farms.subscribe();
         let mut rolls_rx = views.rolls.subscribe();
@@ -660,7 +677,27 @@ impl Farm {
         let (mut dirty, mut dirty_rolls) = (true, true);
         Self::publish_roll_sources(&sv.ctx, views.rolls.latest().as_deref());
         loop {
-            let ready = rc_rx.borrow().is_some()
+            // The records of what this farm reads, brought to the latest keys (the tree
+            // changed), or to what it now serves, rolls or sees locked.
+            let keys_index = rc_rx.borrow().as_ref().map(|k| k.index);
+            if keys_index.is_some()
+                && (dirty || dirty_rolls || views.records.latest().map(|l| l.index) != keys_index)
+            {
+                let interest = self.record_interest(views, owned.tasks.keys().copied());
+                if self.sync_records(views, &interest).await {
+                    dirty = true;
+                    if let Some(listing) = views.records.latest() {
+                        self.dispatch_rcs_to_rolls(
+                            &rolls,
+                            views.rolls.latest().as_deref(),
+                            &listing,
+                            &mut roll_dispatch,
+                        );
+                    }
+                }
+            }
+            let ready = keys_index.is_some()
+                && views.records.latest().is_some()
                 && lock_rx.borrow().is_some()
                 && farm_rx.borrow().is_some()
                 && rolls_rx.borrow().is_some()
@@ -809,10 +846,8 @@ impl Farm {
                 }
                 r = rc_rx.changed() => {
                     if r.is_err() { return Ended::SessionLost("RC watch ended".into()); }
+                    // The records are read at the top of the loop.
                     dirty = true;
-                    if let Some(listing) = views.rcs.latest() {
-                        self.dispatch_rcs_to_rolls(&rolls, views.rolls.latest().as_deref(), &listing, &mut roll_dispatch);
-                    }
                 }
                 r = lock_rx.changed() => {
                     if r.is_err() { return Ended::SessionLost("lock watch ended".into()); }
@@ -876,7 +911,7 @@ impl Farm {
     /// CLI or a KV write): nothing manages them. Every farm sees them (its pod cache leaves out
     /// only pods of RCs other farms hold), so the alert takes the max over farms.
     fn orphaned_pods(views: &Views) -> usize {
-        let Some(listing) = views.rcs.latest() else {
+        let Some(keys) = views.rc_keys.latest() else {
             return 0;
         };
         views
@@ -884,9 +919,7 @@ impl Farm {
             .value_counts(crate::rc::RC_ID_LABEL)
             .into_iter()
             .filter(|(rc, _)| match RcId::parse(rc) {
-                Ok(id) => {
-                    !listing.rcs.contains_key(&id) && !listing.invalid.contains_key(&id.key())
-                }
+                Ok(id) => !keys.ids.contains(&id),
                 // Not an RC id at all: no RC of rcfarm's manages it, but it is no RC's left
                 // behind either.
                 Err(_) => false,

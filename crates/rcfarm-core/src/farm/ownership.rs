@@ -208,9 +208,28 @@ impl<K: Kind> Owned<K> {
         &mut self,
         farm: &ClaimFarm<'_>,
         view: &ClaimView<'_>,
-        mut spawn: impl FnMut(RcId) -> TaskHandle<K::State>,
+        spawn: impl FnMut(RcId) -> TaskHandle<K::State>,
         state: impl Fn(RcId) -> Option<(K::State, u64)>,
     ) -> Vec<RcId> {
+        self.reconcile_with(farm, view, spawn, state, std::future::ready)
+            .await
+    }
+
+    /// [`Owned::reconcile`], with `prepare` called on the objects about to get a task (just
+    /// claimed, or held without one) before any is spawned: it returns those that may start
+    /// now (their record read); the others start at a later reconcile, their locks kept.
+    pub async fn reconcile_with<P, Fut>(
+        &mut self,
+        farm: &ClaimFarm<'_>,
+        view: &ClaimView<'_>,
+        mut spawn: impl FnMut(RcId) -> TaskHandle<K::State>,
+        state: impl Fn(RcId) -> Option<(K::State, u64)>,
+        prepare: P,
+    ) -> Vec<RcId>
+    where
+        P: FnOnce(Vec<RcId>) -> Fut,
+        Fut: std::future::Future<Output = Vec<RcId>>,
+    {
         self.refused_at.retain(|_, l| !l.shown(view));
         self.released_at.retain(|_, l| !l.shown(view));
         self.claimed_at.retain(|_, idx| view.lock_index < *idx);
@@ -317,7 +336,13 @@ impl<K: Kind> Owned<K> {
 
         // Start tasks for what we hold and have no task for (claimed now, or held after a
         // restart of the loop).
-        for id in decide::starts(s, &self.tasks, claimed_at.keys().chain(just_claimed.keys())) {
+        let starts = decide::starts(s, &self.tasks, claimed_at.keys().chain(just_claimed.keys()));
+        let starts = if starts.is_empty() {
+            starts
+        } else {
+            prepare(starts).await
+        };
+        for id in starts {
             self.tasks.insert(id, spawn(id));
             // The task starts from the version it was spawned with.
             if let Some((_, version)) = state(id) {

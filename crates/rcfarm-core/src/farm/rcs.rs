@@ -17,7 +17,7 @@ use super::{Farm, Views, sweep};
 use crate::audit::{AuditRecord, events};
 use crate::consul::{Demand, KvPair, Session};
 use crate::labels::{LabelChanges, LabelLookup, LabelSet, Selector};
-use crate::rc::{LockView, RC_ID_LABEL, RcId, RcListing, RcStore};
+use crate::rc::{LockView, RC_ID_LABEL, RcId, RcKeys, RcListing, RcStore};
 use crate::rctask::{RcState, StatusRegistry, TaskContext, TaskEvent, TaskHandle};
 
 /// Which claimed RCs must wait for a read of the pod label tree before their first plan.
@@ -166,7 +166,7 @@ impl Farm {
     }
 
     pub(super) fn dispatch_node_changes(&self, owned: &OwnedRcs, views: &Views, c: Changes) {
-        let Some(listing) = views.rcs.latest() else {
+        let Some(listing) = views.records.latest() else {
             return;
         };
         match c {
@@ -203,7 +203,7 @@ impl Farm {
             owned.tasks.values().for_each(TaskHandle::wake);
             return;
         };
-        if let Some(listing) = views.rcs.latest() {
+        if let Some(listing) = views.records.latest() {
             for t in owned.tasks.values() {
                 if listing
                     .rcs
@@ -229,7 +229,7 @@ impl Farm {
         ev_tx: &mpsc::UnboundedSender<TaskEvent>,
         locks_tx: &LocksTx,
     ) -> Vec<RcId> {
-        let Some(listing) = views.rcs.latest() else {
+        let (Some(keys), Some(listing)) = (views.rc_keys.latest(), views.records.latest()) else {
             return Vec::new();
         };
         let Some(locks) = views.locks.latest() else {
@@ -289,7 +289,7 @@ impl Farm {
                 (n, x ^ id.as_u128())
             });
         let key = (
-            listing.index,
+            keys.index,
             views.rc_labels.index(),
             farm_snap.index,
             locks.index,
@@ -307,6 +307,7 @@ impl Farm {
                     inputs_changed = true;
                     let c = Arc::new(claim_inputs(
                         key,
+                        &keys,
                         &listing,
                         views,
                         &locks,
@@ -437,28 +438,39 @@ impl Farm {
                 .answered_at()
                 .unwrap_or_else(tokio::time::Instant::now),
             lock_reads: Some(&self.lock_demand),
+            // The records' own index: a read that failed leaves it behind the keys', so the
+            // tasks are handed their records once a read succeeds.
             listing_index: listing.index,
             // A claim of an RC deleted meanwhile is harmless: its task is told, and gives the
             // lock back.
             guard: &|_| None,
         };
+        let records = &views.records;
+        let serving: BTreeSet<RcId> = owned.tasks.keys().copied().collect();
         let claimed = owned
-            .reconcile(
+            .reconcile_with(
                 &self.claim_farm(session),
                 &view,
                 |id| {
+                    // `prepare` started only RCs whose state is known.
+                    let listing = records.latest().unwrap_or_default();
                     crate::rctask::spawn(
                         ctx.clone(),
                         sid.clone(),
                         session.lost(),
                         id,
-                        rc_state(&listing, id),
+                        rc_state(&keys, &listing, id).unwrap_or(RcState::Deleted),
                         ev_tx.clone(),
                     )
                 },
-                |id| Some((rc_state(&listing, id), rc_version(&listing, id)?)),
+                |id| {
+                    let listing = records.latest()?;
+                    Some((rc_state(&keys, &listing, id)?, rc_version(&listing, id)?))
+                },
+                |ids| self.prepare_records(views, &keys, serving, ids),
             )
             .await;
+        let listing = views.records.latest().unwrap_or(listing);
         if inputs_changed || !claimed.is_empty() {
             // Before any read of the pod labels these claims ask for: the new RCs' pods (and
             // their pod ids') are to be kept.
@@ -580,7 +592,7 @@ impl Farm {
         match sweep::sweep(&self.consul, &ctx.intents, &pods, only.is_none()).await {
             Ok(n) => {
                 tracing::debug!(intents = n, "consistency sweep done");
-                if let Some(listing) = views.rcs.latest() {
+                if let Some(listing) = views.records.latest() {
                     // Grouped once: looking each owned RC's pods up in the whole list made a
                     // sweep quadratic (10,000 RCs × 50,000 pods blocked a farm's claims for 12 s
                     // while it took over a dead farm's RCs).
@@ -612,6 +624,105 @@ impl Farm {
 }
 
 impl Farm {
+    /// The RCs whose records this farm reads besides `serving`: those of every rolling update
+    /// (a roll task here may run one whose RCs other farms own, and a new RC's task takes pods
+    /// over from its old RC), and those under a held mutation lock (a roller that writes no
+    /// roll record moves replicas between RCs it holds the locks of).
+    pub(super) fn record_interest(
+        &self,
+        views: &Views,
+        serving: impl IntoIterator<Item = RcId>,
+    ) -> BTreeSet<RcId> {
+        let mut ids: BTreeSet<RcId> = serving.into_iter().collect();
+        if let Some(rolls) = views.rolls.latest() {
+            for r in rolls.rolls.values() {
+                ids.insert(r.update.old_rc);
+                ids.insert(r.update.new_rc);
+            }
+        }
+        if let Some(locks) = views.locks.latest() {
+            ids.extend(
+                locks
+                    .holders
+                    .iter()
+                    .filter(|(_, h)| h.mutation.is_some())
+                    .map(|(id, _)| *id),
+            );
+        }
+        ids
+    }
+
+    /// Brings the records of `interest` to the latest keys. A failed read is logged; the
+    /// listing stays as it was and the next pass reads again. Returns whether it changed.
+    pub(super) async fn sync_records(&self, views: &Views, interest: &BTreeSet<RcId>) -> bool {
+        let Some(keys) = views.rc_keys.latest() else {
+            return false;
+        };
+        match views.records.sync(&keys, interest).await {
+            Ok(changed) => changed,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read the records of this farm's RCs; reading them again at the next pass");
+                false
+            }
+        }
+    }
+
+    /// Reads the records of `ids` this farm does not hold yet, keeping the others (and the
+    /// listing's index: the tripwire looks at every change of what the farm serves first).
+    pub(super) async fn add_records(&self, views: &Views, ids: &BTreeSet<RcId>) {
+        let Some(keys) = views.rc_keys.latest() else {
+            return;
+        };
+        if let Err(e) = views.records.add(&keys, ids).await {
+            tracing::warn!(error = %e, count = ids.len(), "cannot read the records of RCs to start tasks for; they start at a later pass");
+        }
+    }
+
+    /// Reads the records of the RCs about to get a task (`starts`): returns those whose state
+    /// is now known (read, or deleted).
+    /// The tripwire then looks at `serving` with them, before any of them plans.
+    async fn prepare_records(
+        &self,
+        views: &Views,
+        keys: &RcKeys,
+        serving: BTreeSet<RcId>,
+        starts: Vec<RcId>,
+    ) -> Vec<RcId> {
+        self.add_records(views, &starts.iter().copied().collect())
+            .await;
+        let listing = views.records.latest().unwrap_or_default();
+        let known: Vec<RcId> = starts
+            .into_iter()
+            .filter(|id| rc_state(keys, &listing, *id).is_some())
+            .collect();
+        let share: BTreeSet<RcId> = serving.into_iter().chain(known.iter().copied()).collect();
+        let fs = &self.failsafe;
+        // A first look trips on two RCs or more at 0 only if their pods run, and the pods
+        // of RCs just taken from another farm are not read yet: the look, and every removal,
+        // wait for that read (the tasks wait for it anyway).
+        let all_zero = share.len() >= 2
+            && share.iter().all(|id| {
+                listing
+                    .rcs
+                    .get(id)
+                    .is_some_and(|rc| rc.replicas_desired == 0)
+            });
+        match views.pods.demand() {
+            Some(d)
+                if !known.is_empty()
+                    && all_zero
+                    && !fs.config().confirm.is_zero()
+                    && fs.at_first_look() =>
+            {
+                fs.await_first_look(d.urge());
+            }
+            _ => {
+                self.look_at_share(views, share.into_iter());
+            }
+        }
+        known
+    }
+
     /// Releases mutation locks this farm's session holds for something it no longer does (a
     /// node transfer or a roll it stopped serving), each as `(RC, value it holds)`: left held,
     /// they would keep the RC's next owner from ever moving a pod.
@@ -631,13 +742,17 @@ impl Farm {
     }
 }
 
-fn rc_state(listing: &RcListing, id: RcId) -> RcState {
+/// An RC's state as the farm knows it: `None` when its key exists but its record was not read
+/// (never taken for a deletion).
+fn rc_state(keys: &RcKeys, listing: &RcListing, id: RcId) -> Option<RcState> {
     if let Some(rc) = listing.rcs.get(&id) {
-        RcState::Valid(rc.clone())
-    } else if let Some(inv) = listing.invalid.get(&id.key()) {
-        RcState::Invalid(Arc::new(inv.clone()))
+        Some(RcState::Valid(rc.clone()))
+    } else if let Some(inv) = listing.invalid.get(&keys.key_of(&id)) {
+        Some(RcState::Invalid(Arc::new(inv.clone())))
+    } else if !keys.ids.contains(&id) {
+        Some(RcState::Deleted)
     } else {
-        RcState::Deleted
+        None
     }
 }
 
@@ -680,6 +795,7 @@ type ClaimKey = (u64, u64, u64, u64, String, (u64, u128));
 #[allow(clippy::too_many_arguments)]
 fn claim_inputs<'a>(
     key: ClaimKey,
+    keys: &RcKeys,
     listing: &RcListing,
     views: &Views,
     locks: &LockView,
@@ -688,17 +804,8 @@ fn claim_inputs<'a>(
     selector: &Selector,
     tasks: impl Iterator<Item = &'a RcId>,
 ) -> ClaimInputs {
-    let all: BTreeSet<RcId> = listing
-        .rcs
-        .keys()
-        .copied()
-        .chain(
-            listing
-                .invalid
-                .keys()
-                .filter_map(|k| RcId::from_key(k).and_then(Result::ok)),
-        )
-        .collect();
+    // From the keys alone: claims read no record (issue 38).
+    let all: BTreeSet<RcId> = keys.ids.clone();
     // Most RCs carry no labels: they share one empty set. The labelled ones are taken from the
     // cache in one pass, not looked up (and their ids written out) one RC at a time.
     let none = LabelSet::new();
@@ -742,7 +849,9 @@ fn claim_inputs<'a>(
         .map(|(id, _)| *id)
         .collect();
     // Only a pod id more than one RC carries can be another farm's and a candidate's both (and
-    // with no RC held elsewhere, none is: a lone farm skips the walk over every pod id).
+    // with no RC held elsewhere, none is: a lone farm skips the walk over every pod id). Of the
+    // records this farm reads: those of rolling updates' RCs and of RCs under a held mutation
+    // lock are among them, which is how one pod id comes to be two RCs'.
     let foreign_pod_ids = if theirs.is_empty() {
         HashSet::new()
     } else {

@@ -142,6 +142,14 @@ impl Farm {
             return false;
         };
         let sid = session.id();
+        // The records of these rolls' RCs, before any roll task looks for them (the roll
+        // listing may be newer than the last read of the records).
+        let roll_rcs: BTreeSet<RcId> = rolls
+            .rolls
+            .values()
+            .flat_map(|r| [r.update.old_rc, r.update.new_rc])
+            .collect();
+        self.add_records(views, &roll_rcs).await;
 
         let (holders, garbage) = parse_roll_locks(&lock_snap.value);
         {
@@ -337,7 +345,7 @@ impl Farm {
         changed: Option<&BTreeSet<String>>,
     ) {
         let (Some(rolls), Some(rcs), Some(changed)) =
-            (views.rolls.latest(), views.rcs.latest(), changed)
+            (views.rolls.latest(), views.records.latest(), changed)
         else {
             owned.tasks.values().for_each(|t| t.wake());
             return;

@@ -9,7 +9,10 @@ pub use model::{
     AllocationStrategy, CHANGE_MARKER, DesiredState, InvalidRc, POD_ID_LABEL, RC_ID_LABEL,
     RC_LOCK_PREFIX, RC_PREFIX, RETIRE_MARKER, RawRc, Rc, RcId, RcProblem,
 };
+pub mod records;
 pub mod store;
+
+pub use records::{RcKeys, RcKeysWatch, RcRecords};
 
 pub use store::{
     LockHolders, LockView, LockWatch, Mutation, NewRc, RcListing, RcStore, RcStoreError, RcWatch,

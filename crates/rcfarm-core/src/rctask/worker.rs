@@ -568,14 +568,15 @@ impl Worker {
                 labels_seen.insert(id, (Arc::unwrap_or_clone(l), i));
             }
         }
-        let mut nb = self.neighbours(rc, &mut labels_seen, &BTreeSet::new());
+        let extra = self.other_records(rc).await?;
+        let mut nb = self.neighbours(rc, &mut labels_seen, &BTreeSet::new(), &extra);
         if !nb.unconfirmed.is_empty() {
             // A disabled RC with pods of our pod id it no longer wants, and no roll record
             // naming it: P2's `p2-rctl rolling-update` moves replicas without one, holding
             // both RCs' mutation locks. The farm's view of the lock tree may lag the roller's
             // first step: ask Consul, rather than place the new pods elsewhere.
             let confirmed = self.rolled_by_one_session(&nb.unconfirmed).await?;
-            nb = self.neighbours(rc, &mut labels_seen, &confirmed);
+            nb = self.neighbours(rc, &mut labels_seen, &confirmed, &extra);
         }
         let Neighbours {
             takeover, occupied, ..
@@ -680,6 +681,42 @@ impl Worker {
             .is_some_and(|(s, v)| *s == self.session && *v == self.id.node_transfer_holder())
     }
 
+    /// The records of other RCs that run pods of this RC's pod id and that the farm's listing
+    /// does not hold (it reads the records of the RCs the farm serves, of rolling updates and
+    /// of RCs under a held mutation lock: issue 38), read from Consul. Empty unless another
+    /// RC's pods share the pod id (a rolling update, usually), so most passes read nothing.
+    async fn other_records(&self, rc: &Rc) -> Result<HashMap<RcId, Arc<Rc>>, TaskError> {
+        let listing = self.ctx.rcs.borrow().clone();
+        let mut missing: BTreeSet<RcId> = BTreeSet::new();
+        for id in self
+            .ctx
+            .pods
+            .matches(&Selector::from_equalities([(POD_ID_LABEL, rc.pod_id())]))
+        {
+            let Some(owner) = self
+                .ctx
+                .pods
+                .get(&id)
+                .and_then(|l| RcId::parse(l.get(RC_ID_LABEL)?).ok())
+            else {
+                continue;
+            };
+            if owner != self.id && !listing.as_ref().is_some_and(|l| l.rcs.contains_key(&owner)) {
+                missing.insert(owner);
+            }
+        }
+        if missing.is_empty() {
+            return Ok(HashMap::new());
+        }
+        let keys: Vec<String> = missing.iter().map(|id| id.key()).collect();
+        let found = self.ctx.consul.read_keys(&keys).await?;
+        Ok(found
+            .values()
+            .filter_map(|kv| Rc::from_kv(&kv.key, kv.value_bytes(), kv.modify_index).ok())
+            .map(|rc| (rc.id, Arc::new(rc)))
+            .collect())
+    }
+
     /// Where other RCs run this RC's pod id: the nodes to take over first when growing, the
     /// nodes to keep off, and every such pod's labels with their `ModifyIndex` (the writes
     /// planned from this view are guarded by them). Only a rolling update's own new RC takes
@@ -695,6 +732,7 @@ impl Worker {
         rc: &Rc,
         seen: &mut BTreeMap<String, (LabelSet, u64)>,
         confirmed: &BTreeSet<RcId>,
+        extra: &HashMap<RcId, Arc<Rc>>,
     ) -> Neighbours {
         let me = self.id.to_string();
         // Other RCs' pods of this pod id: RC → (healthy, node).
@@ -732,7 +770,10 @@ impl Worker {
             others,
             |owner| {
                 let id = RcId::parse(owner).ok()?;
-                let rc = listing.as_ref()?.rcs.get(&id)?;
+                let rc = listing
+                    .as_ref()
+                    .and_then(|l| l.rcs.get(&id))
+                    .or_else(|| extra.get(&id))?;
                 Some((id, rc.disabled, rc.replicas_desired))
             },
             |g| {

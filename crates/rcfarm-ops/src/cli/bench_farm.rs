@@ -57,6 +57,37 @@ pub struct BenchFarmArgs {
     /// this load: the floor under the farms' convergence time.
     #[arg(long)]
     pub floor: bool,
+    /// Write every RC and every pod (intents and labels, as farms leave them) before any farm
+    /// starts, then start the farms on that full cluster: the case of every farm restarted for
+    /// an upgrade. Reports how long until every RC is held, and each farm's RSS steady (after
+    /// `--idle`) and at its peak.
+    #[arg(long, conflicts_with = "floor")]
+    pub prewritten: bool,
+    /// Run the benchmark once per farm count given (`--compare 3,6`), back to back with the
+    /// other flags, and print the scale-out table: bytes read, CPU-seconds of the farms and of
+    /// Consul, wall time and RSS per farm, each as a ratio to the first count's.
+    #[arg(long, value_delimiter = ',', conflicts_with_all = ["floor", "prewritten"])]
+    pub compare: Vec<usize>,
+}
+
+/// What one run measured, for `--compare`.
+#[derive(Debug, Clone, Default)]
+pub struct Figures {
+    pub farms: usize,
+    /// From the first RC written until every pod was written.
+    pub converge: f64,
+    /// How long the benchmark's writer took to write the RCs.
+    pub written_in: f64,
+    /// Bytes read by all farms' watches (and the record reads that stand in for them).
+    pub mib_read: f64,
+    pub farm_cpu: f64,
+    /// Consul's CPU while converging (real Consul), or this process's (the embedded server
+    /// and the writer).
+    pub consul_cpu: Option<f64>,
+    /// Steady RSS (MiB) of the farms that do not ship the audit log.
+    pub rss: Vec<f64>,
+    /// Peak RSS over steady of those farms.
+    pub peak_ratio: Vec<f64>,
 }
 
 pub(super) fn failed(e: impl std::fmt::Display) -> CliError {
@@ -329,11 +360,108 @@ async fn farm_counter(
     out
 }
 
+/// Bytes of the farms' watch answers (and of the record reads that stand in for one), by watch.
+async fn watch_bytes(http: &reqwest::Client, farms: &[FarmProc]) -> BTreeMap<String, f64> {
+    farm_counter(
+        http,
+        farms,
+        "rcfarm_consul_watch_answer_bytes_total",
+        "watch",
+    )
+    .await
+}
+
 fn total(m: &BTreeMap<String, f64>) -> f64 {
     m.values().sum()
 }
 
 pub async fn run(args: BenchFarmArgs) -> Result<(), CliError> {
+    if args.compare.is_empty() {
+        run_once(&args).await.map(|_| ())
+    } else {
+        compare(&args).await
+    }
+}
+
+/// `--compare`: one run per farm count, then the table.
+async fn compare(args: &BenchFarmArgs) -> Result<(), CliError> {
+    let mut runs = Vec::new();
+    for &f in &args.compare {
+        let a = BenchFarmArgs {
+            farms: f,
+            compare: Vec::new(),
+            ..args.clone()
+        };
+        let fig = run_once(&a).await?;
+        eprintln!("F = {f}: {fig:?}");
+        runs.push(fig);
+    }
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
+    let max = |v: &[f64]| v.iter().copied().fold(0.0, f64::max);
+    let row = |name: &str, unit: &str, get: &dyn Fn(&Figures) -> Option<f64>, goal: &str| {
+        let vals: Vec<Option<f64>> = runs.iter().map(get).collect();
+        let cells: Vec<String> = vals
+            .iter()
+            .map(|v| v.map_or("n/a".into(), |v| format!("{v:.2}{unit}")))
+            .collect();
+        let ratio = match (
+            vals.first().copied().flatten(),
+            vals.last().copied().flatten(),
+        ) {
+            (Some(a), Some(b)) if a > 0.0 => format!("{:.2}×", b / a),
+            _ => "n/a".into(),
+        };
+        println!("| {name} | {} | {ratio} | {goal} |", cells.join(" | "));
+    };
+    println!(
+        "\n| {} {}×{} on {} nodes | {} | ratio | goal |\n|---|{}---|---|",
+        if args.consul_bin.is_some() {
+            "real Consul,"
+        } else {
+            "embedded,"
+        },
+        args.rcs,
+        args.replicas,
+        args.nodes,
+        runs.iter()
+            .map(|r| format!("F = {}", r.farms))
+            .collect::<Vec<_>>()
+            .join(" | "),
+        "---|".repeat(runs.len()),
+    );
+    row("converge", " s", &|r| Some(r.converge), "≤ 1.15×");
+    row("RCs written in", " s", &|r| Some(r.written_in), "");
+    row("MiB read by all farms", "", &|r| Some(r.mib_read), "≤ 1.2×");
+    row(
+        "farms' CPU-seconds, all farms",
+        "",
+        &|r| Some(r.farm_cpu),
+        "≤ 1.1×",
+    );
+    let consul = if args.consul_bin.is_some() {
+        "Consul CPU-seconds"
+    } else {
+        "this process's CPU-seconds (embedded server and writer)"
+    };
+    row(consul, "", &|r| r.consul_cpu, "≤ 1.1×");
+    row(
+        "steady RSS per non-shipping farm, mean",
+        " MiB",
+        &|r| Some(mean(&r.rss)),
+        "≤ 0.6×",
+    );
+    row(
+        "worst peak / steady",
+        "",
+        &|r| Some(max(&r.peak_ratio)),
+        "≤ 1.25 each",
+    );
+    Ok(())
+}
+
+/// One run of the benchmark with `args.farms` farms.
+async fn run_once(args: &BenchFarmArgs) -> Result<Figures, CliError> {
+    let args = args.clone();
     let tmp = tempfile::tempdir().map_err(failed)?;
     let dir = match &args.log_dir {
         Some(d) => {
@@ -362,7 +490,12 @@ pub async fn run(args: BenchFarmArgs) -> Result<(), CliError> {
     }
 
     if args.floor {
-        return floor(&args, target, &consul).await;
+        return floor(&args, target, &consul)
+            .await
+            .map(|_| Figures::default());
+    }
+    if args.prewritten {
+        return prewritten(&args, target, &consul, &dir).await;
     }
 
     // Farms.
@@ -395,14 +528,15 @@ pub async fn run(args: BenchFarmArgs) -> Result<(), CliError> {
     let cpu0 = target.cpu();
     let farm_cpu_start: Vec<Option<Duration>> =
         farms.iter().map(|f| bench_probe::cpu_time(f.pid)).collect();
+    let own_cpu0 = bench_probe::cpu_time(std::process::id());
     let t0 = Instant::now();
     for chunk in ops.chunks(63) {
         consul.txn(chunk).await.map_err(failed)?;
     }
+    let written_in = t0.elapsed().as_secs_f64();
     eprintln!(
-        "the {} RCs were written in {:.2} s (while the farms worked)",
+        "the {} RCs were written in {written_in:.2} s (while the farms worked)",
         args.rcs,
-        t0.elapsed().as_secs_f64()
     );
 
     // Connections, sampled while the farms converge.
@@ -437,6 +571,17 @@ pub async fn run(args: BenchFarmArgs) -> Result<(), CliError> {
         (Some(a), Some(b)) => Some(b.saturating_sub(a)),
         _ => None,
     };
+    let own_cpu = match (own_cpu0, bench_probe::cpu_time(std::process::id())) {
+        (Some(a), Some(b)) => Some(b.saturating_sub(a)),
+        _ => None,
+    };
+    let mut figures = Figures {
+        farms: args.farms,
+        converge: converge.as_secs_f64(),
+        written_in,
+        consul_cpu: consul_cpu.or(own_cpu).map(|d| d.as_secs_f64()),
+        ..Default::default()
+    };
     let farm_cpu: Vec<f64> = farms
         .iter()
         .zip(&farm_cpu_start)
@@ -448,6 +593,7 @@ pub async fn run(args: BenchFarmArgs) -> Result<(), CliError> {
             )
         })
         .collect();
+    figures.farm_cpu = farm_cpu.iter().sum();
     eprintln!(
         "farms' CPU while converging: {:.1} s in all ({} s each)",
         farm_cpu.iter().sum::<f64>(),
@@ -462,13 +608,7 @@ pub async fn run(args: BenchFarmArgs) -> Result<(), CliError> {
         .iter()
         .map(|(k, v)| format!("{k} {:.0}", v - req0.get(k).copied().unwrap_or(0.0)))
         .collect();
-    let watch_bytes = farm_counter(
-        &scraper,
-        &farms,
-        "rcfarm_consul_watch_answer_bytes_total",
-        "watch",
-    )
-    .await;
+    let watch_bytes = watch_bytes(&scraper, &farms).await;
     let watch_answers = farm_counter(
         &scraper,
         &farms,
@@ -476,6 +616,7 @@ pub async fn run(args: BenchFarmArgs) -> Result<(), CliError> {
         "watch",
     )
     .await;
+    figures.mib_read = total(&watch_bytes) / (1 << 20) as f64;
     eprintln!(
         "watch answers of all farms until converged (count, MiB): {}",
         watch_answers
@@ -607,6 +748,13 @@ pub async fn run(args: BenchFarmArgs) -> Result<(), CliError> {
             .collect::<Vec<_>>()
             .join(", ")
     );
+    let shippers = farm_gauges(&scraper, &farms, "rcfarm_audit_shipper").await;
+    for (f, shipping) in farms.iter().zip(&shippers) {
+        if !shipping && let (Some(now), Some(peak)) = (rss_kib(f.pid), peak_rss_kib(f.pid)) {
+            figures.rss.push(now as f64 / 1024.0);
+            figures.peak_ratio.push(peak as f64 / now.max(1) as f64);
+        }
+    }
     eprintln!(
         "farms' RSS now / at their peak (VmHWM), MiB: {} / {}",
         rss.iter()
@@ -729,7 +877,139 @@ pub async fn run(args: BenchFarmArgs) -> Result<(), CliError> {
         losses,
     );
     target.shutdown().await;
-    Ok(())
+    Ok(figures)
+}
+
+/// Whether each farm's gauge `metric` is non-zero.
+async fn farm_gauges(http: &reqwest::Client, farms: &[FarmProc], metric: &str) -> Vec<bool> {
+    let mut out = Vec::new();
+    for f in farms {
+        let v = bench_probe::scrape_counter(http, &f.metrics, metric, "")
+            .await
+            .is_some_and(|m| m.values().sum::<f64>() > 0.0);
+        out.push(v);
+    }
+    out
+}
+
+/// `--prewritten`: every RC and pod written, then the farms started on the full cluster.
+async fn prewritten(
+    args: &BenchFarmArgs,
+    target: Target,
+    consul: &Consul,
+    dir: &std::path::Path,
+) -> Result<Figures, CliError> {
+    let pods = args.rcs * args.replicas;
+    let mut ops = Vec::new();
+    for n in 0..args.rcs {
+        let id = RcId::new();
+        ops.push(vec![rc_record(id, n, args.replicas)]);
+        let pod = format!("bench-{n}");
+        let labels: LabelSet = [
+            (crate::rc::POD_ID_LABEL.to_string(), pod.clone()),
+            (crate::rc::RC_ID_LABEL.to_string(), id.to_string()),
+        ]
+        .into();
+        let mut pod_ops = Vec::new();
+        for r in 0..args.replicas {
+            let node = format!("node-{:05}", (n * args.replicas + r) % args.nodes.max(1));
+            pod_ops.push(TxnOp::set(
+                crate::rctask::intent_key(&node, &pod),
+                bench_manifest(n).into_bytes(),
+            ));
+            pod_ops.push(LabelStore::set_op(
+                LabelType::Pod,
+                &crate::labels::pod_label_id(&node, &pod),
+                &labels,
+            ));
+        }
+        ops.push(pod_ops);
+    }
+    let t = Instant::now();
+    let mut batch: Vec<TxnOp> = Vec::new();
+    for group in ops {
+        if batch.len() + group.len() > 63 {
+            consul.txn(&batch).await.map_err(failed)?;
+            batch.clear();
+        }
+        batch.extend(group);
+    }
+    if !batch.is_empty() {
+        consul.txn(&batch).await.map_err(failed)?;
+    }
+    eprintln!(
+        "{} RCs and {pods} pods written in {:.1} s, before any farm",
+        args.rcs,
+        t.elapsed().as_secs_f64()
+    );
+    let extra = ["--resync-interval", "30s", "--consistency-interval", "60s"];
+    let cpu0 = target.cpu();
+    let t0 = Instant::now();
+    let mut farms = spawn_farms(&target.url(), args.farms, args.session_ttl, dir, &extra).await?;
+    let farm_cpu0: Vec<Option<Duration>> =
+        farms.iter().map(|f| bench_probe::cpu_time(f.pid)).collect();
+    let n = args.rcs;
+    let c = consul.clone();
+    let held = wait_until(args.timeout, "every RC held", || {
+        let c = c.clone();
+        async move { owners(&c).await.is_ok_and(|o| o.len() == n) }
+    })
+    .await?
+    .max(t0.elapsed());
+    let consul_cpu = match (cpu0, target.cpu()) {
+        (Some(a), Some(b)) => Some(b.saturating_sub(a).as_secs_f64()),
+        _ => None,
+    };
+    tokio::time::sleep(args.idle).await;
+    let intents = target.count(consul, "intent/").await;
+    let scraper = reqwest::Client::new();
+    let shippers = farm_gauges(&scraper, &farms, "rcfarm_audit_shipper").await;
+    let mut figures = Figures {
+        farms: args.farms,
+        converge: held.as_secs_f64(),
+        consul_cpu,
+        ..Default::default()
+    };
+    let mut cells = Vec::new();
+    for ((f, shipping), c0) in farms.iter().zip(&shippers).zip(&farm_cpu0) {
+        let (Some(now), Some(peak)) = (rss_kib(f.pid), peak_rss_kib(f.pid)) else {
+            continue;
+        };
+        let ratio = peak as f64 / now.max(1) as f64;
+        cells.push(format!(
+            "{:.0} / {:.0}{}",
+            now as f64 / 1024.0,
+            peak as f64 / 1024.0,
+            if *shipping { " (ships)" } else { "" }
+        ));
+        if let (Some(c1), Some(c0)) = (bench_probe::cpu_time(f.pid), c0) {
+            figures.farm_cpu += c1.saturating_sub(*c0).as_secs_f64();
+        }
+        if !shipping {
+            figures.rss.push(now as f64 / 1024.0);
+            figures.peak_ratio.push(ratio);
+        }
+    }
+    figures.mib_read = total(&watch_bytes(&scraper, &farms).await) / (1 << 20) as f64;
+    println!(
+        "| {} | prewritten, {} farms | {}×{} | {} | every RC held in {:.2} s | intents after: {intents} of {pods} | RSS steady / peak MiB: {} | worst peak/steady {:.2} | farms' CPU {:.1} s | Consul CPU {} | MiB read {:.0} |",
+        target.name(),
+        args.farms,
+        args.rcs,
+        args.replicas,
+        args.nodes,
+        figures.converge,
+        cells.join(", "),
+        figures.peak_ratio.iter().copied().fold(0.0, f64::max),
+        figures.farm_cpu,
+        consul_cpu.map_or("n/a".into(), |c| format!("{c:.1} s")),
+        figures.mib_read,
+    );
+    for f in &mut farms {
+        let _ = f.child.start_kill();
+    }
+    target.shutdown().await;
+    Ok(figures)
 }
 
 /// The header of the table rows `run` prints.
