@@ -3,7 +3,10 @@ use std::time::Duration;
 use rcfarm::audit::{AuditRecord, events};
 use rcfarm::consul::{Consul, QueryOptions, SessionRequest, TxnFailure, TxnOp, WatchConfig};
 use rcfarm::labels::{LabelSet, LabelStore, LabelType};
-use rcfarm::rc::{AllocationStrategy, Mutation, NewRc, RcId, RcProblem, RcStore, RcStoreError};
+use rcfarm::rc::{
+    AllocationStrategy, Mutation, NewRc, RcId, RcKeysWatch, RcProblem, RcRecords, RcStore,
+    RcStoreError,
+};
 
 use crate::common::{client, eventually, http, server};
 
@@ -391,14 +394,25 @@ async fn list_and_watch_report_bad_records_and_keep_the_good_ones() {
         RcProblem::IdMismatch { .. }
     ));
 
-    let watch = store.watch(WatchConfig::default());
-    let mut rx = watch.subscribe();
-    let first = eventually(Duration::from_secs(5), "first listing", || {
+    // A farm's view of the tree: its keys watched, the records it has a use for read (here
+    // every RC's).
+    let keys_watch = RcKeysWatch::spawn(&c, WatchConfig::default());
+    let records = RcRecords::new(c.clone());
+    let mut rx = keys_watch.subscribe();
+    let keys = eventually(Duration::from_secs(5), "the tree's keys", || {
         let v = rx.borrow_and_update().clone();
         async move { v }
     })
     .await;
+    assert_eq!((keys.ids.len(), keys.other.len()), (3, 1));
+    let every = keys.ids.clone();
+    assert!(records.sync(&keys, &every).await.unwrap());
+    let first = records.latest().unwrap();
     assert_eq!((first.rcs.len(), first.invalid.len()), (1, 3));
+    assert!(
+        !records.sync(&keys, &every).await.unwrap(),
+        "nothing moved: nothing read or dropped"
+    );
 
     // Fixing the bad record makes it valid; the good one is untouched (same parse reused).
     let fixed = format!(
@@ -407,16 +421,32 @@ async fn list_and_watch_report_bad_records_and_keep_the_good_ones() {
     c.kv_put(&bad_id.key(), fixed.as_bytes(), None)
         .await
         .unwrap();
-    let next = eventually(Duration::from_secs(5), "fixed listing", || {
-        let v = rx.borrow_and_update().clone().filter(|l| l.rcs.len() == 2);
+    let keys = eventually(Duration::from_secs(5), "the keys after the fix", || {
+        let v = rx
+            .borrow_and_update()
+            .clone()
+            .filter(|k| k.index > keys.index);
         async move { v }
     })
     .await;
-    assert_eq!(next.invalid.len(), 2);
+    assert!(records.sync(&keys, &every).await.unwrap());
+    let next = records.latest().unwrap();
+    assert_eq!((next.rcs.len(), next.invalid.len()), (2, 2));
     assert!(
         std::sync::Arc::ptr_eq(&first.rcs[&good], &next.rcs[&good]),
         "unchanged RCs are not re-parsed"
     );
+
+    // The interest narrowed to the good RC: the others' records are dropped, the key that names
+    // no RC is still reported.
+    assert!(records.sync(&keys, &[good].into()).await.unwrap());
+    let narrowed = records.latest().unwrap();
+    assert_eq!(narrowed.rcs.keys().copied().collect::<Vec<_>>(), [good]);
+    assert_eq!(
+        narrowed.invalid.keys().collect::<Vec<_>>(),
+        ["replication_controllers/not-a-uuid"]
+    );
+    assert!(narrowed.record(&bad_id).is_none() && narrowed.record(&good).is_some());
 }
 
 #[tokio::test]

@@ -151,9 +151,31 @@ pub struct Claims {
     pub claim: Vec<RcId>,
     /// Of those, how many are assigned to another farm (taken past the grace).
     pub unassigned: usize,
-    /// An object's grace is over unless the lock tree changed since it was read: read it.
+    /// An object's grace is over unless the lock tree changed since it was read, or objects
+    /// have waited for farms that do not take them: read it.
     pub read_locks: bool,
+    /// When to look again: objects wait for the farms they are assigned to, and the lock tree
+    /// is to be read once they have settled (see [`SETTLE_OF_GRACE`]).
+    pub recheck_at: Option<Instant>,
 }
+
+/// While unheld objects assigned elsewhere wait, the lock tree is read again whenever none of
+/// them is new and the last read is older than a settling time: the grace / [`SETTLE_OF_GRACE`]
+/// (100 ms at the default 3 s, growing with the farms as the grace does) per [`SETTLE_PER`]
+/// objects in the cluster, at least one.
+///
+/// Farms whose lock views differ compute different assignments (each holder keeps what it
+/// holds up to its share, so how full another farm looks depends on when its claims were read),
+/// and an object can sit between two farms, each leaving it to the other, until one reads the
+/// lock tree again: seen as a 1-s tail on one RC of 200 at a cold start of three farms, and a
+/// 1.5-s one at 2,000 (issue 38). One read is not always enough: the other farm may still be
+/// claiming when it answers. How many objects wait says nothing (a stale view shows every
+/// object claimed since as waiting); what a read costs grows with the tree, so the settling
+/// time does: at 20,000 RCs it is the lock tree's idle read (2 s × farms/3) and adds nothing.
+pub const SETTLE_OF_GRACE: u32 = 30;
+
+/// See [`SETTLE_OF_GRACE`].
+pub const SETTLE_PER: usize = 1000;
 
 /// What to claim, given the tasks running (after [`stops`]): what is assigned to us and free,
 /// and, past the grace, what nobody takes. `unheld_since` is when each unheld object was first
@@ -168,6 +190,8 @@ pub fn claims<T>(
     let cap = s.cap();
     unheld_since.retain(|id, _| s.all.contains(id) && !s.held_by_anyone(id));
     let mut out = Claims::default();
+    // Unheld, assigned elsewhere and left to its farm: how many, and the newest first seen.
+    let mut newest = None::<Instant>;
     // What the view shows held is never claimed: only the rest of `matching` is looked at.
     for id in &s.held.unheld {
         if s.held_by_anyone(id) || tasks.contains_key(id) || (s.finished)(id) {
@@ -196,6 +220,19 @@ pub fn claims<T>(
         } else if may_take {
             out.claim.push(*id);
             out.unassigned += 1;
+        } else {
+            newest = newest.max(Some(since));
+        }
+    }
+    if let Some(newest) = newest {
+        let settle = (rules.grace / SETTLE_OF_GRACE)
+            .mul_f64((s.all.len() as f64 / SETTLE_PER as f64).max(1.0))
+            .min(rules.grace);
+        let due = newest.max(s.locks_read_at) + settle;
+        if now >= due {
+            out.read_locks = true;
+        } else {
+            out.recheck_at = Some(due);
         }
     }
     out
@@ -471,9 +508,76 @@ mod tests {
             Claims {
                 claim: vec![],
                 unassigned: 0,
-                read_locks: true
+                read_locks: true,
+                recheck_at: None,
             }
         );
+    }
+
+    /// Objects assigned elsewhere that their farms do not take (two farms' views of the lock
+    /// tree differ, each leaves the object to the other): once none is new and the last read is
+    /// older than the settling time (grace / 30 per 1,000 objects in the cluster), the tree is
+    /// read again.
+    #[test]
+    fn objects_left_between_farms_ask_for_a_read_once_settled() {
+        let rules = Rules {
+            grace: GRACE,
+            slack: 0,
+        };
+        let settle = GRACE / SETTLE_OF_GRACE;
+        let now = Instant::now() + Duration::from_secs(1000);
+        // `waiting` objects assigned elsewhere among `exist`.
+        let decide = |exist: u16, waiting: u16, unheld_for: Duration, read_ago: Duration| {
+            let id = |i: u16| RcId::parse(&format!("00000000-0000-4000-8000-{i:012}")).unwrap();
+            let all: BTreeSet<RcId> = (1..=exist).map(id).collect();
+            let matching: BTreeSet<RcId> = (1..=waiting).map(id).collect();
+            let assignment = Assignment {
+                owner: matching.iter().map(|r| (*r, "g".to_string())).collect(),
+                cap: [("f".to_string(), 1), ("g".to_string(), 100)].into(),
+            };
+            let holders = BTreeMap::new();
+            let held = HeldIndex::new(&matching, &holders, "S");
+            let no = |_: &RcId| false;
+            let s = Situation {
+                farm_id: "f",
+                session: "S",
+                all: &all,
+                matching: &matching,
+                assignment: &assignment,
+                holders: &holders,
+                held: &held,
+                locks_read_at: now - read_ago,
+                claimed: &no,
+                released: &no,
+                refused: &no,
+                finished: &no,
+            };
+            let mut since: HashMap<RcId, Instant> =
+                matching.iter().map(|r| (*r, now - unheld_for)).collect();
+            let tasks = BTreeMap::<RcId, ()>::new();
+            let got = claims(&s, &tasks, &mut since, now, rules);
+            (got.claim.len(), got.read_locks, got.recheck_at)
+        };
+        // Settled, the tree last read a settling time ago: read it (nothing claimed).
+        assert_eq!(decide(10, 1, settle * 2, settle * 3 / 2), (0, true, None));
+        // Not settled yet: look again when they will have.
+        assert_eq!(
+            decide(10, 1, settle / 2, settle * 2),
+            (0, false, Some(now - settle / 2 + settle))
+        );
+        // Read a moment ago: again a settling time after that read (the other farm may have
+        // been claiming still), until the grace takes it from there.
+        assert_eq!(
+            decide(10, 1, settle * 5, settle / 4),
+            (0, false, Some(now - settle / 4 + settle))
+        );
+        // A bigger cluster settles longer (a read costs more), however many wait.
+        let longer = settle * 3;
+        assert_eq!(
+            decide(3000, 1, settle * 2, settle * 5),
+            (0, false, Some(now - settle * 2 + longer))
+        );
+        assert_eq!(decide(3000, 40, settle * 4, settle * 4), (0, true, None));
     }
 
     #[test]

@@ -21,7 +21,7 @@ use crate::rctask::TaskHandle;
 pub(super) struct FailsafeSeen {
     /// What the tripwire last looked at: the keys' index, the records' index, and the RCs
     /// served (their number and ids folded).
-    look: (u64, u64, usize, u128),
+    look: (u64, u64, (u64, u128)),
     /// The release key's index last acted on (or set aside as older than this farm).
     release: u64,
     started: DateTime<Utc>,
@@ -34,7 +34,7 @@ pub(super) struct FailsafeSeen {
 impl Default for FailsafeSeen {
     fn default() -> Self {
         FailsafeSeen {
-            look: (0, 0, 0, 0),
+            look: (0, 0, (0, 0)),
             release: 0,
             started: Utc::now(),
             unrecorded: Vec::new(),
@@ -94,7 +94,7 @@ impl Farm {
         match fs.first_look_pending() {
             // The first look at a share taken up all at 0, once its pods are read.
             Some(ticket) if views.pods.demand().is_none_or(|d| d.is_fresh(ticket)) => {
-                self.failsafe_seen.lock().look = (0, 0, 0, 0);
+                self.failsafe_seen.lock().look = (0, 0, (0, 0));
                 self.look_at_share(views, owned.tasks.keys().copied());
                 fs.first_look_done();
                 wake = true;
@@ -136,8 +136,7 @@ impl Farm {
         };
         let share: Vec<RcId> = share.collect();
         let pending = fs.status().tripped.is_some();
-        let folded = share.iter().fold(0u128, |x, id| x ^ id.as_u128());
-        let look = (keys.index, listing.index, share.len(), folded);
+        let look = (keys.index, listing.index, RcId::digest(&share));
         let changed = std::mem::replace(&mut self.failsafe_seen.lock().look, look) != look;
         if !changed && !pending {
             return false;

@@ -118,6 +118,8 @@ pub(crate) struct Owned<K: Kind> {
     /// tree read after the release (without this, each tick started their tasks from the
     /// stale view and handed them over again).
     released_at: HashMap<RcId, Learnt>,
+    /// When the last reconcile asked to be run again (see [`decide::Claims::recheck_at`]).
+    recheck_at: Option<Instant>,
 }
 
 /// Something a write taught the farm about the lock tree (a claim refused, a lock given back)
@@ -161,7 +163,13 @@ impl<K: Kind> Owned<K> {
             finished_at: HashMap::new(),
             refused_at: HashMap::new(),
             released_at: HashMap::new(),
+            recheck_at: None,
         }
+    }
+
+    /// When to reconcile again though nothing changed, if the last reconcile asked.
+    pub fn recheck_at(&self) -> Option<Instant> {
+        self.recheck_at
     }
 
     /// Objects a claim found held by another session that the lock tree has not shown since.
@@ -309,6 +317,7 @@ impl<K: Kind> Owned<K> {
         {
             d.urge();
         }
+        self.recheck_at = plan.recheck_at;
         if plan.unassigned > 0 {
             tracing::info!(
                 count = plan.unassigned,

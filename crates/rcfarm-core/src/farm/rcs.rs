@@ -17,7 +17,7 @@ use super::{Farm, Views, sweep};
 use crate::audit::{AuditRecord, events};
 use crate::consul::{Demand, KvPair, Session};
 use crate::labels::{LabelChanges, LabelLookup, LabelSet, Selector};
-use crate::rc::{LockView, RC_ID_LABEL, RcId, RcKeys, RcListing, RcStore};
+use crate::rc::{ListedRc, LockView, RC_ID_LABEL, RcId, RcKeys, RcListing, RcStore};
 use crate::rctask::{RcState, StatusRegistry, TaskContext, TaskEvent, TaskHandle};
 
 /// Which claimed RCs must wait for a read of the pod label tree before their first plan.
@@ -282,12 +282,7 @@ impl Farm {
         .await;
 
         // What this farm holds beyond what the lock tree showed (claims since its last read).
-        let mine_now = owned
-            .tasks
-            .keys()
-            .fold((owned.tasks.len() as u64, 0u128), |(n, x), id| {
-                (n, x ^ id.as_u128())
-            });
+        let mine_now = RcId::digest(owned.tasks.keys());
         let key = (
             keys.index,
             views.rc_labels.index(),
@@ -465,7 +460,10 @@ impl Farm {
                 },
                 |id| {
                     let listing = records.latest()?;
-                    Some((rc_state(&keys, &listing, id)?, rc_version(&listing, id)?))
+                    Some((
+                        rc_state(&keys, &listing, id)?,
+                        listing.record(&id)?.modify_index(),
+                    ))
                 },
                 |ids| self.prepare_records(views, &keys, serving, ids),
             )
@@ -745,23 +743,12 @@ impl Farm {
 /// An RC's state as the farm knows it: `None` when its key exists but its record was not read
 /// (never taken for a deletion).
 fn rc_state(keys: &RcKeys, listing: &RcListing, id: RcId) -> Option<RcState> {
-    if let Some(rc) = listing.rcs.get(&id) {
-        Some(RcState::Valid(rc.clone()))
-    } else if let Some(inv) = listing.invalid.get(&keys.key_of(&id)) {
-        Some(RcState::Invalid(Arc::new(inv.clone())))
-    } else if !keys.ids.contains(&id) {
-        Some(RcState::Deleted)
-    } else {
-        None
+    match listing.record(&id) {
+        Some(ListedRc::Valid(rc)) => Some(RcState::Valid(rc.clone())),
+        Some(ListedRc::Invalid(inv)) => Some(RcState::Invalid(Arc::new(inv.clone()))),
+        None if !keys.ids.contains(&id) => Some(RcState::Deleted),
+        None => None,
     }
-}
-
-fn rc_version(listing: &RcListing, id: RcId) -> Option<u64> {
-    listing
-        .rcs
-        .get(&id)
-        .map(|r| r.modify_index)
-        .or_else(|| listing.invalid.get(&id.key()).map(|i| i.modify_index))
 }
 
 /// What a reconcile of the RCs decides from: derived from the RC listing, the RC labels, the

@@ -15,6 +15,6 @@ pub mod store;
 pub use records::{RcKeys, RcKeysWatch, RcRecords};
 
 pub use store::{
-    LockHolders, LockView, LockWatch, Mutation, NewRc, RcListing, RcStore, RcStoreError, RcWatch,
+    ListedRc, LockHolders, LockView, LockWatch, Mutation, NewRc, RcListing, RcStore, RcStoreError,
     Written, parse_listing, parse_locks,
 };

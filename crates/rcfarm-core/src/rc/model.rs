@@ -38,6 +38,15 @@ impl RcId {
         self.0.as_u128()
     }
 
+    /// A digest of a set of ids: how many, and their numbers xor-ed. Equal sets give equal
+    /// digests; the farm's loop compares digests to tell "the same RCs as last time" without
+    /// keeping a copy of a set of thousands (ids are random, so unequal sets collide only by
+    /// design, never by accident).
+    pub fn digest<'a>(ids: impl IntoIterator<Item = &'a RcId>) -> (u64, u128) {
+        ids.into_iter()
+            .fold((0, 0), |(n, x), id| (n + 1, x ^ id.as_u128()))
+    }
+
     pub fn new() -> RcId {
         RcId(Uuid::new_v4())
     }

@@ -111,8 +111,18 @@ impl RcKeysWatch {
 pub struct RcRecords {
     consul: Consul,
     tx: watch::Sender<Option<Arc<RcListing>>>,
+    synced: tokio::sync::Mutex<Synced>,
+}
+
+/// What the listing was last brought to.
+#[derive(Default)]
+struct Synced {
     /// The keys index every record of the listing was last read at or after.
-    read_at: tokio::sync::Mutex<u64>,
+    read_at: u64,
+    /// The interest of the last sync ([`RcId::digest`]), while the listing holds exactly it:
+    /// the farm's loop asks for a sync on every pass, and with neither the keys nor the
+    /// interest moved there is nothing to read or drop.
+    interest: Option<(u64, u128)>,
 }
 
 impl RcRecords {
@@ -120,7 +130,7 @@ impl RcRecords {
         RcRecords {
             consul,
             tx: watch::channel(None).0,
-            read_at: tokio::sync::Mutex::new(0),
+            synced: tokio::sync::Mutex::new(Synced::default()),
         }
     }
 
@@ -141,9 +151,13 @@ impl RcRecords {
         keys: &RcKeys,
         interest: &BTreeSet<RcId>,
     ) -> Result<bool, RcStoreError> {
-        let mut read_at = self.read_at.lock().await;
+        let mut synced = self.synced.lock().await;
         let prev = self.latest();
-        let full = prev.is_none() || *read_at != keys.index;
+        let full = prev.is_none() || synced.read_at != keys.index;
+        let digest = RcId::digest(interest);
+        if !full && synced.interest == Some(digest) {
+            return Ok(false);
+        }
         let wanted: BTreeSet<RcId> = interest
             .iter()
             .filter(|id| keys.ids.contains(*id))
@@ -151,56 +165,34 @@ impl RcRecords {
             .collect();
         let mut to_read: Vec<String> = wanted
             .iter()
-            .filter(|id| full || !holds(prev.as_deref(), keys, id))
+            .filter(|id| full || prev.as_ref().is_none_or(|p| p.record(id).is_none()))
             .map(|id| keys.key_of(id))
             .collect();
-        if full {
-            to_read.extend(keys.other.iter().cloned());
-        }
-        let keep = |l: &RcListing| -> RcListing {
-            let mut out = RcListing {
-                index: keys.index,
-                ..Default::default()
-            };
-            out.rcs = l
-                .rcs
-                .iter()
-                .filter(|(id, _)| wanted.contains(*id))
-                .map(|(id, rc)| (*id, rc.clone()))
-                .collect();
-            out.invalid = l
-                .invalid
-                .iter()
-                .filter(|(k, _)| match RcId::from_key(k) {
-                    Some(Ok(id)) => wanted.contains(&id),
-                    _ => keys.other.contains(*k),
-                })
-                .map(|(k, v)| (k.clone(), v.clone()))
-                .collect();
-            out
-        };
-        if !full
-            && to_read.is_empty()
-            && let Some(p) = &prev
-            && p.rcs.len() + p.invalid.len() == {
-                let k = keep(p);
-                k.rcs.len() + k.invalid.len()
-            }
-        {
-            return Ok(false);
-        }
-        let fresh = self.read(keys.index, &to_read, prev.as_deref()).await?;
         let listing = if full {
-            fresh
+            to_read.extend(keys.other.iter().cloned());
+            self.read(keys.index, &to_read, prev.as_deref()).await?
         } else {
             // Kept from the last read (the tree has not changed since), then the new ones.
-            let mut l = prev.as_deref().map(keep).unwrap_or_default();
-            l.index = keys.index;
+            let mut l = prev
+                .as_deref()
+                .map(|p| kept(p, keys, &wanted))
+                .unwrap_or_default();
+            let held = l.rcs.len() + l.invalid.len();
+            if to_read.is_empty()
+                && prev
+                    .as_ref()
+                    .is_some_and(|p| p.rcs.len() + p.invalid.len() == held)
+            {
+                synced.interest = Some(digest);
+                return Ok(false);
+            }
+            let fresh = self.read(keys.index, &to_read, prev.as_deref()).await?;
             l.rcs.extend(fresh.rcs);
             l.invalid.extend(fresh.invalid);
             l
         };
-        *read_at = keys.index;
+        synced.read_at = keys.index;
+        synced.interest = Some(digest);
         Ok(self.publish(prev.as_deref(), listing))
     }
 
@@ -208,11 +200,13 @@ impl RcRecords {
     /// the listing's index (what a claim needs before its task starts, without a re-read of
     /// everything the farm serves). Returns whether the listing changed.
     pub async fn add(&self, keys: &RcKeys, ids: &BTreeSet<RcId>) -> Result<bool, RcStoreError> {
-        let _read_at = self.read_at.lock().await;
+        let mut synced = self.synced.lock().await;
         let prev = self.latest();
         let to_read: Vec<String> = ids
             .iter()
-            .filter(|id| keys.ids.contains(*id) && !holds(prev.as_deref(), keys, id))
+            .filter(|id| {
+                keys.ids.contains(*id) && prev.as_ref().is_none_or(|p| p.record(id).is_none())
+            })
             .map(|id| keys.key_of(id))
             .collect();
         if to_read.is_empty() {
@@ -224,6 +218,8 @@ impl RcRecords {
         l.index = index;
         l.rcs.extend(fresh.rcs);
         l.invalid.extend(fresh.invalid);
+        // The listing may now hold more than the last sync's interest: the next sync looks.
+        synced.interest = None;
         Ok(self.publish(prev.as_deref(), l))
     }
 
@@ -271,9 +267,27 @@ impl RcRecords {
     }
 }
 
-/// Whether `listing` holds a read of RC `id`'s record.
-fn holds(listing: Option<&RcListing>, keys: &RcKeys, id: &RcId) -> bool {
-    listing.is_some_and(|l| l.rcs.contains_key(id) || l.invalid.contains_key(&keys.key_of(id)))
+/// Of `listing`, the records of `wanted` and the keys that name no RC still in `keys`, at the
+/// keys' index.
+fn kept(listing: &RcListing, keys: &RcKeys, wanted: &BTreeSet<RcId>) -> RcListing {
+    RcListing {
+        index: keys.index,
+        rcs: listing
+            .rcs
+            .iter()
+            .filter(|(id, _)| wanted.contains(*id))
+            .map(|(id, rc)| (*id, rc.clone()))
+            .collect(),
+        invalid: listing
+            .invalid
+            .iter()
+            .filter(|(k, _)| match RcId::from_key(k) {
+                Some(Ok(id)) => wanted.contains(&id),
+                _ => keys.other.contains(*k),
+            })
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect(),
+    }
 }
 
 #[cfg(test)]

@@ -120,7 +120,33 @@ pub struct RcListing {
     pub invalid: BTreeMap<String, InvalidRc>,
 }
 
+/// One RC's record as a listing holds it.
+#[derive(Debug, Clone, Copy)]
+pub enum ListedRc<'a> {
+    Valid(&'a Arc<Rc>),
+    Invalid(&'a InvalidRc),
+}
+
+impl ListedRc<'_> {
+    /// The record's `ModifyIndex`: what a task was last handed.
+    pub fn modify_index(&self) -> u64 {
+        match self {
+            ListedRc::Valid(rc) => rc.modify_index,
+            ListedRc::Invalid(inv) => inv.modify_index,
+        }
+    }
+}
+
 impl RcListing {
+    /// RC `id`'s record, valid or not, if this listing holds a read of it (a farm's listing
+    /// holds only the RCs it has a use for: `None` is not "deleted").
+    pub fn record(&self, id: &RcId) -> Option<ListedRc<'_>> {
+        match self.rcs.get(id) {
+            Some(rc) => Some(ListedRc::Valid(rc)),
+            None => self.invalid.get(&id.key()).map(ListedRc::Invalid),
+        }
+    }
+
     /// Pod ids that more than one valid RC carries (a rolling update's old and new RC), each
     /// with those RCs. Usually empty: a farm asks it whenever its claim inputs change and some
     /// RC is held elsewhere, where looking up the pod id of every RC another farm holds was a
@@ -340,13 +366,6 @@ impl RcStore {
             }
         }
         Ok(listing)
-    }
-
-    /// Watches the whole RC tree with one blocking query.
-    pub fn watch(&self, config: WatchConfig) -> RcWatch {
-        RcWatch::spawn(&self.consul, RC_PREFIX, config, |index, entries, prev| {
-            parse_listing(index, entries.iter(), prev)
-        })
     }
 
     /// Watches the RC lock tree.
@@ -834,9 +853,6 @@ pub fn parse_locks<E: KvEntry>(
     }
     (merged.into_iter().collect(), garbage)
 }
-
-/// The RC tree, watched: every change yields a new listing, parsed incrementally.
-pub type RcWatch = crate::consul::DerivedWatch<RcListing>;
 
 /// Parses a snapshot of the RC tree, reusing the previous listing's parse of unchanged keys.
 pub fn parse_listing<E: KvEntry>(
