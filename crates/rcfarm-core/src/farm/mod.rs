@@ -900,8 +900,9 @@ impl Farm {
                     dirty = true;
                     dirty_rolls = true;
                 }
-                // A few RCs left between farms settle sooner than the tick.
+                // RCs left between farms settle sooner than the tick.
                 _ = tokio::time::sleep_until(owned.recheck_at().unwrap_or(next_sweep)), if owned.recheck_at().is_some() => {
+                    owned.recheck_due();
                     dirty = true;
                 }
                 _ = tokio::time::sleep_until(next_sweep) => {}

@@ -172,6 +172,12 @@ impl<K: Kind> Owned<K> {
         self.recheck_at
     }
 
+    /// The recheck is due: forgotten, so that a loop that cannot reconcile now (not ready, the
+    /// session in doubt) does not wake for it again and again; the next reconcile asks anew.
+    pub fn recheck_due(&mut self) {
+        self.recheck_at = None;
+    }
+
     /// Objects a claim found held by another session that the lock tree has not shown since.
     pub fn refused(&self) -> impl Iterator<Item = &RcId> {
         self.refused_at.keys()
