@@ -190,7 +190,7 @@ pub fn claims<T>(
     let cap = s.cap();
     unheld_since.retain(|id, _| s.all.contains(id) && !s.held_by_anyone(id));
     let mut out = Claims::default();
-    // Unheld, assigned elsewhere and left to its farm: how many, and the newest first seen.
+    // Of the objects unheld, assigned elsewhere and left to their farm, the newest first seen.
     let mut newest = None::<Instant>;
     // What the view shows held is never claimed: only the rest of `matching` is looked at.
     for id in &s.held.unheld {

@@ -153,9 +153,11 @@ impl RcRecords {
     ) -> Result<bool, RcStoreError> {
         let mut synced = self.synced.lock().await;
         let prev = self.latest();
-        let full = prev.is_none() || synced.read_at != keys.index;
+        // The last listing, if the tree has not changed since it was read: kept, and only what
+        // it lacks read.
+        let unchanged = prev.as_deref().filter(|_| synced.read_at == keys.index);
         let digest = RcId::digest(interest);
-        if !full && synced.interest == Some(digest) {
+        if unchanged.is_some() && synced.interest == Some(digest) {
             return Ok(false);
         }
         let wanted: BTreeSet<RcId> = interest
@@ -163,33 +165,33 @@ impl RcRecords {
             .filter(|id| keys.ids.contains(*id))
             .copied()
             .collect();
-        let mut to_read: Vec<String> = wanted
-            .iter()
-            .filter(|id| full || prev.as_ref().is_none_or(|p| p.record(id).is_none()))
-            .map(|id| keys.key_of(id))
-            .collect();
-        let listing = if full {
-            to_read.extend(keys.other.iter().cloned());
-            self.read(keys.index, &to_read, prev.as_deref()).await?
-        } else {
-            // Kept from the last read (the tree has not changed since), then the new ones.
-            let mut l = prev
-                .as_deref()
-                .map(|p| kept(p, keys, &wanted))
-                .unwrap_or_default();
-            let held = l.rcs.len() + l.invalid.len();
-            if to_read.is_empty()
-                && prev
-                    .as_ref()
-                    .is_some_and(|p| p.rcs.len() + p.invalid.len() == held)
-            {
-                synced.interest = Some(digest);
-                return Ok(false);
+        let listing = match unchanged {
+            None => {
+                let to_read: Vec<String> = wanted
+                    .iter()
+                    .map(|id| keys.key_of(id))
+                    .chain(keys.other.iter().cloned())
+                    .collect();
+                self.read(keys.index, &to_read, prev.as_deref()).await?
             }
-            let fresh = self.read(keys.index, &to_read, prev.as_deref()).await?;
-            l.rcs.extend(fresh.rcs);
-            l.invalid.extend(fresh.invalid);
-            l
+            Some(p) => {
+                let to_read: Vec<String> = wanted
+                    .iter()
+                    .filter(|id| p.record(id).is_none())
+                    .map(|id| keys.key_of(id))
+                    .collect();
+                let mut l = kept(p, keys, &wanted);
+                if to_read.is_empty()
+                    && p.rcs.len() + p.invalid.len() == l.rcs.len() + l.invalid.len()
+                {
+                    synced.interest = Some(digest);
+                    return Ok(false);
+                }
+                let fresh = self.read(keys.index, &to_read, Some(p)).await?;
+                l.rcs.extend(fresh.rcs);
+                l.invalid.extend(fresh.invalid);
+                l
+            }
         };
         synced.read_at = keys.index;
         synced.interest = Some(digest);
