@@ -10,6 +10,7 @@ key "rcfarm/farms/" { policy = "read" }
 key "rcfarm/rolls/" { policy = "read" }
 key "rcfarm/history/" { policy = "read" }
 key "rcfarm/failsafe/" { policy = "read" }
+key "rcfarm/removals/" { policy = "read" }
 key "labels/" { policy = "read" }
 key "health/" { policy = "read" }
 key "status/replication_controllers/" { policy = "read" }

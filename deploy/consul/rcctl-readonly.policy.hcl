@@ -10,6 +10,7 @@ key_prefix "rcfarm/farms/" { policy = "read" }
 key_prefix "rcfarm/rolls/" { policy = "read" }
 key_prefix "rcfarm/history/" { policy = "read" }
 key_prefix "rcfarm/failsafe/" { policy = "read" }
+key_prefix "rcfarm/removals/" { policy = "read" }
 key_prefix "labels/" { policy = "read" }
 key_prefix "health/" { policy = "read" }
 key_prefix "status/replication_controllers/" { policy = "read" }

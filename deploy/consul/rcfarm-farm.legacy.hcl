@@ -20,6 +20,8 @@ key "rcfarm/rolls/" { policy = "write" }
 key "rcfarm/history/" { policy = "write" }
 # Operators' releases of held removals (rcctl farm release-removals writes them).
 key "rcfarm/failsafe/" { policy = "read" }
+# The cluster's removal window: every removal charges it in its own transaction.
+key "rcfarm/removals/" { policy = "write" }
 # The audit shipper's lock (one farm ships at a time); not needed with --audit-shipping off.
 key "rcfarm/audit-shipper" { policy = "write" }
 # Node labels are only read; pod, RC and roll labels are written with the pods and rolls.

@@ -13,6 +13,8 @@ key_prefix "rcfarm/rolls/" { policy = "write" }
 key_prefix "rcfarm/history/" { policy = "write" }
 # Operators' releases of held removals (rcctl farm release-removals writes them).
 key_prefix "rcfarm/failsafe/" { policy = "read" }
+# The cluster's removal window: every removal charges it in its own transaction.
+key_prefix "rcfarm/removals/" { policy = "write" }
 # Not needed with --audit-shipping off.
 key_prefix "rcfarm/audit-shipper" { policy = "write" }
 key_prefix "labels/node/" { policy = "read" }

@@ -682,32 +682,44 @@ impl RcStoreExt {
     }
 }
 
+/// `n` RCs (5 to 12) holding 24 pods between them on 6 nodes, served by `farms` farms on the
+/// default flags, placed; the RCs, and the simulator to keep while the test runs.
+pub(crate) async fn twenty_four_pods(
+    c: &mut Cluster,
+    farms: usize,
+    n: usize,
+) -> (Vec<RcId>, tokio_util::sync::CancellationToken) {
+    nodes(c, 6, 2).await;
+    let sim = c.simulate(6, 0.0);
+    for f in 0..farms {
+        c.spawn_farm(&format!("f{f}"), &DEFAULTS).await;
+    }
+    let ids = crate::harness::rcs(c, n, 2).await;
+    // 2 pods each, and one more on the first 24 - 2n.
+    for id in &ids[..24 - 2 * n] {
+        c.patch_rc(*id, "replicas_desired", 3.into()).await;
+    }
+    let (cr, idr) = (&*c, &ids);
+    c.wait_for(
+        Duration::from_secs(60),
+        "24 pods placed",
+        move || async move { pods_of(cr, idr).await == 24 },
+    )
+    .await;
+    (ids, sim)
+}
+
+/// Pods placed for `ids`, in all.
+pub(crate) async fn pods_of(c: &Cluster, ids: &[RcId]) -> usize {
+    let p = c.placements().await;
+    ids.iter().map(|id| p.get(id).map_or(0, |s| s.len())).sum()
+}
+
 /// Ten RCs with 24 pods on `farms` farms with the default flags, then every RC set to 0 in one
 /// transaction: the bulk edit the tripwire exists for. At most 5 pods go in 15 s.
 async fn a_bulk_edit_is_held(backend: Backend, farms: usize) {
     let mut c = Cluster::start_on(&backend).await;
-    nodes(&c, 6, 2).await;
-    let _sim = c.simulate(6, 0.0);
-    for f in 0..farms {
-        c.spawn_farm(&format!("f{f}"), &DEFAULTS).await;
-    }
-    let ids = crate::harness::rcs(&c, 10, 2).await;
-    for id in &ids[..4] {
-        c.patch_rc(*id, "replicas_desired", 3.into()).await;
-    }
-    let (cr, idr) = (&c, &ids);
-    let total = || async move {
-        let p = cr.placements().await;
-        idr.iter()
-            .map(|id| p.get(id).map_or(0, |s| s.len()))
-            .sum::<usize>()
-    };
-    c.wait_for(
-        Duration::from_secs(60),
-        "24 pods placed",
-        move || async move { total().await == 24 },
-    )
-    .await;
+    let (ids, _sim) = twenty_four_pods(&mut c, farms, 10).await;
     let mut ops = Vec::new();
     for id in &ids {
         ops.push(TxnOp::set(
@@ -717,7 +729,7 @@ async fn a_bulk_edit_is_held(backend: Backend, farms: usize) {
     }
     c.consul.txn(&ops).await.unwrap();
     tokio::time::sleep(Duration::from_secs(15)).await;
-    let left = total().await;
+    let left = pods_of(&c, &ids).await;
     assert!(left >= 19, "{} pods removed within 15 s", 24 - left);
 }
 

@@ -155,7 +155,7 @@ async fn max_removals_holds_until_released(backend: Backend) {
     assert!(
         held[0]["reason"]
             .as_str()
-            .is_some_and(|r| r.contains("rcctl farm release-removals f1")),
+            .is_some_and(|r| r.contains("rcctl farm release-removals")),
         "{held:?}"
     );
     let metrics = reqwest::get(format!("{api}/metrics"))
@@ -364,4 +364,125 @@ async fn a_release_ends_a_pending_confirmation(backend: Backend) {
     .await;
     assert!(this_farm(&api).await["failsafe"]["tripped"].is_null());
     assert!(c.farm_log(0).contains("removals released by an operator"));
+}
+
+/// Eleven RCs holding 24 pods, every one set to 0 the way a script writes it (one KV PUT per
+/// RC), on `farms` farms with the default flags: the cluster's window (`--max-removals 20%`
+/// of 24 pods: its floor of 5) lets at most 5 pods go in 15 s, however many farms share the
+/// work (issue 45: each farm used to spend its own 5).
+async fn a_bulk_edit_one_put_per_rc_is_limited_for_the_cluster(backend: Backend, farms: usize) {
+    let mut c = Cluster::start_on(&backend).await;
+    let (ids, _sim) = crate::brakes::twenty_four_pods(&mut c, farms, 11).await;
+    for id in &ids {
+        c.patch_rc(*id, "replicas_desired", 0.into()).await;
+    }
+    tokio::time::sleep(Duration::from_secs(15)).await;
+    let removed = 24 - crate::brakes::pods_of(&c, &ids).await;
+    assert!(
+        removed <= 5,
+        "{removed} pods removed within 15 s by {farms} farms"
+    );
+    let w = window(&c).await;
+    let now = chrono::Utc::now().timestamp();
+    let st = w.recorded_settings().expect("the farms wrote the window");
+    assert_eq!(w.limit, Some(5), "the limit charged under: {w:?}");
+    assert_eq!(
+        w.spent(st, now),
+        removed as u64,
+        "the key counts exactly the removals made: {w:?}"
+    );
+    // Every farm reports the same window.
+    for f in 0..farms {
+        let api = farm_api(&c, &format!("f{f}")).await;
+        let fs = this_farm(&api).await["failsafe"].clone();
+        assert_eq!(fs["removal_limit"], 5, "f{f}: {fs}");
+    }
+    c.check_invariants(|_| false);
+}
+
+/// The cluster's removal window as the key holds it.
+async fn window(c: &Cluster) -> rcfarm::budget::Window {
+    let (kv, _) = c
+        .consul
+        .kv_get(rcfarm::budget::BUDGET_KEY, &QueryOptions::default())
+        .await
+        .unwrap();
+    rcfarm::budget::Window::parse(kv.expect("the window key exists").value_bytes()).unwrap()
+}
+
+on_every_backend!(a_bulk_edit_one_put_per_rc_removes_at_most_5_on_one_farm);
+async fn a_bulk_edit_one_put_per_rc_removes_at_most_5_on_one_farm(backend: Backend) {
+    a_bulk_edit_one_put_per_rc_is_limited_for_the_cluster(backend, 1).await
+}
+
+on_every_backend!(a_bulk_edit_one_put_per_rc_removes_at_most_5_on_two_farms);
+async fn a_bulk_edit_one_put_per_rc_removes_at_most_5_on_two_farms(backend: Backend) {
+    a_bulk_edit_one_put_per_rc_is_limited_for_the_cluster(backend, 2).await
+}
+
+on_every_backend!(a_bulk_edit_one_put_per_rc_removes_at_most_5_on_three_farms);
+async fn a_bulk_edit_one_put_per_rc_removes_at_most_5_on_three_farms(backend: Backend) {
+    a_bulk_edit_one_put_per_rc_is_limited_for_the_cluster(backend, 3).await
+}
+
+on_every_backend!(a_restart_of_every_farm_gives_no_fresh_window);
+/// The window lives in Consul: farms killed and started again mid-window find it spent.
+async fn a_restart_of_every_farm_gives_no_fresh_window(backend: Backend) {
+    let mut c = Cluster::start_on(&backend).await;
+    nodes(&c, 6, 1).await;
+    let _sim = c.simulate(6, 0.0);
+    for f in ["f0", "f1"] {
+        c.spawn_farm(f, &crate::brakes::DEFAULTS).await;
+    }
+    let ids = rcs(&c, 2, 2).await;
+    let (big, small) = (ids[0], ids[1]);
+    c.patch_rc(big, "replicas_desired", 6.into()).await;
+    let cr = &c;
+    c.wait_for(
+        Duration::from_secs(30),
+        "8 pods placed",
+        move || async move { placed(cr, big).await == 6 && placed(cr, small).await == 2 },
+    )
+    .await;
+    // One RC scaled to 0 (an operator's act, not a bulk edit): 5 of its 6 pods go.
+    c.patch_rc(big, "replicas_desired", 0.into()).await;
+    c.wait_for(
+        Duration::from_secs(20),
+        "5 pods removed",
+        move || async move { placed(cr, big).await == 1 },
+    )
+    .await;
+    for f in &c.farms {
+        crate::harness::signal(f.pid, "KILL");
+    }
+    c.farms.clear();
+    for f in ["f0", "f1"] {
+        c.spawn_farm(f, &crate::brakes::DEFAULTS).await;
+    }
+    let cr = &c;
+    c.passes(&[big, small], 3).await;
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(
+        placed(&c, big).await,
+        1,
+        "farms started again removed more within the window"
+    );
+    let api = farm_api(&c, "f0").await;
+    let fs = this_farm(&api).await["failsafe"].clone();
+    assert_eq!(fs["removals_in_window"], 5, "{fs}");
+    assert!(fs["room_at"].is_string(), "{fs}");
+    // An operator's release empties the cluster's window: the last pod goes.
+    let (code, _, err) = c.rcctl(&["farm", "release-removals"]).await;
+    assert_eq!(code, 0, "{err}");
+    c.wait_for(
+        Duration::from_secs(20),
+        "the last pod removed",
+        move || async move { placed(cr, big).await == 0 },
+    )
+    .await;
+    let released = c.audit_events("REMOVALS_RELEASED").await;
+    assert!(
+        released.iter().any(|r| r["cluster_removals_released"] == 5),
+        "{released:?}"
+    );
 }

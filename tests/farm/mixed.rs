@@ -215,3 +215,69 @@ async fn a_node_transfer_crosses_releases_both_ways(backend: Backend) {
         c.check_invariants(|_| false);
     }
 }
+
+on_every_backend!(the_clusters_removal_window_beside_a_farm_of_the_previous_release);
+/// Issue 45 across an upgrade: a farm of the previous release keeps its own budget in memory
+/// and does not charge the cluster's window; this release's farm charges it. A bulk edit
+/// written one PUT per RC on the mix removes at most the new farm's cluster limit plus the old
+/// farm's own (5 + 5 on the defaults), the key holds the new farm's removals within its limit,
+/// and the old farm never writes it.
+async fn the_clusters_removal_window_beside_a_farm_of_the_previous_release(backend: Backend) {
+    let Some(previous) = previous_bin() else {
+        return;
+    };
+    let mut c = Cluster::start_on(&backend).await;
+    nodes(&c, 6, 2).await;
+    let _sim = c.simulate(6, 0.0);
+    let url = c.server.url();
+    c.spawn_farm_from(&previous, "old", &url, &crate::brakes::DEFAULTS, &[])
+        .await;
+    c.spawn_farm("new", &crate::brakes::DEFAULTS).await;
+    let ids = crate::harness::rcs(&c, 12, 2).await;
+    let (cr, idr) = (&c, &ids);
+    c.wait_for(
+        Duration::from_secs(60),
+        "24 pods placed, both farms serving",
+        move || async move {
+            let p = cr.placements().await;
+            let owners: std::collections::BTreeSet<String> =
+                cr.owner_farms().await.into_values().collect();
+            idr.iter()
+                .map(|id| p.get(id).map_or(0, |s| s.len()))
+                .sum::<usize>()
+                == 24
+                && owners.len() == 2
+        },
+    )
+    .await;
+    for id in &ids {
+        c.patch_rc(*id, "replicas_desired", 0.into()).await;
+    }
+    tokio::time::sleep(Duration::from_secs(15)).await;
+    let p = c.placements().await;
+    let removed = 24
+        - ids
+            .iter()
+            .map(|id| p.get(id).map_or(0, |s| s.len()))
+            .sum::<usize>();
+    assert!(
+        removed <= 10,
+        "{removed} removed: more than the new farm's cluster limit and the old farm's own"
+    );
+    let (kv, _) = c
+        .consul
+        .kv_get(rcfarm::budget::BUDGET_KEY, &Default::default())
+        .await
+        .unwrap();
+    let w = rcfarm::budget::Window::parse(kv.expect("the new farm charged the key").value_bytes())
+        .unwrap();
+    let spent: u64 = w.buckets.iter().map(|b| b.1).sum();
+    assert!(
+        (1..=5).contains(&spent),
+        "the new farm's removals, within the cluster's limit: {w:?}"
+    );
+    assert!(
+        !w.farms.contains_key("old"),
+        "the previous release never writes the key: {w:?}"
+    );
+}

@@ -7,6 +7,7 @@
 //! |---|---|---|
 //! | the fence | `check-session` on the lock held (op 0), if any | [`FenceError::Fenced`] |
 //! | the guards | what the write was planned against (`check-index`, `check-session` on other locks) | [`FenceError::Stale`] |
+//! | the charge | a `cas` on a shared counter the write spends from (the cluster's removal window) | [`FenceError::Uncharged`] |
 //! | the ops | the writes | [`FenceError::Conflict`] |
 //! | the records | create-only audit records (`cas` at index 0) | [`FenceError::AlreadyRecorded`] |
 //!
@@ -44,6 +45,7 @@ impl Fence {
 pub struct FencedTxn {
     fence: Option<Fence>,
     guards: Vec<TxnOp>,
+    charge: Option<TxnOp>,
     ops: Vec<TxnOp>,
     records: Vec<TxnOp>,
 }
@@ -62,6 +64,10 @@ pub enum FenceError {
         guards: Vec<(usize, TxnFailure)>,
         what: String,
     },
+    /// The charge's `cas` failed: someone else wrote the counter since it was read. Read it
+    /// again and charge anew (nothing of the transaction was applied).
+    #[error("uncharged: {what}")]
+    Uncharged { what: String },
     /// An op failed (a `cas` on a key someone else wrote, a lock held elsewhere). `ops` are the
     /// failed ops' positions among the ops.
     #[error("conflict: {source}")]
@@ -94,6 +100,7 @@ impl FenceError {
 struct Layout {
     fence: Option<String>,
     guards: usize,
+    charge: bool,
     ops: usize,
     records: usize,
 }
@@ -103,6 +110,7 @@ struct Layout {
 enum Part {
     Fence,
     Guard(usize),
+    Charge,
     Op(usize),
     Record(usize),
 }
@@ -137,6 +145,13 @@ impl FencedTxn {
         self
     }
 
+    /// Sets the charge: a `cas` on a shared counter, checked after the guards (replacing any
+    /// charge set before: a transaction spends from one counter once).
+    pub fn charge(mut self, op: TxnOp) -> Self {
+        self.charge = Some(op);
+        self
+    }
+
     pub fn ops(mut self, ops: impl IntoIterator<Item = TxnOp>) -> Self {
         self.ops.extend(ops);
         self
@@ -164,7 +179,11 @@ impl FencedTxn {
 
     /// Ops in the laid-out transaction.
     pub fn len(&self) -> usize {
-        usize::from(self.fence.is_some()) + self.guards.len() + self.ops.len() + self.records.len()
+        usize::from(self.fence.is_some())
+            + self.guards.len()
+            + usize::from(self.charge.is_some())
+            + self.ops.len()
+            + self.records.len()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -174,7 +193,9 @@ impl FencedTxn {
     /// Where the writes sit in the laid-out transaction.
     #[cfg(test)]
     fn ops_range(&self) -> std::ops::Range<usize> {
-        let start = usize::from(self.fence.is_some()) + self.guards.len();
+        let start = usize::from(self.fence.is_some())
+            + self.guards.len()
+            + usize::from(self.charge.is_some());
         start..start + self.ops.len()
     }
 
@@ -182,6 +203,7 @@ impl FencedTxn {
         Layout {
             fence: self.fence.as_ref().map(|f| f.key.clone()),
             guards: self.guards.len(),
+            charge: self.charge.is_some(),
             ops: self.ops.len(),
             records: self.records.len(),
         }
@@ -193,6 +215,7 @@ impl FencedTxn {
         let mut all = Vec::with_capacity(self.len());
         all.extend(self.fence.as_ref().map(Fence::op));
         all.extend(self.guards);
+        all.extend(self.charge);
         all.extend(self.ops);
         all.extend(self.records);
         (all, layout)
@@ -238,7 +261,11 @@ impl FencedTxn {
 
 impl Layout {
     fn len(&self) -> usize {
-        usize::from(self.fence.is_some()) + self.guards + self.ops + self.records
+        usize::from(self.fence.is_some())
+            + self.guards
+            + usize::from(self.charge)
+            + self.ops
+            + self.records
     }
 
     fn part(&self, i: usize) -> Option<Part> {
@@ -246,6 +273,12 @@ impl Layout {
         if self.fence.is_some() {
             if at == 0 {
                 return Some(Part::Fence);
+            }
+            at -= 1;
+        }
+        if at >= self.guards && self.charge {
+            if at == self.guards {
+                return Some(Part::Charge);
             }
             at -= 1;
         }
@@ -295,6 +328,9 @@ impl Layout {
                 .collect::<Vec<_>>()
                 .join("; ");
             return FenceError::Stale { guards, what };
+        }
+        if let Some((_, _, what)) = failures.iter().find(|(p, _, _)| *p == Part::Charge) {
+            return FenceError::Uncharged { what: what.clone() };
         }
         let ops: Vec<(usize, TxnFailure)> = failures
             .iter()
@@ -496,12 +532,42 @@ mod tests {
                     "fenced".to_string()
                 }
                 FenceError::Stale { guards, .. } => format!("stale {guards:?}"),
+                FenceError::Uncharged { .. } => "uncharged".to_string(),
                 FenceError::Conflict { ops, .. } => format!("conflict {ops:?}"),
                 FenceError::AlreadyRecorded => "recorded".to_string(),
                 FenceError::Consul(_) => "consul".to_string(),
             };
             assert_eq!(&got, want, "{case}");
         }
+    }
+
+    /// The charge sits between the guards and the ops: a guard failing names the failure
+    /// before it (the plan is stale anyway), it before any op.
+    #[test]
+    fn a_charge_fails_after_the_guards_and_before_the_ops() {
+        let t = || {
+            FencedTxn::fenced(Fence::new("lock/a", &session()))
+                .guard(TxnOp::check_index("rc/a", 1))
+                .charge(TxnOp::cas("rcfarm/removals/window", b"{}".to_vec(), 7))
+                .op(TxnOp::set("intent/n/a", b"x".to_vec()))
+        };
+        assert_eq!(t().len(), 4);
+        assert_eq!(t().ops_range(), 3..4);
+        assert!(matches!(
+            t().classify(failed(&[(2, STALE)])),
+            FenceError::Uncharged { .. }
+        ));
+        assert!(matches!(
+            t().classify(failed(&[(1, STALE), (2, STALE)])),
+            FenceError::Stale { .. }
+        ));
+        assert!(matches!(
+            t().classify(failed(&[(3, STALE)])),
+            FenceError::Conflict { ref ops, .. } if ops == &[(0, TxnFailure::IndexStale)]
+        ));
+        // The charge is laid out after the guards, whatever the order it was set in.
+        let (ops, _) = t().into_ops();
+        assert_eq!(ops[2].key, "rcfarm/removals/window");
     }
 
     #[test]

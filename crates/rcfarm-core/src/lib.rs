@@ -13,6 +13,7 @@ use rcfarm_consul::util;
 use rcfarm_server as server;
 
 pub mod audit;
+pub mod budget;
 pub mod clock;
 pub mod failsafe;
 pub mod farm;

@@ -4,7 +4,7 @@
 
 use rcfarm_consul as consul;
 use rcfarm_consul::util;
-use rcfarm_core::{audit, failsafe, farm, health, labels, rc, rctask, roll, scheduler};
+use rcfarm_core::{audit, budget, failsafe, farm, health, labels, rc, rctask, roll, scheduler};
 use rcfarm_server as server;
 
 pub mod chaos;

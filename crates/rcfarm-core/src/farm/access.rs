@@ -36,6 +36,7 @@ const RIGHTS: &[(&str, Access)] = &[
     ("rcfarm/rolls/", Access::Write),
     ("rcfarm/history/", Access::Write),
     (crate::failsafe::FAILSAFE_PREFIX, Access::Read),
+    (crate::budget::BUDGET_PREFIX, Access::Write),
     ("labels/node/", Access::Read),
     ("labels/pod/", Access::Write),
     ("labels/replication_controller/", Access::Write),

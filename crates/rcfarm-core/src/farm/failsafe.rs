@@ -70,6 +70,17 @@ impl Farm {
         fs.set_served(self.status.pods_current() as u64);
         self.record_trips(sv).await;
         let mut wake = false;
+        // The cluster's window: room that came back (the window slid, another farm's charge
+        // was refused, an operator released it) wakes the tasks that wait for it.
+        if let Some(snap) = views.window.latest() {
+            let before = fs.room().0;
+            fs.observe_window(snap.value.as_ref());
+            wake |= before == 0 && fs.room().0 > 0;
+        }
+        let fence = crate::consul::Fence::new(sv.info.key(), sv.session.id());
+        if let Err(e) = fs.report_served(&self.consul, fence).await {
+            tracing::debug!(error = %e, "cannot report the pods this farm serves into the removal window yet");
+        }
         if let Some(snap) = views.release.latest() {
             let (index, release) = match &snap.value {
                 Some(kv) => (kv.modify_index, Release::parse(kv.value_bytes()).ok()),

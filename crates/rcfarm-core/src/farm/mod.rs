@@ -220,6 +220,8 @@ struct Views {
     health: Arc<HealthCache>,
     /// This farm's release key (`rcctl farm release-removals`).
     release: Watch<Option<KvPair>>,
+    /// The cluster's removal window (`crate::budget`): what every farm's removals charged.
+    window: Watch<Option<KvPair>>,
 }
 
 /// A running farm.
@@ -405,6 +407,7 @@ impl Farm {
             release: self
                 .consul
                 .watch_key(crate::failsafe::release_key(&cfg.farm_id), w.clone()),
+            window: self.consul.watch_key(crate::budget::BUDGET_KEY, w.clone()),
         };
         let scheduler: Arc<dyn Scheduler> = match &cfg.scheduler {
             SchedulerKind::Label => Arc::new(LabelScheduler::new(views.nodes.clone())),
@@ -653,6 +656,7 @@ impl Farm {
         let mut node_changes = views.nodes.subscribe_changes();
         let mut health_changes = views.health.subscribe_changes();
         let mut release_rx = views.release.subscribe();
+        let mut window_rx = views.window.subscribe();
         let mut tick = tokio::time::interval(Duration::from_millis(500));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut next_sweep = self.config.clock.now() + Duration::from_secs(1);
@@ -706,7 +710,8 @@ impl Farm {
                 && views.pods.is_synced()
                 && views.rc_labels.is_synced()
                 && views.health.tree().is_synced()
-                && release_rx.borrow().is_some();
+                && release_rx.borrow().is_some()
+                && window_rx.borrow().is_some();
             // In doubt, what the farm holds is kept but nothing is claimed or given up: a
             // claim could not commit anyway, and a release would hand RCs over for nothing if
             // the session holds (see consul::session).
@@ -868,6 +873,9 @@ impl Farm {
                 }
                 r = release_rx.changed() => {
                     if r.is_err() { return Ended::SessionLost("release watch ended".into()); }
+                }
+                r = window_rx.changed() => {
+                    if r.is_err() { return Ended::SessionLost("removal window watch ended".into()); }
                 }
                 r = roll_lock_rx.changed() => {
                     if r.is_err() { return Ended::SessionLost("roll lock watch ended".into()); }

@@ -1,7 +1,7 @@
 //! The RC task's side of the farm's failsafe ([`crate::failsafe`]): an action that takes
 //! capacity away (a scale-down, a replacement of an older pod id, a repair that rewrites an
-//! intent running another manifest) asks the farm's removal budget first and does only what
-//! it was granted, spending the grant as its writes commit; one whose pods go with a
+//! intent running another manifest) is capped to the room the cluster's removal window had at
+//! its last read, and each of its writes charges the window in its own transaction; one whose pods go with a
 //! replacement already up (a node transfer's end), or whose lost capacity its rolling update
 //! charged (a retired old RC), is not charged, but waits like every removal while the
 //! tripwire is tripped. What counts is [`crate::rctask::plan::removals`]. An RC held reports
@@ -43,15 +43,17 @@ impl Worker {
                 removals: GrantedRemovals::default(),
             };
         }
-        let (reservation, held) = self.ctx.failsafe.reserve(cost.counted.len() as u64);
-        let granted = reservation.left() as usize;
+        // The room as last read: each write charges what it removes in its own transaction,
+        // and one that finds the room gone since is held then (`TaskError::Held`).
+        let (room, held) = self.ctx.failsafe.room();
+        let granted = (cost.counted.len() as u64).min(room) as usize;
         let Some(action) = within_grant(action, &cost, granted) else {
             return Gated::Held(held.unwrap_or_default());
         };
         let keep: Vec<NodeName> = cost.counted.into_iter().take(granted).collect();
         Gated::Go {
             action,
-            removals: GrantedRemovals::new(reservation, keep),
+            removals: GrantedRemovals::new(keep),
         }
     }
 

@@ -313,17 +313,17 @@ impl Worker {
             }
             None => events::NODE_TRANSFER_COMPLETION,
         };
-        let r = self
-            .commit_for(
-                rc,
-                ops,
-                vec![
-                    AuditRecord::new(event, Value::Object(details)),
-                    self.retarget(rc, &nodes),
-                ],
-            )
-            .await;
-        removals.settled(std::slice::from_ref(drop_node), r)?;
+        let charge = removals.charge(std::slice::from_ref(drop_node));
+        self.commit_charged(
+            rc,
+            ops,
+            vec![
+                AuditRecord::new(event, Value::Object(details)),
+                self.retarget(rc, &nodes),
+            ],
+            charge,
+        )
+        .await?;
         // P2 kept a histogram of transfer durations.
         metrics::histogram!(
             "rcfarm_transfer_duration_seconds",

@@ -461,8 +461,18 @@ impl Worker {
                 }
             };
             tracing::debug!(?action, "applying");
-            // What the action's writes did not remove goes back to the budget with `removals`.
-            let applied = self.apply(rc, &o, action, &mut removals).await?;
+            // Each write charges what it removes; one that finds no room when it is sent
+            // writes nothing, and the RC is held as a plan without room would be.
+            let applied = match self.apply(rc, &o, action, &mut removals).await {
+                // Less room than the plan saw (another farm charged since): plan again on it.
+                Err(TaskError::Held(_)) if self.ctx.failsafe.room().0 > 0 => continue,
+                Err(TaskError::Held(why)) => {
+                    self.settle_held(rc, &o, Some(why.clone())).await?;
+                    held = Some(why);
+                    break;
+                }
+                other => other?,
+            };
             match applied {
                 Applied::Done => {}
                 Applied::AllocationExhausted => allocation_exhausted = true,

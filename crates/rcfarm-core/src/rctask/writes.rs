@@ -11,6 +11,7 @@ use super::plan::{Action, Observed};
 use super::worker::Worker;
 use crate::audit::{AuditRecord, events};
 use crate::consul::{FenceError, FencedTxn, TxnBudget, TxnOp};
+use crate::failsafe::ChargeError;
 use crate::labels::{LabelSet, LabelStore, LabelType, pod_label_id};
 use crate::rc::{POD_ID_LABEL, RC_ID_LABEL, Rc, RcStore};
 use crate::scheduler::{NodeName, SchedulerError};
@@ -58,13 +59,26 @@ impl Worker {
         ops: Vec<TxnOp>,
         audits: Vec<AuditRecord>,
     ) -> Result<u64, TaskError> {
+        self.commit_charged(rc, ops, audits, 0).await
+    }
+
+    /// [`Worker::commit_for`] of a write that removes `charge` counted pods: the charge is
+    /// made in the cluster's removal window in the same transaction (see
+    /// [`crate::failsafe::Failsafe::commit_charged`]); without room, [`TaskError::Held`].
+    pub(super) async fn commit_charged(
+        &self,
+        rc: &Rc,
+        ops: Vec<TxnOp>,
+        audits: Vec<AuditRecord>,
+        charge: u64,
+    ) -> Result<u64, TaskError> {
         let txn = self
             .fenced()
             .guard(TxnOp::check_index(rc.id.key(), rc.modify_index))
             .ops(ops)
             .records(self.records(audits));
-        match self.commit_txn(txn).await {
-            Err(FenceError::Stale { .. }) => {
+        match self.commit_txn(txn, charge).await {
+            Err(ChargeError::Fence(FenceError::Stale { .. })) => {
                 metrics::counter!("rcfarm_stale_plans_total").increment(1);
                 Err(TaskError::Stale)
             }
@@ -79,7 +93,7 @@ impl Worker {
         audits: Vec<AuditRecord>,
     ) -> Result<u64, TaskError> {
         let txn = self.fenced().ops(ops).records(self.records(audits));
-        Ok(self.commit_txn(txn).await?)
+        Ok(self.commit_txn(txn, 0).await?)
     }
 
     /// The records' ops, each stamped now.
@@ -93,14 +107,17 @@ impl Worker {
         FencedTxn::fenced(RcStore::ownership_fence(self.id, &self.session))
     }
 
-    async fn commit_txn(&self, txn: FencedTxn) -> Result<u64, FenceError> {
+    /// Commits `txn`, charged `charge` removals in the cluster's window. The charge is made
+    /// after the audit pacer's wait, at the moment of sending: a write paced for minutes is
+    /// charged in the window it lands in.
+    async fn commit_txn(&self, txn: FencedTxn, charge: u64) -> Result<u64, ChargeError> {
         // Before the cancellation check: a task handed over while it waited writes nothing.
         self.ctx.pace.admit().await;
         if self.inbox.cancel.is_cancelled() {
             // Stopped (session lost or handed over): never write again.
-            return Err(FenceError::Fenced {
+            return Err(ChargeError::Fence(FenceError::Fenced {
                 key: self.id.ownership_lock_key(),
-            });
+            }));
         }
         // The pod label ops, kept for the cache, at their position among the writes.
         let pod_prefix = LabelType::Pod.prefix();
@@ -111,17 +128,31 @@ impl Worker {
             .filter(|(_, op)| op.key.starts_with(&pod_prefix))
             .map(|(i, op)| (i, op.clone()))
             .unzip();
-        match txn.commit_coalesced(&self.ctx.consul).await {
+        let consul = &self.ctx.consul;
+        let send = |t: FencedTxn| {
+            let consul = consul.clone();
+            async move {
+                let c = t.commit_coalesced(&consul).await?;
+                let index = c.index;
+                Ok((c, index))
+            }
+        };
+        match self
+            .ctx
+            .failsafe
+            .commit_charged(consul, charge, txn, send)
+            .await
+        {
             Ok(committed) => {
                 // The next plan counts what we wrote: the pod label tree is read on demand,
                 // not after each of our writes.
                 self.ctx.pods.apply_own(&committed, &label_ops);
                 Ok(committed.index)
             }
-            Err(e) => {
+            Err(ChargeError::Fence(e)) => {
                 if matches!(e, FenceError::Fenced { .. }) {
                     metrics::counter!("rcfarm_fenced_writes_total").increment(1);
-                    return Err(e);
+                    return Err(e.into());
                 }
                 // Someone else changed one of our pods' labels, or our write may have been
                 // applied with its answer lost (and so not applied to the cache): the next
@@ -144,8 +175,9 @@ impl Worker {
                     let ticket = d.urge();
                     self.ctx.pod_tickets.lock().insert(self.id, ticket);
                 }
-                Err(e)
+                Err(e.into())
             }
+            Err(e) => Err(e),
         }
     }
 
@@ -153,10 +185,10 @@ impl Worker {
     /// if the record exists already, an earlier owner of this RC (before a handover) made it.
     pub(super) async fn commit_report(&self, audit: AuditRecord) -> Result<(), TaskError> {
         match self
-            .commit_txn(self.fenced().records(self.records(vec![audit])))
+            .commit_txn(self.fenced().records(self.records(vec![audit])), 0)
             .await
         {
-            Ok(_) | Err(FenceError::AlreadyRecorded) => Ok(()),
+            Ok(_) | Err(ChargeError::Fence(FenceError::AlreadyRecorded)) => Ok(()),
             Err(e) => Err(e.into()),
         }
     }
@@ -211,7 +243,7 @@ impl Worker {
         )
     }
 
-    /// Applies `action`, spending `removals` as its writes commit.
+    /// Applies `action`, each write charging the counted pods of `removals` it removes.
     pub(super) async fn apply(
         &mut self,
         rc: &Rc,
@@ -248,10 +280,9 @@ impl Worker {
                     for node in chunk {
                         nodes.remove(node);
                     }
-                    let r = self
-                        .commit_for(rc, ops, vec![self.retarget(rc, &nodes)])
-                        .await;
-                    removals.settled(chunk, r)?;
+                    let charge = removals.charge(chunk);
+                    self.commit_charged(rc, ops, vec![self.retarget(rc, &nodes)], charge)
+                        .await?;
                     for node in chunk {
                         self.ctx.intents.remove(node, rc.pod_id());
                     }
@@ -346,8 +377,8 @@ impl Worker {
             } else {
                 self.retarget(rc, &nodes)
             };
-            let r = self.commit_for(rc, ops, vec![audit]).await;
-            removals.settled(chunk, r)?;
+            let charge = removals.charge(chunk);
+            self.commit_charged(rc, ops, vec![audit], charge).await?;
             for node in chunk {
                 self.ctx.intents.set(
                     node,

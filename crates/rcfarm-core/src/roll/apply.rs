@@ -268,7 +268,13 @@ impl Worker {
         };
         audits.extend(self.progress_record(roll));
         let txn = self.fence(roll, o).guards(guards).ops(ops);
-        let index = self.commit(txn, audits).await?;
+        // A retirement charges the old RC's lost capacity to the cluster's removal window in
+        // this same transaction: it commits if and only if it is charged.
+        let charge = match &action {
+            RollAction::RetireOld { charge, .. } => *charge,
+            _ => 0,
+        };
+        let index = self.commit_charged(txn, audits, charge).await?;
         match &action {
             RollAction::Step {
                 add,
@@ -554,7 +560,37 @@ impl Worker {
         txn: FencedTxn,
         audits: Vec<AuditRecord>,
     ) -> Result<u64, RollError> {
-        Ok(self.commit_txn(self.stamped(txn, audits)).await?)
+        self.commit_charged(txn, audits, 0).await
+    }
+
+    /// [`Worker::commit`] charged `charge` removals in the cluster's window, in the same
+    /// transaction, at the moment it is sent (after the audit pacer's wait).
+    pub(super) async fn commit_charged(
+        &self,
+        txn: FencedTxn,
+        audits: Vec<AuditRecord>,
+        charge: u64,
+    ) -> Result<u64, RollError> {
+        let txn = self.stamped(txn, audits);
+        // Before the cancellation check: a roll handed over while it waited writes nothing.
+        self.ctx.pace.admit().await;
+        if self.inbox.cancel.is_cancelled() {
+            return Err(RollError::Fenced);
+        }
+        let consul = &self.ctx.consul;
+        let send = |t: FencedTxn| {
+            let consul = consul.clone();
+            async move { t.commit(&consul).await.map(|i| (i, i)) }
+        };
+        let r = self
+            .ctx
+            .failsafe
+            .commit_charged(consul, charge, txn, send)
+            .await;
+        if let Err(crate::failsafe::ChargeError::Fence(FenceError::Fenced { .. })) = r {
+            metrics::counter!("rcfarm_fenced_writes_total").increment(1);
+        }
+        Ok(r?)
     }
 
     /// `txn` with `audits` as its records, stamped now: every record a roll commits is

@@ -121,6 +121,17 @@ pub enum RollEvent {
     Completed(RollId, u64),
 }
 
+impl From<crate::failsafe::ChargeError> for RollError {
+    fn from(e: crate::failsafe::ChargeError) -> RollError {
+        match e {
+            // No room for the retirement's lost capacity now: the next plan sees it held.
+            crate::failsafe::ChargeError::Held(why) => RollError::Stale(why),
+            crate::failsafe::ChargeError::Fence(e) => e.into(),
+            crate::failsafe::ChargeError::Read(e) => RollError::Consul(e),
+        }
+    }
+}
+
 impl From<FenceError> for RollError {
     fn from(e: FenceError) -> RollError {
         match e {
@@ -128,6 +139,8 @@ impl From<FenceError> for RollError {
             // Something moved since the plan (the roll, its control, an RC, a mutation lock):
             // look again.
             FenceError::Stale { what, .. } => RollError::Stale(what),
+            // The cluster's removal window moved (only a charged commit sets a charge).
+            FenceError::Uncharged { what } => RollError::Stale(what),
             FenceError::Conflict { source, .. } => RollError::Stale(match source {
                 ConsulError::Conflict(errs) => errs
                     .iter()
@@ -139,13 +152,6 @@ impl From<FenceError> for RollError {
             FenceError::AlreadyRecorded => RollError::Other("the record exists already".into()),
             FenceError::Consul(e) => RollError::Consul(e),
         }
-    }
-}
-
-impl RollError {
-    /// A write that may or may not have been applied (Consul unreachable, or the answer lost).
-    pub(super) fn outcome_unknown(&self) -> bool {
-        matches!(self, RollError::Consul(e) if e.is_retryable())
     }
 }
 
@@ -452,22 +458,10 @@ impl Worker {
             // Taking the mutation locks moves nothing: a farm that takes a roll over takes them
             // first, and its progress deadline goes on from the previous owner's last step.
             let moves_pods = !matches!(action, RollAction::Lock);
-            // Only a retirement's lost capacity is charged. The planner saw room for it;
-            // another task may have spent it since: then plan again. What the write does not
-            // make (refused) goes back with the reservation.
-            let charge = match &action {
-                RollAction::RetireOld { charge, .. } => *charge,
-                _ => 0,
-            };
-            let (mut reservation, _) = self.ctx.failsafe.reserve(charge);
-            if reservation.left() < charge {
-                continue;
-            }
-            let r = self.apply(roll, &o, action).await;
-            if r.is_ok() || r.as_ref().is_err_and(RollError::outcome_unknown) {
-                reservation.spend(charge);
-            }
-            r?;
+            // Only a retirement's lost capacity is charged, in the retirement's own
+            // transaction (see `apply`). The planner saw room for it; another farm may have
+            // spent it since: then the charge is refused, and the step planned again.
+            self.apply(roll, &o, action).await?;
             self.progressed(moves_pods);
             if done {
                 return Ok(Outcome::Done);

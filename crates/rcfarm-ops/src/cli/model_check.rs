@@ -22,7 +22,8 @@ pub struct ModelCheckArgs {
     /// Break one of rcfarm's rules as it was before issue 36, to see the check find what it
     /// causes: finish-needs-lock (a node transfer's end takes the mutation lock), any-takeover
     /// (any RC takes a disabled RC's surplus pods), labels-at-commit (pod labels guarded at
-    /// commit, not as planned).
+    /// commit, not as planned); or issue 45's: blind-charge (a removal charges the cluster's
+    /// window without checking its room, as if room seen at planning were granted).
     #[arg(long, value_parser = parse_mutant)]
     pub mutant: Option<Mutant>,
     /// Keep going after a counterexample (each is shrunk and printed).
@@ -35,8 +36,9 @@ fn parse_mutant(s: &str) -> Result<Mutant, String> {
         "finish-needs-lock" => Ok(Mutant::FinishNeedsLock),
         "any-takeover" => Ok(Mutant::AnyTakeover),
         "labels-at-commit" => Ok(Mutant::LabelsGuardedAtCommit),
+        "blind-charge" => Ok(Mutant::BlindCharge),
         other => Err(format!(
-            "{other:?}: one of finish-needs-lock, any-takeover, labels-at-commit"
+            "{other:?}: one of finish-needs-lock, any-takeover, labels-at-commit, blind-charge"
         )),
     }
 }

@@ -116,13 +116,15 @@ pub struct FarmArgs {
     /// `reality/`, is not watched).
     #[arg(long, env = "RCFARM_ROLL_RESYNC", default_value = "5s", value_parser = parse_duration_flag)]
     pub roll_resync: Duration,
-    /// Blast-radius limit: the most pods this farm removes (unschedules or replaces) per
-    /// --max-removals-window, across RCs, rolling updates and node transfers: a number, a
-    /// percentage of the pods it serves (at least 5), or off. Past it, removals wait
-    /// (RemovalsHeld) for the window, or for `rcctl farm release-removals`.
+    /// Blast-radius limit for the whole cluster: the most pods all farms together remove
+    /// (unschedule or replace) per --max-removals-window, across RCs, rolling updates and node
+    /// transfers, counted in one Consul key (rcfarm/removals/window) each removal charges in its
+    /// own transaction: a number, a percentage of the pods the farms serve (at least 5), or off.
+    /// Give every farm the same value. Past it, removals wait (RemovalsHeld) for the window, or
+    /// for `rcctl farm release-removals`.
     #[arg(long, env = "RCFARM_MAX_REMOVALS", default_value = "20%", value_parser = parse_max_removals)]
     pub max_removals: crate::failsafe::MaxRemovals,
-    /// The sliding window --max-removals counts over.
+    /// The sliding window --max-removals counts over (the same on every farm).
     #[arg(long, env = "RCFARM_MAX_REMOVALS_WINDOW", default_value = "5m", value_parser = parse_duration_flag)]
     pub max_removals_window: Duration,
     /// When the RC tree goes empty, or every RC to 0 replicas, remove nothing until that has

@@ -57,6 +57,12 @@ pub struct ExternalReport {
     /// Pod writes whose commit fell in a stretch where the snapshots do not say what their
     /// RC's lock was (it changed between two of them).
     pub pod_writes_unplaced: u64,
+    /// Removals charged to the cluster's removal window (`rcfarm/removals/window`), summed
+    /// over the snapshots' increases of its buckets.
+    pub window_charged: u64,
+    /// The most the key held within its window at any snapshot, and the limit it said then.
+    pub window_most: u64,
+    pub window_limit: Option<u64>,
 }
 
 #[derive(Default)]
@@ -72,6 +78,8 @@ struct State {
     locks: BTreeMap<String, Vec<LockSpan>>,
     /// Pod label → the ModifyIndex at which its write was last checked against its RC's lock.
     pod_writes_checked: BTreeMap<String, u64>,
+    /// The window key as last seen.
+    window: Option<crate::budget::Window>,
     /// The store went back in time: the next snapshot is a new baseline, not compared with
     /// the last one from before (a restored store may hold more pods than the store had just
     /// before the restore, as the backup held them: removals held by the failsafe, say).
@@ -254,6 +262,49 @@ impl ExternalObserver {
 }
 
 impl State {
+    /// The cluster's removal window in a snapshot: what it was charged since the last one,
+    /// and whether it ever holds more within its window than the limit its charges were made
+    /// under (the farms' `cas` makes that impossible; a farm of another release that does not
+    /// charge it is not seen here).
+    fn observe_window(&mut self, index: u64, value: &[u8]) {
+        let Ok(w) = crate::budget::Window::parse(value) else {
+            self.report.violations.push(Violation {
+                index,
+                what: "the removal window key is unreadable".into(),
+            });
+            return;
+        };
+        let last = self.window.take().unwrap_or_default();
+        if w.released == last.released {
+            let was: BTreeMap<i64, u64> = last.buckets.iter().copied().collect();
+            self.report.window_charged += w
+                .buckets
+                .iter()
+                .map(|(b, n)| n.saturating_sub(was.get(b).copied().unwrap_or(0)))
+                .sum::<u64>();
+        } else {
+            self.report.window_charged += w.buckets.iter().map(|b| b.1).sum::<u64>();
+        }
+        if let Some(st) = w.recorded_settings() {
+            // Judged at the newest charge's bucket: the key as its last writer saw it.
+            let at = w.buckets.last().map_or(0, |b| b.0);
+            let spent = w.spent(st, at);
+            self.report.window_most = self.report.window_most.max(spent);
+            self.report.window_limit = self.report.window_limit.max(w.limit);
+            if let Some(limit) = w.limit
+                && spent > limit
+            {
+                self.report.violations.push(Violation {
+                    index,
+                    what: format!(
+                        "the removal window key holds {spent} removals within its window, above the limit of {limit} its charges were made under"
+                    ),
+                });
+            }
+        }
+        self.window = Some(w);
+    }
+
     fn observe(&mut self, index: u64, entries: &[KvPair]) {
         self.report.snapshots += 1;
         let mut desired: BTreeMap<&str, i64> = BTreeMap::new();
@@ -290,6 +341,8 @@ impl State {
                     }
                     locks.insert(id, (e.session.clone(), e.modify_index));
                 }
+            } else if k == crate::budget::BUDGET_KEY {
+                self.observe_window(index, e.value_bytes());
             } else if let Some(id) = k.strip_prefix(AUDIT_PREFIX) {
                 if !self.report.audit_restored_away.is_empty() {
                     self.report.audit_restored_away.remove(id);

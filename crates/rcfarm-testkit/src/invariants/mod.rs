@@ -13,12 +13,14 @@
 //!   what the intent asks and passes its health check) below the roll's minimum;
 //! - **brakes**: no step of a roll whose control (`rcfarm/rolls/<id>`) says paused or failed,
 //!   and no revert of a revert (a revert that fails stays failed);
-//! - **blast radius** (when given the farms' `--max-removals N` per window W): no farm session
-//!   commits more than N removals within any W (less a slack for the time between a farm's
-//!   decision and its commit). A removal is what the farm's budget charges: an intent deleted
-//!   or rewritten onto another manifest by the RC owning the pod (not a takeover by another
-//!   RC), a roll step's `replicas_removed`, a node transfer's start. Counted per session, the
-//!   unit a farm's in-memory budget outlives (a restarted process starts a new budget).
+//! - **blast radius** (when given the farms' `--max-removals` per window W): all the farms
+//!   together commit no more removals within any W (less a slack for clocks) than the limit the
+//!   cluster's removal window key (`rcfarm/removals/window`) says its charges were made under
+//!   (a count is checked as given); every commit that removes pods charges the key in the same
+//!   commit by exactly what it removes; an operator's release (the key's `released` changing)
+//!   empties the window. A removal is an intent deleted or rewritten onto another manifest by
+//!   the RC owning the pod (not a takeover by another RC), a roll retirement's
+//!   `lost_capacity`, a node transfer's start.
 //!
 //! It also counts scheduling transactions and audit records, to check that every committed
 //! change reached the audit log.
@@ -84,12 +86,13 @@ pub struct Observer {
     /// The farms' blast-radius limit to check (`--max-removals N` per `--max-removals-window`),
     /// if any: see [`Observer::with_removal_limit`].
     removal_limit: Option<(RemovalLimit, std::time::Duration)>,
-    /// Per session: the most pods it was seen serving (the locks of RCs it held), for a limit
-    /// in percent.
-    served_max: HashMap<String, u64>,
-    /// Per writing session: when each removal it decided was committed.
-    removals: HashMap<String, std::collections::VecDeque<std::time::Instant>>,
-    /// The most removals one session committed within any window (less the slack).
+    /// When each removal was committed, by any farm, within the last window.
+    removals: std::collections::VecDeque<std::time::Instant>,
+    /// The limits the window key's charges were made under, with when, within the window.
+    limits: std::collections::VecDeque<(std::time::Instant, u64)>,
+    /// The last operator's release the window key showed.
+    released: Option<crate::budget::Released>,
+    /// The most removals all farms committed within any window (less the slack).
     pub removals_max_per_window: u64,
     /// Removals counted (scale-downs, replacements, roll steps' removals, transfer starts).
     pub removals_seen: u64,
@@ -101,7 +104,8 @@ pub struct Observer {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RemovalLimit {
     Pods(u64),
-    /// Percent of the pods the writing farm serves, at least `min` (the default: 20 %, 5).
+    /// Percent of the pods the farms serve, at least `min` (the default: 20 %, 5), as the
+    /// window key's charges record it.
     Percent {
         percent: u64,
         min: u64,
@@ -598,15 +602,14 @@ impl Observer {
         self.roll_margin.values().min().copied()
     }
 
-    /// An observer that also checks the farms' blast-radius limit: at most `limit` removals per
-    /// `window` by any session.
+    /// An observer that also checks the cluster's blast-radius limit: at most `limit` removals
+    /// per `window` by all farms together, each charged to the window key.
     pub fn with_removal_limit(limit: u64, window: std::time::Duration) -> Observer {
         Observer::with_removal_limits(RemovalLimit::Pods(limit), window)
     }
 
-    /// [`Observer::with_removal_limit`], the limit in pods or in percent of what the writer
-    /// serves. An operator's release (`rcfarm/failsafe/release/<farm-id>`) empties the
-    /// windows of that farm's sessions, as it empties the farm's.
+    /// [`Observer::with_removal_limit`], the limit in pods or in percent (read from the window
+    /// key's charges). An operator's release (the key's `released`) empties the window.
     pub fn with_removal_limits(limit: RemovalLimit, window: std::time::Duration) -> Observer {
         Observer {
             removal_limit: Some((limit, window)),
@@ -628,51 +631,43 @@ impl Observer {
         Observer::with_removal_limits(limit, d.window)
     }
 
-    /// The limit for `session` now.
-    fn limit_for(&mut self, session: &str, limit: RemovalLimit) -> u64 {
-        match limit {
-            RemovalLimit::Pods(n) => n,
-            RemovalLimit::Percent { percent, min } => {
-                let served: u64 = self
-                    .sessions
-                    .iter()
-                    .filter(|(k, s)| {
-                        s.as_str() == session
-                            && k.strip_prefix(crate::rc::RC_LOCK_PREFIX)
-                                .is_some_and(|id| !id.contains('/'))
-                    })
-                    .map(|(k, _)| self.count(&k[crate::rc::RC_LOCK_PREFIX.len()..]) as u64)
-                    .sum();
-                let most = self.served_max.entry(session.to_string()).or_default();
-                *most = (*most).max(served);
-                (*most * percent / 100).max(min)
-            }
+    /// Reads the window key a commit wrote: an operator's release empties the window; a
+    /// charge records the limit it was made under. Returns what the commit charged (the
+    /// increase of the key's buckets), if it wrote the key.
+    fn observe_window_key(&mut self, c: &LoggedCommit) -> Option<u64> {
+        let written = c.changes.iter().find_map(|ch| match ch {
+            Change::Put(k, e) if k == crate::budget::BUDGET_KEY => Some(e.value.clone()),
+            _ => None,
+        })?;
+        let Ok(after) = crate::budget::Window::parse(&written) else {
+            self.violations.push(Violation {
+                index: c.index,
+                what: "the removal window key was written unreadable".into(),
+            });
+            return None;
+        };
+        if after.released != self.released {
+            self.released = after.released.clone();
+            self.removals.clear();
+            self.limits.clear();
+            return Some(0);
         }
-    }
-
-    /// An operator's release of a farm's removals: its sessions' windows start empty.
-    fn apply_releases(&mut self, c: &LoggedCommit) {
-        let prefix = crate::failsafe::release_key("");
-        for ch in &c.changes {
-            let Change::Put(k, _) = ch else { continue };
-            let Some(farm) = k.strip_prefix(&prefix) else {
-                continue;
-            };
-            let of_farm: Vec<String> = self
-                .removals
-                .keys()
-                .filter(|s| {
-                    self.kv
-                        .get(&format!("{}{s}", crate::farm::registry::FARMS_PREFIX))
-                        .and_then(|v| serde_json::from_slice::<Value>(v).ok())
-                        .is_some_and(|v| v["farm_id"] == farm)
-                })
-                .cloned()
-                .collect();
-            for s in of_farm {
-                self.removals.remove(&s);
-            }
+        if let Some(l) = after.limit {
+            self.limits.push_back((c.at, l));
         }
+        let before = self
+            .kv
+            .get(crate::budget::BUDGET_KEY)
+            .and_then(|v| crate::budget::Window::parse(v).ok())
+            .unwrap_or_default();
+        let was: HashMap<i64, u64> = before.buckets.iter().copied().collect();
+        Some(
+            after
+                .buckets
+                .iter()
+                .map(|(b, n)| n.saturating_sub(was.get(b).copied().unwrap_or(0)))
+                .sum(),
+        )
     }
 
     /// Counts the removals one commit makes (before it is applied: it compares with what the
@@ -681,12 +676,11 @@ impl Observer {
         let Some((limit, window)) = self.removal_limit else {
             return;
         };
-        self.apply_releases(c);
+        let charged = self.observe_window_key(c);
         let Some((_, session)) = c.checks.first() else {
             return;
         };
         let session = session.clone();
-        let limit = self.limit_for(&session, limit);
         // A transfer's removal was charged when it started: its completion (or rollback)
         // deletes an intent it already paid for.
         let transfer_end = audits.iter().any(|r| {
@@ -760,26 +754,46 @@ impl Observer {
             return;
         }
         self.removals_seen += n;
-        // A decision is committed a moment after the budget granted it: a commit window this
-        // much shorter than the farm's holds only what one budget window granted.
+        if charged != Some(n) {
+            self.violations.push(Violation {
+                index: c.index,
+                what: format!(
+                    "session {session} committed {n} removals and charged {} to the cluster's removal window",
+                    charged.map_or("nothing".to_string(), |x| x.to_string())
+                ),
+            });
+        }
+        // Clocks: a farm stamps its charge with its own wall clock, the log with the server's.
         let slack = std::time::Duration::from_secs(2).min(window / 2);
-        let q = self.removals.entry(session.clone()).or_default();
         for _ in 0..n {
-            q.push_back(c.at);
+            self.removals.push_back(c.at);
         }
-        while q
-            .front()
-            .is_some_and(|t| c.at.duration_since(*t) >= window - slack)
-        {
-            q.pop_front();
+        let old = |t: &std::time::Instant| c.at.duration_since(*t) >= window - slack;
+        while self.removals.front().is_some_and(old) {
+            self.removals.pop_front();
         }
-        let in_window = q.len() as u64;
+        while self.limits.front().is_some_and(|(t, _)| old(t)) {
+            self.limits.pop_front();
+        }
+        // The limit: a count as given; a percentage as the key says the charges were made
+        // under (the farms and this check read the same number), at least its floor.
+        let limit = match limit {
+            RemovalLimit::Pods(l) => l,
+            RemovalLimit::Percent { min, .. } => self
+                .limits
+                .iter()
+                .map(|(_, l)| *l)
+                .max()
+                .unwrap_or(min)
+                .max(min),
+        };
+        let in_window = self.removals.len() as u64;
         self.removals_max_per_window = self.removals_max_per_window.max(in_window);
         if in_window > limit {
             self.violations.push(Violation {
                 index: c.index,
                 what: format!(
-                    "session {session} committed {in_window} removals within {:?}, above the limit of {limit} per {:?}",
+                    "the farms committed {in_window} removals within {:?}, above the cluster's limit of {limit} per {:?}",
                     window - slack,
                     window
                 ),
@@ -877,6 +891,25 @@ mod tests {
         assert_eq!(o.roll_control_checked, 3);
     }
 
+    /// The window key after charging `n` more under `limit` (a farm's charge).
+    fn charge(
+        w: &mut crate::budget::Window,
+        n: u64,
+        limit: crate::failsafe::MaxRemovals,
+    ) -> Change {
+        let st = crate::budget::Settings {
+            max_removals: limit,
+            window: std::time::Duration::from_secs(60),
+        };
+        *w = w.charge(st, 1_000, n, None).unwrap_or_else(|_| {
+            // Past the limit on purpose: the record as an over-spending farm would write it.
+            let mut over = w.clone();
+            over.buckets[0].1 += n;
+            over
+        });
+        put(crate::budget::BUDGET_KEY, &w.to_bytes(), None)
+    }
+
     #[test]
     fn removals_above_the_limit_within_a_window_are_a_violation() {
         let intent = |node: &str, v: u32| {
@@ -888,6 +921,9 @@ mod tests {
         };
         let del = |node: &str| Change::Delete(format!("intent/{node}/web"));
         let lock = ("lock/replication_controllers/rc-1", "s1");
+        let other = ("lock/replication_controllers/rc-2", "s2");
+        let two = crate::failsafe::MaxRemovals::Pods(2);
+        let mut w = crate::budget::Window::default();
         let mut o = Observer::with_removal_limit(2, std::time::Duration::from_secs(60));
         // Pods placed: no removal.
         o.observe(&commit(
@@ -896,16 +932,38 @@ mod tests {
             &[lock],
         ));
         assert_eq!(o.removals_seen, 0);
-        // Two removed, then an intent rewritten with the same manifest (no removal), then a
-        // third removal: one too many for the window.
-        o.observe(&commit(2, vec![del("n1"), del("n2")], &[lock]));
+        // Two removed (charged), then an intent rewritten with the same manifest (no removal),
+        // then a third removal by another farm's session: one too many for the cluster.
+        o.observe(&commit(
+            2,
+            vec![del("n1"), del("n2"), charge(&mut w, 2, two)],
+            &[lock],
+        ));
         o.observe(&commit(3, vec![intent("n3", 1)], &[lock]));
         assert!(o.violations.is_empty(), "{:?}", o.violations);
         assert_eq!(o.removals_seen, 2);
-        o.observe(&commit(4, vec![del("n3")], &[lock]));
+        o.observe(&commit(
+            4,
+            vec![del("n3"), charge(&mut w, 1, two)],
+            &[other],
+        ));
         assert_eq!(o.removals_max_per_window, 3);
         assert!(
-            o.violations[0].what.contains("3 removals"),
+            o.violations.len() == 1 && o.violations[0].what.contains("3 removals"),
+            "{:?}",
+            o.violations
+        );
+        // A removal that does not charge the key is one too.
+        o.observe(&commit(5, vec![intent("n4", 1)], &[lock]));
+        o.observe(&commit(
+            6,
+            vec![Change::Delete("intent/n4/web".into())],
+            &[lock],
+        ));
+        assert!(
+            o.violations
+                .iter()
+                .any(|v| v.what.contains("charged nothing")),
             "{:?}",
             o.violations
         );
@@ -917,13 +975,15 @@ mod tests {
     }
 
     #[test]
-    fn a_percent_limit_has_its_floor_and_a_release_empties_the_farms_window() {
+    fn a_percent_limit_is_read_from_the_key_and_a_release_empties_the_window() {
         let intent = |i: usize| put(&format!("intent/n{i}/web"), b"id: web\n", None);
         let del = |r: std::ops::Range<usize>| -> Vec<Change> {
             r.map(|i| Change::Delete(format!("intent/n{i}/web")))
                 .collect()
         };
         let lock = ("lock/replication_controllers/rc-1", "s1");
+        let pct = crate::failsafe::MaxRemovals::Percent(20);
+        let mut w = crate::budget::Window::default();
         let mut o = Observer::with_removal_limits(
             RemovalLimit::Percent {
                 percent: 20,
@@ -931,27 +991,29 @@ mod tests {
             },
             std::time::Duration::from_secs(60),
         );
-        let mut placed: Vec<Change> = (0..12).map(intent).collect();
-        placed.push(put("rcfarm/farms/s1", br#"{"farm_id": "f1"}"#, Some("s1")));
+        let placed: Vec<Change> = (0..12).map(intent).collect();
         o.observe(&commit(1, placed, &[lock]));
-        // Five removals: the floor of a farm serving few pods.
-        o.observe(&commit(2, del(0..5), &[lock]));
+        // Five removals: the floor, as the key's charges say.
+        let mut five = del(0..5);
+        five.push(charge(&mut w, 5, pct));
+        o.observe(&commit(2, five, &[lock]));
         assert!(o.violations.is_empty(), "{:?}", o.violations);
-        // An operator's release of f1: its window starts empty, five more are fine.
+        assert_eq!(w.limit, Some(5));
+        // An operator's release: the window starts empty, five more are fine.
+        w = w.release("rcctl:op@host", 1_001);
         o.observe(&commit(
             3,
-            vec![put(&crate::failsafe::release_key("f1"), b"{}", None)],
+            vec![put(crate::budget::BUDGET_KEY, &w.to_bytes(), None)],
             &[],
         ));
-        o.observe(&commit(4, del(5..10), &[lock]));
+        let mut five = del(5..10);
+        five.push(charge(&mut w, 5, pct));
+        o.observe(&commit(4, five, &[lock]));
         assert!(o.violations.is_empty(), "{:?}", o.violations);
-        // A release of another farm changes nothing for f1: the sixth is one too many.
-        o.observe(&commit(
-            5,
-            vec![put(&crate::failsafe::release_key("f2"), b"{}", None)],
-            &[],
-        ));
-        o.observe(&commit(6, del(10..11), &[lock]));
+        // The sixth is one too many.
+        let mut one = del(10..11);
+        one.push(charge(&mut w, 1, pct));
+        o.observe(&commit(6, one, &[lock]));
         assert!(
             o.violations
                 .first()

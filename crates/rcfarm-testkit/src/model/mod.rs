@@ -1,8 +1,10 @@
 //! A model check of rcfarm's coordination over its real decision cores: the RC planner
 //! (`rctask::plan`, with what counts as a removal and which action needs a lock), the roll
 //! planner and its deadline (`roll::plan`), the ownership decisions (`farm::decide` with the
-//! claim assignment), and the removal budget (`failsafe::Budget`), driven by a simulated KV
-//! with sessions, ownership, mutation and node-transfer locks ([`world`]).
+//! claim assignment), and the cluster's removal window (`budget::Window`: one KV key that
+//! every removal charges in its own transaction, committing if and only if it is charged),
+//! driven by a simulated KV with sessions, ownership, mutation and node-transfer locks and
+//! that window ([`world`]).
 //!
 //! A small world: two farms; three RCs of one pod id (a rolling update's old RC O and new RC N,
 //! and an unrelated RC X); four nodes whose agents run what the intents ask and report health.
@@ -15,7 +17,8 @@
 //! - only an RC's own task writes its pods (the roll's new RC taking over what the roll's old
 //!   RC gave up is the one exception), and no RC is raised above its count;
 //! - no farm write takes a started roll's pods that are up below its minimum;
-//! - no farm process removes more than its budget allows within a window;
+//! - within any window of `BUDGET_WINDOW` ticks, all farms together (every process of each)
+//!   commit at most `BUDGET_LIMIT` counted removals, as counted from the commits themselves;
 //! - no roll fails while all its scheduled new pods are up, and no revert is reverted.
 //!
 //! Then the faults stop (operators release what they held, nodes heal), and the farms run on,
@@ -793,5 +796,72 @@ mod tests {
             assert!(r.is_ok(), "{:?}", r.err().map(|e| (e.0, e.2.describe())));
         }
         assert_eq!(stats.rolls_completed, 3, "{stats:?}");
+    }
+
+    /// Two RCs scaled to nothing at once, each task planning its removals from the same room:
+    /// the cluster's window lets the first commit and refuses the second whole (uncharged),
+    /// a restart gives nothing back, and the checker's own count of the commits catches the
+    /// second when its charge is written blindly (`Mutant::BlindCharge`). The random schedules
+    /// seldom reach this: in this world only X's scale-downs and a roll's retirement remove
+    /// counted pods.
+    #[test]
+    fn the_cluster_window_refuses_a_second_spend_of_the_same_room() {
+        for mutant in [None, Some(Mutant::BlindCharge)] {
+            let setup = Setup {
+                canary: None,
+                auto_revert: false,
+                x_replicas: 2,
+                bad_deploy: false,
+                roll_later: true,
+            };
+            let mut w = World::new(setup, mutant);
+            for _ in 0..4 {
+                apply(&mut w, Event::Farm(0));
+                apply(&mut w, Event::Farm(1));
+                apply(&mut w, Event::Tick);
+            }
+            let owner = |w: &World, rc: Which| {
+                (0..FARMS)
+                    .find(|f| w.kv.own_lock.get(&rc) == Some(&w.farms[*f].session))
+                    .unwrap_or_else(|| panic!("{rc:?} unowned:\n  {}", w.describe()))
+            };
+            let (fo, fx) = (owner(&w, Which::O), owner(&w, Which::X));
+            // An operator scales O and X to nothing.
+            apply(&mut w, Event::EditX(0));
+            w.kv.index += 1;
+            let v = w.kv.index;
+            if let Some(r) = w.kv.rcs.get_mut(&Which::O) {
+                r.desired = 0;
+                r.version = v;
+            }
+            assert!(apply(&mut w, Event::RcPass(fo, Which::O)).is_some());
+            assert!(apply(&mut w, Event::RcPass(fx, Which::X)).is_some());
+            let charges: Vec<u64> = w.pending.iter().map(|p| p.charge).collect();
+            assert_eq!(charges, [2, 2], "both planned from the same room of 2");
+            let first = w.commit(0);
+            let second = w.commit(0);
+            assert!(first.starts_with("committed"), "{first}");
+            match mutant {
+                None => {
+                    assert!(second.starts_with("refused (uncharged"), "{second}");
+                    assert!(w.broken.is_empty(), "{:?}", w.broken);
+                    assert_eq!(w.removed.iter().map(|r| r.3).sum::<u64>(), 2);
+                    // A restart resets nothing: the room is the cluster's.
+                    let spender = w.removed[0].1;
+                    apply(&mut w, Event::Crash(spender));
+                    assert_eq!(w.kv.room(w.now), 0);
+                    // Room comes back once the window has passed (a bucket is one tick).
+                    for _ in 0..world::BUDGET_WINDOW + 1 {
+                        apply(&mut w, Event::Tick);
+                    }
+                    assert_eq!(w.kv.room(w.now), world::BUDGET_LIMIT);
+                }
+                Some(_) => {
+                    assert!(second.starts_with("committed"), "{second}");
+                    let what = w.broken.first().map(|b| b.0.clone()).unwrap_or_default();
+                    assert_eq!(kind_of(&what), "budget", "{what:?}");
+                }
+            }
+        }
     }
 }

@@ -8,8 +8,10 @@ use std::fmt;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
+use crate::budget::{Settings, Window};
 use tokio::time::Instant;
 
+use crate::failsafe::MaxRemovals;
 use crate::farm::claims::{FarmView, assign_held};
 use crate::farm::decide::{self, HeldIndex, Rules, Situation, Stop};
 use crate::health::HealthStatus;
@@ -29,13 +31,22 @@ pub const NODES: usize = 4;
 pub const FARMS: usize = 2;
 /// A node transfer rolls back after this many ticks without its new pod up.
 pub const TRANSFER_TIMEOUT: u64 = 4;
-/// The farms' removal budget: this many counted removals per window.
+/// The cluster's removal budget: all farms together, this many counted removals per window
+/// of this many ticks (one tick a second: the window's buckets are a second long, exact).
 pub const BUDGET_LIMIT: u64 = 2;
 pub const BUDGET_WINDOW: u64 = 8;
 /// A roll fails when its new pods are not up for this long.
 pub const ROLL_DEADLINE: u64 = 5;
 /// The claim grace of the farms (ticks).
 pub const CLAIM_GRACE: u64 = 1;
+
+/// The removal window's settings, as every farm has them.
+pub fn budget() -> Settings {
+    Settings {
+        max_removals: MaxRemovals::Pods(BUDGET_LIMIT),
+        window: Duration::from_secs(BUDGET_WINDOW),
+    }
+}
 
 /// The RCs: a rolling update's old and new RC, and an unrelated RC with the same pod id.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -170,12 +181,22 @@ pub struct Kv {
     pub nodes: Vec<NodeState>,
     pub roll: Option<RollRec>,
     pub roll_lock: Option<Session>,
+    /// The cluster's removal window (`rcfarm/removals/window`): every commit that removes
+    /// capacity charges it in the same transaction.
+    pub window: Window,
+    /// The window key's version (0: never written).
+    pub window_version: u64,
 }
 
 impl Kv {
     fn next(&mut self) -> u64 {
         self.index += 1;
         self.index
+    }
+
+    /// The room the cluster's window has at tick `now`.
+    pub fn room(&self, now: u64) -> u64 {
+        self.window.room(budget(), now as i64)
     }
 
     pub fn pods_of(&self, w: Which) -> Vec<usize> {
@@ -239,15 +260,17 @@ pub enum Write {
 #[derive(Debug, Clone)]
 pub struct Pending {
     pub farm: usize,
-    /// The farm's process (its budget) when it planned this.
+    /// The farm's process when it planned this.
     pub incarnation: u32,
     pub session: Session,
     /// Fenced by this RC's ownership lock, or by the roll's lock (`None`).
     pub fence: Option<Which>,
     pub guards: Vec<Guard>,
     pub writes: Vec<Write>,
-    /// Counted removals granted for it: (grant tick, grant id, how many).
-    pub grant: Option<(u64, u64, u64)>,
+    /// Counted removals it charges to the cluster's window as it commits (capped to the room
+    /// the farm saw when it planned): it commits if and only if the window has room for them
+    /// then. Nothing is granted ahead, nothing is given back.
+    pub charge: u64,
     /// The writer RC (an RC task's) for the invariants.
     pub writer: Option<Which>,
     /// Release the writer's mutation lock (as a transfer's) once committed.
@@ -279,13 +302,13 @@ pub struct Farm {
     pub incarnation: u32,
     pub tasks: BTreeMap<Which, RcTask>,
     pub roll_task: Option<RollTask>,
-    pub budget: crate::failsafe::Budget,
     pub unheld_since: HashMap<RcId, Instant>,
     pub roll_unheld_since: HashMap<RcId, Instant>,
 }
 
 /// Rules the model may be told to break, to show the checker finds what they cause: the code
-/// before the fixes of issue 36.
+/// before the fixes of issue 36, and a removal charged to the cluster's window without its
+/// `cas`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Mutant {
     /// A node transfer's end takes the RC's mutation lock as its start does, and a roll takes
@@ -296,6 +319,10 @@ pub enum Mutant {
     LabelsGuardedAtCommit,
     /// Any RC takes a disabled RC's surplus pods over, not only its roll's new RC.
     AnyTakeover,
+    /// A removal's charge written blindly as it commits (no `cas` on the window, no room
+    /// checked then): removals are capped only by the room the farm saw when it planned, so
+    /// farms planning from the same room spend it more than once.
+    BlindCharge,
 }
 
 /// How a world starts.
@@ -330,8 +357,9 @@ pub struct World {
     pub pending: Vec<Pending>,
     pub now: u64,
     pub mutant: Option<Mutant>,
-    /// Counted removals committed per farm incarnation: (grant tick, n).
-    pub removed: BTreeMap<(usize, u32), Vec<(u64, u64)>>,
+    /// Counted removals committed, by every farm, as the checker logs them from the commits
+    /// (not from the window): (commit tick, farm, its process, how many).
+    pub removed: Vec<(u64, usize, u32, u64)>,
     pub broken: Vec<Broken>,
     /// Whether the roll was ever started.
     pub rolled: bool,
@@ -426,7 +454,6 @@ impl World {
                     incarnation: 0,
                     tasks: BTreeMap::new(),
                     roll_task: None,
-                    budget: crate::failsafe::Budget::default(),
                     unheld_since: HashMap::new(),
                     roll_unheld_since: HashMap::new(),
                 })
@@ -434,7 +461,7 @@ impl World {
             pending: Vec::new(),
             now: 0,
             mutant,
-            removed: BTreeMap::new(),
+            removed: Vec::new(),
             broken: Vec::new(),
             rolled: false,
             next_transfer: 0,
@@ -559,19 +586,12 @@ impl World {
             let o = self.observe(f, w, &rc, allocation_exhausted, mutation_locked);
             let p = rcplan::plan(&o);
             let action = p.actions.first().cloned()?;
-            // The removal budget.
+            // The cluster's removal window: the action is capped to the room the farm reads in
+            // it now; the commit charges what its writes remove, and is refused if another
+            // farm spent that room meanwhile.
             let cost = removals(&action, &o);
-            let now = at(self.now);
-            let (granted, grant_id) = self.farms[f].budget.take(
-                now,
-                Duration::from_secs(BUDGET_WINDOW),
-                Some(BUDGET_LIMIT),
-                cost.counted.len() as u64,
-            );
-            let Some(action) = within_grant(action, &cost, granted as usize) else {
-                self.farms[f].budget.refund(grant_id, granted);
-                return None;
-            };
+            let granted = (cost.counted.len() as u64).min(self.kv.room(self.now));
+            let action = within_grant(action, &cost, granted as usize)?;
             let counted: BTreeSet<NodeName> = cost
                 .counted
                 .iter()
@@ -590,7 +610,6 @@ impl World {
                 let ours = self.kv.mut_lock.get(&w) == Some(&(session, Holder::Transfer));
                 let free = !self.kv.mut_lock.contains_key(&w);
                 if frozen || !(ours || free) {
-                    self.farms[f].budget.refund(grant_id, granted);
                     if frozen {
                         return None;
                     }
@@ -616,7 +635,7 @@ impl World {
                 fence: Some(w),
                 guards: vec![Guard::RcVersion(w, self.kv.rcs[&w].version)],
                 writes: Vec::new(),
-                grant: (granted > 0).then_some((self.now, grant_id, 0)),
+                charge: 0,
                 writer: Some(w),
                 release_transfer_lock: false,
                 what: format!("f{f} {w:?}: {action:?}"),
@@ -686,12 +705,8 @@ impl World {
                     pend.release_transfer_lock = true;
                 }
             }
-            if let Some(g) = &mut pend.grant {
-                g.2 = removed;
-                // What the write does not remove goes back now (a grant is spent only on what
-                // the write would remove).
-                self.farms[f].budget.refund(grant_id, granted - removed);
-            }
+            // Charged only what the writes remove.
+            pend.charge = removed;
             self.pending.push(pend);
             return Some(format!("f{f} {w:?}: planned {action:?}"));
         }
@@ -876,13 +891,8 @@ impl World {
             leave_old: false,
             roll_delay: Duration::ZERO,
         };
-        let now = at(self.now);
-        let room = crate::failsafe::Budget::room(
-            &mut self.farms[f].budget,
-            now,
-            Duration::from_secs(BUDGET_WINDOW),
-            Some(BUDGET_LIMIT),
-        );
+        // The room the cluster's window has, as the farm reads it now.
+        let room = self.kv.room(self.now);
         let task = self.farms[f].roll_task.clone().unwrap_or_default();
         let o = RollObserved {
             update: &update,
@@ -952,7 +962,7 @@ impl World {
                 Guard::ControlVersion(roll.control_version),
             ],
             writes: Vec::new(),
-            grant: None,
+            charge: 0,
             writer: None,
             release_transfer_lock: false,
             what: String::new(),
@@ -1061,17 +1071,9 @@ impl World {
                 }
             }
             RollAction::RetireOld { old_to, charge } => {
-                let (granted, id) = self.farms[f].budget.take(
-                    now,
-                    Duration::from_secs(BUDGET_WINDOW),
-                    Some(BUDGET_LIMIT),
-                    charge,
-                );
-                if granted < charge {
-                    self.farms[f].budget.refund(id, granted);
-                    return None;
-                }
-                pend.grant = (charge > 0).then_some((self.now, id, charge));
+                // The old RC's lost capacity (the planner capped it to the room it was shown),
+                // charged in the retirement's own transaction.
+                pend.charge = charge;
                 pend.guards.extend([held(roll.old), held(roll.new)]);
                 if let Some(mut o) = rec(self, roll.old) {
                     pend.guards.push(Guard::RcVersion(roll.old, o.version));
@@ -1131,22 +1133,52 @@ impl World {
                 .as_ref()
                 .is_some_and(|r| r.control_version == *v),
         });
-        let f = p.farm;
         if !fenced || !guards_hold {
-            // Refused: its grant goes back (to the budget of the process that planned it).
-            if let Some((_, id, n)) = p.grant
-                && self.farms[f].incarnation == p.incarnation
-            {
-                self.farms[f].budget.refund(id, n);
-            }
+            // Refused: nothing applied, nothing charged.
             return format!(
                 "refused ({}): {}",
                 if fenced { "stale" } else { "fenced" },
                 p.what
             );
         }
+        // The charge, in the same transaction: a `cas` on the window key with the charged
+        // value (a farm whose `cas` loses reads the key again and charges the newer version
+        // while there is room). No room: the whole transaction is refused, as a failed guard
+        // refuses it.
+        let charged = if p.charge == 0 {
+            None
+        } else if self.mutant == Some(Mutant::BlindCharge) {
+            let blind = Settings {
+                max_removals: MaxRemovals::Off,
+                ..budget()
+            };
+            self.kv
+                .window
+                .charge(blind, self.now as i64, p.charge, None)
+                .ok()
+        } else {
+            match self
+                .kv
+                .window
+                .charge(budget(), self.now as i64, p.charge, None)
+            {
+                Ok(w) => Some(w),
+                Err(room) => {
+                    return format!(
+                        "refused (uncharged: {} removals, room {room}): {}",
+                        p.charge, p.what
+                    );
+                }
+            }
+        };
+        let f = p.farm;
         let before = self.kv.clone();
         let index = self.kv.next();
+        if let Some(w) = charged {
+            self.kv.window = w;
+            self.kv.window_version = index;
+            self.removed.push((self.now, f, p.incarnation, p.charge));
+        }
         for wr in &p.writes {
             match wr {
                 Write::SetPod { node, owner } => {
@@ -1190,21 +1222,14 @@ impl World {
         {
             self.kv.mut_lock.remove(&w);
         }
-        if let Some((t, _, n)) = p.grant
-            && n > 0
-        {
-            self.removed
-                .entry((f, p.incarnation))
-                .or_default()
-                .push((t, n));
-        }
         self.check_commit(&before, &p);
         format!("committed: {}", p.what)
     }
 
     /// The promises a commit keeps: only an RC's own task writes its pods (but for the roll's
     /// takeover of given-up pods), no RC raised above its count, no roll's pods up taken below
-    /// its minimum, no farm past its removal budget.
+    /// its minimum, no more counted removals by all farms together within a window than the
+    /// cluster's limit.
     fn check_commit(&mut self, before: &Kv, p: &Pending) {
         if let Some(w) = p.writer {
             for wr in &p.writes {
@@ -1268,17 +1293,25 @@ impl World {
                 ));
             }
         }
-        if let Some(removals) = self.removed.get(&(p.farm, p.incarnation)) {
-            let newest = removals.iter().map(|(t, _)| *t).max().unwrap_or(0);
-            let in_window: u64 = removals
+        // The cluster's limit, from the log of commits (not from the window): every farm and
+        // every process of it together, within the window of BUDGET_WINDOW ticks ending now
+        // (time only goes forward, so checking the window ending at each commit checks every
+        // window).
+        if p.charge > 0 {
+            let recent: Vec<&(u64, usize, u32, u64)> = self
+                .removed
                 .iter()
-                .filter(|(t, _)| newest.saturating_sub(*t) < BUDGET_WINDOW)
-                .map(|(_, n)| n)
-                .sum();
+                .filter(|(t, ..)| self.now - *t < BUDGET_WINDOW)
+                .collect();
+            let in_window: u64 = recent.iter().map(|(.., n)| n).sum();
             if in_window > BUDGET_LIMIT {
+                let by: Vec<String> = recent
+                    .iter()
+                    .map(|(t, f, i, n)| format!("f{f} (process {i}) {n} at tick {t}"))
+                    .collect();
                 self.break_(format!(
-                    "farm {} removed {in_window} pods within {BUDGET_WINDOW} ticks, above its limit of {BUDGET_LIMIT}",
-                    p.farm
+                    "the farms removed {in_window} pods within {BUDGET_WINDOW} ticks ({}), above the cluster's limit of {BUDGET_LIMIT}",
+                    by.join(", ")
                 ));
             }
         }
@@ -1434,9 +1467,9 @@ impl World {
         "handed the roll over".into()
     }
 
-    /// Farm `f` loses its session (`crash`: its process too, and the budget it kept): every
-    /// key the session holds goes (Behavior=delete), its tasks stop; writes it sent may still
-    /// arrive, and are fenced.
+    /// Farm `f` loses its session (`crash`: its process too): every key the session holds goes
+    /// (Behavior=delete), its tasks stop; writes it sent may still arrive, and are fenced. The
+    /// removal window is the cluster's, in the KV: a restart resets nothing of it.
     pub fn lose_session(&mut self, f: usize, crash: bool) {
         let old = self.farms[f].session;
         self.kv.own_lock.retain(|_, s| *s != old);
@@ -1453,7 +1486,6 @@ impl World {
         farm.roll_unheld_since.clear();
         if crash {
             farm.incarnation += 1;
-            farm.budget = crate::failsafe::Budget::default();
         }
     }
 
@@ -1555,6 +1587,12 @@ impl World {
             })
             .collect();
         out.push(nodes.join("; "));
+        out.push(format!(
+            "removal window: {} of {BUDGET_LIMIT} spent at tick {} (version {})",
+            self.kv.window.spent(budget(), self.now as i64),
+            self.now,
+            self.kv.window_version
+        ));
         out.join("\n  ")
     }
 }

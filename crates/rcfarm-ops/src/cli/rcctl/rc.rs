@@ -519,6 +519,23 @@ pub async fn farms(ctx: &Ctx) -> Result<(), CliError> {
         ]);
     }
     t.print();
+    // The cluster's removal window: one for every farm (farms of releases before it keep
+    // their own and do not charge it).
+    if let Ok((Some(kv), _)) = ctx
+        .consul
+        .kv_get(crate::budget::BUDGET_KEY, &Default::default())
+        .await
+    {
+        match crate::budget::Window::parse(kv.value_bytes()) {
+            Ok(w) => println!(
+                "cluster removal window: {}",
+                w.describe(chrono::Utc::now().timestamp())
+            ),
+            Err(e) => println!(
+                "cluster removal window: unreadable ({e}); removals wait: run `rcctl farm release-removals`"
+            ),
+        }
+    }
     if let Some(note) = super::audit::shipping_note(ctx).await {
         println!("{note}");
     }
