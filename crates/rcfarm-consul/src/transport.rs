@@ -70,6 +70,9 @@ impl Raw {
                     .unwrap_or(0),
             ),
             body_len: self.body.len(),
+            date: h("date")
+                .and_then(|d| chrono::DateTime::parse_from_rfc2822(d).ok())
+                .map(|d| d.timestamp()),
         }
     }
 

@@ -182,6 +182,9 @@ pub struct QueryMeta {
     pub last_contact: Duration,
     /// Bytes in the response body: what it cost to send and decode.
     pub body_len: usize,
+    /// The server's wall clock when it answered (its `Date` header, unix seconds), if sent:
+    /// a time every farm reads alike, whatever its own host's clock says.
+    pub date: Option<i64>,
 }
 
 pub(crate) mod b64_opt {

@@ -500,6 +500,12 @@ pub struct Failsafe {
     state: Mutex<State>,
     clock: Clock,
     cluster: Mutex<Cached>,
+    /// The window's time: Consul's clock (the `Date` of the last read of the key, else this
+    /// farm's wall clock at its start) carried forward by this farm's monotonic clock. Every
+    /// farm's buckets are then stamped alike, and a farm whose wall clock is stepped (an hour
+    /// forward or back) neither sees the window emptied nor stamps charges that leave it
+    /// early: (unix seconds, the monotonic instant they were read at).
+    anchor: Mutex<(i64, Instant)>,
     /// This farm's charges go one at a time: each builds its `cas` on the result of the one
     /// before, so the farm's own tasks never make each other's charge fail.
     turn: tokio::sync::Mutex<()>,
@@ -513,11 +519,13 @@ impl Failsafe {
             state: Mutex::default(),
             clock: Clock::system(),
             cluster: Mutex::default(),
+            anchor: Mutex::new((Utc::now().timestamp(), Instant::now())),
             turn: tokio::sync::Mutex::new(()),
         }
     }
 
     pub fn with_clock(mut self, clock: Clock) -> Failsafe {
+        self.anchor = Mutex::new((clock.wall().timestamp(), clock.now()));
         self.clock = clock;
         self
     }
@@ -533,9 +541,10 @@ impl Failsafe {
         }
     }
 
-    /// Wall time in unix seconds: the window key is shared by farms on other hosts.
+    /// The window's time in unix seconds (see `anchor`).
     fn now_s(&self) -> i64 {
-        self.clock.wall().timestamp()
+        let (at, then) = *self.anchor.lock();
+        at + self.clock.now().saturating_duration_since(then).as_secs() as i64
     }
 
     /// The pods the farm serves now: its share of the base of a percentage limit, written
@@ -744,7 +753,10 @@ impl Failsafe {
             consistent: true,
             ..QueryOptions::default()
         };
-        let (kv, _) = consul.kv_get(BUDGET_KEY, &opts).await?;
+        let (kv, meta) = consul.kv_get(BUDGET_KEY, &opts).await?;
+        if let Some(date) = meta.date {
+            *self.anchor.lock() = (date, self.clock.now());
+        }
         self.observe_window(kv.as_ref());
         Ok(())
     }
@@ -1357,6 +1369,31 @@ mod tests {
                 f.commit_charged(&consul, 2, two, &send).await,
                 Err(ChargeError::Held(_))
             ));
+            server.shutdown().await;
+        }
+
+        /// A farm whose wall clock is an hour off (stepped, or started so) stamps its charges
+        /// in Consul's time, as every other farm does: it neither sees the others' removals as
+        /// long gone nor stamps its own to leave the window early.
+        #[tokio::test]
+        async fn a_farm_with_its_clock_off_charges_in_consuls_time() {
+            let (server, consul, _, _) = crate::testing::two_sessions().await;
+            let off = Utc::now() - chrono::Duration::hours(1);
+            let f = Failsafe::new("farm-a", cfg(3)).with_clock(crate::clock::Clock::paused_at(off));
+            let txn = FencedTxn::unfenced().op(TxnOp::set("t/a", b"x".to_vec()));
+            f.commit_charged(&consul, 1, txn, &sender(&consul))
+                .await
+                .unwrap();
+            let (kv, _) = consul
+                .kv_get(BUDGET_KEY, &QueryOptions::default())
+                .await
+                .unwrap();
+            let w = Window::parse(kv.unwrap().value_bytes()).unwrap();
+            let stamped = w.buckets[0].0;
+            assert!(
+                (stamped - Utc::now().timestamp()).abs() < 60,
+                "stamped {stamped}, an hour from the farm's clock"
+            );
             server.shutdown().await;
         }
 
