@@ -869,7 +869,14 @@ pub async fn run(cfg: ChaosConfig) -> Result<ChaosReport, String> {
             .filter(|id| seen.audit_restored_away.contains(id.as_str()))
             .count() as u64;
         r.audit_missing = missing.len() as u64 - r.audit_lost_to_restore;
-        r.retargets_committed = seen.retarget_ids.len() as u64;
+        // RETARGET records a restore took with it unshipped are lost to the restore, as the
+        // other records are (seed 4245101 on a 3-server cluster: 30 of 226).
+        let retargets_restored_away = seen
+            .retarget_ids
+            .iter()
+            .filter(|id| !sql_ids.contains(*id) && seen.audit_restored_away.contains(id.as_str()))
+            .count() as u64;
+        r.retargets_committed = seen.retarget_ids.len() as u64 - retargets_restored_away;
         r.handovers = Some(seen.handovers);
         // Without a commit log the removals are what the window key was charged.
         r.removals = Some((seen.window_charged, seen.window_most));
