@@ -561,8 +561,13 @@ impl Failsafe {
             None => (Ok(Window::default()), 0),
         };
         let mut c = self.cluster.lock();
+        // The farm loop passes the watch's last answer on each look: a version already known
+        // changes nothing (and is not logged again).
+        if c.index() == Some(index) {
+            return;
+        }
         // A key deleted (index 0) after a version we know is news too: the operator wiped it.
-        if c.index().is_none_or(|i| index >= i || index == 0) {
+        if c.index().is_none_or(|i| index > i || index == 0) {
             if let Err(e) = &value {
                 tracing::error!(key = BUDGET_KEY, error = %e, "the cluster's removal window cannot be read: removals wait until `rcctl farm release-removals` writes it anew");
             }
