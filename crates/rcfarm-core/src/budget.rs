@@ -16,16 +16,91 @@
 //! limit shrink with each pod it removes. The limit a charge was made under is written with it
 //! (`limit`): an outside check reads the same number the farm acted on.
 //!
-//! Pure: wall time (unix seconds) is an argument; the farm's side is [`crate::failsafe`].
+//! Pure: wall time (unix seconds) is an argument; the farm's side is [`crate::failsafe`], which
+//! uses this module (never the other way round).
 
 use std::collections::BTreeMap;
+use std::fmt;
+use std::str::FromStr;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-#[cfg(test)]
-use crate::failsafe::MIN_REMOVALS;
-use crate::failsafe::MaxRemovals;
+/// A percentage limit never goes below this many removals per window (a small farm must still
+/// be able to scale down).
+pub const MIN_REMOVALS: u64 = 5;
+
+/// `--max-removals`: a count, a percentage of the pods the farms serve, or `off`: the whole
+/// cluster's limit per window ([`crate::budget`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MaxRemovals {
+    Off,
+    Pods(u64),
+    /// Percent of the pods the farms serve, at least [`MIN_REMOVALS`].
+    Percent(u64),
+}
+
+impl Default for MaxRemovals {
+    fn default() -> Self {
+        MaxRemovals::Percent(20)
+    }
+}
+
+impl MaxRemovals {
+    /// The most removals per window for farms serving `served` pods (`None`: no limit).
+    pub fn limit(self, served: u64) -> Option<u64> {
+        match self {
+            MaxRemovals::Off => None,
+            MaxRemovals::Pods(n) => Some(n),
+            MaxRemovals::Percent(p) => Some((served.saturating_mul(p) / 100).max(MIN_REMOVALS)),
+        }
+    }
+}
+
+impl FromStr for MaxRemovals {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let s = s.trim();
+        let bad = || {
+            format!(
+                "{s:?}: give a number of pods (20), a percentage of the pods the farms serve (20%), or off"
+            )
+        };
+        if s.eq_ignore_ascii_case("off") {
+            return Ok(MaxRemovals::Off);
+        }
+        let zero = || {
+            format!(
+                "{s:?}: a farm allowed no removal could never scale down or roll; give at least 1 (or 1%), or off"
+            )
+        };
+        if let Some(p) = s.strip_suffix('%') {
+            let p: u64 = p.trim().parse().map_err(|_| bad())?;
+            if p == 0 {
+                return Err(zero());
+            }
+            if p > 100 {
+                return Err(format!("{s:?}: a percentage is at most 100%"));
+            }
+            return Ok(MaxRemovals::Percent(p));
+        }
+        match s.parse::<u64>().map_err(|_| bad())? {
+            0 => Err(zero()),
+            n => Ok(MaxRemovals::Pods(n)),
+        }
+    }
+}
+
+impl fmt::Display for MaxRemovals {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            MaxRemovals::Off => write!(f, "off"),
+            MaxRemovals::Pods(n) => write!(f, "{n}"),
+            MaxRemovals::Percent(p) => write!(f, "{p}%"),
+        }
+    }
+}
 
 /// The one key every farm charges.
 pub const BUDGET_KEY: &str = "rcfarm/removals/window";
