@@ -350,6 +350,16 @@ impl Window {
         )
     }
 
+    /// Removals charged since `before` (an earlier version of the record): what its buckets
+    /// grew by. Buckets only grow, or leave once they no longer count.
+    pub fn charged_since(&self, before: &Window) -> u64 {
+        let was: BTreeMap<i64, u64> = before.buckets.iter().copied().collect();
+        self.buckets
+            .iter()
+            .map(|(b, n)| n.saturating_sub(was.get(b).copied().unwrap_or(0)))
+            .sum()
+    }
+
     /// The record after an operator's release: every bucket emptied.
     pub fn release(&self, by: &str, now: i64) -> Window {
         let mut w = self.clone();

@@ -275,16 +275,13 @@ impl State {
             return;
         };
         let last = self.window.take().unwrap_or_default();
-        if w.released == last.released {
-            let was: BTreeMap<i64, u64> = last.buckets.iter().copied().collect();
-            self.report.window_charged += w
-                .buckets
-                .iter()
-                .map(|(b, n)| n.saturating_sub(was.get(b).copied().unwrap_or(0)))
-                .sum::<u64>();
+        // After a release, everything the key holds was charged since it.
+        let since = if w.released == last.released {
+            last
         } else {
-            self.report.window_charged += w.buckets.iter().map(|b| b.1).sum::<u64>();
-        }
+            crate::budget::Window::default()
+        };
+        self.report.window_charged += w.charged_since(&since);
         if let Some(st) = w.recorded_settings() {
             // Judged at the newest charge's bucket: the key as its last writer saw it.
             let at = w.buckets.last().map_or(0, |b| b.0);

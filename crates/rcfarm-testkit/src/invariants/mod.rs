@@ -660,14 +660,7 @@ impl Observer {
             .get(crate::budget::BUDGET_KEY)
             .and_then(|v| crate::budget::Window::parse(v).ok())
             .unwrap_or_default();
-        let was: HashMap<i64, u64> = before.buckets.iter().copied().collect();
-        Some(
-            after
-                .buckets
-                .iter()
-                .map(|(b, n)| n.saturating_sub(was.get(b).copied().unwrap_or(0)))
-                .sum(),
-        )
+        Some(after.charged_since(&before))
     }
 
     /// Counts the removals one commit makes (before it is applied: it compares with what the
