@@ -7,7 +7,7 @@
 //! - `rcfarm-server`: the embedded Consul-compatible server ([`server`]); the client's wire
 //!   types only.
 //! - `rcfarm-core`: the domain ([`labels`], [`audit`], [`rc`], [`health`], [`scheduler`],
-//!   [`failsafe`], [`budget`], [`task`], [`clock`]) and the farm ([`rctask`], [`roll`], [`farm`]).
+//!   [`failsafe`], [`budget`], [`freshness`], [`task`], [`clock`]) and the farm ([`rctask`], [`roll`], [`farm`]).
 //! - `rcfarm-testkit`: [`chaos`], [`invariants`], [`simulator`]; used by tests and by
 //!   `rcfarm chaos|bench|simulate-nodes`, never by the product.
 //! - `rcfarm-ops`: [`api`], [`overview`], [`cli`].
@@ -18,7 +18,8 @@
 pub use rcfarm_consul as consul;
 pub use rcfarm_consul::util;
 pub use rcfarm_core::{
-    audit, budget, clock, failsafe, farm, health, labels, rc, rctask, roll, scheduler, task,
+    audit, budget, clock, failsafe, farm, freshness, health, labels, rc, rctask, roll, scheduler,
+    task,
 };
 pub use rcfarm_ops::{api, cli, overview};
 pub use rcfarm_server as server;

@@ -15,6 +15,7 @@ mod converge;
 mod failover;
 mod failsafe;
 mod fence;
+mod freshness;
 mod harness;
 mod history;
 mod mixed;

@@ -4,7 +4,7 @@
 //!
 //! Depends on the Consul client crate (`rcfarm-consul`) only; its unit tests start the embedded
 //! server (`rcfarm-server`, a dev-dependency). Layers inside, lowest first: `labels`, `audit`,
-//! `rc`, `health`, `scheduler`, `failsafe`, `task` (and `clock`, time as an input, used by all); then `rctask`, `roll`, `farm`.
+//! `rc`, `health`, `scheduler`, `failsafe`, `task`, `freshness` (pure) (and `clock`, time as an input, used by all); then `rctask`, `roll`, `farm`.
 
 // The client crate under the names the modules have always used.
 use rcfarm_consul as consul;
@@ -17,6 +17,7 @@ pub mod budget;
 pub mod clock;
 pub mod failsafe;
 pub mod farm;
+pub mod freshness;
 pub mod health;
 pub mod labels;
 pub mod rc;

@@ -216,6 +216,9 @@ struct Views {
     roll_locks: Watch<Vec<KvPair>>,
     rc_labels: Arc<LabelCache>,
     nodes: Arc<LabelCache>,
+    /// Keeps the node tree read after every change as before, while letting a decision ask
+    /// for a read sent now (`crate::freshness`: a removal from a node view behind the RC write).
+    _nodes_every_change: FastGuard,
     pods: Arc<LabelCache>,
     health: Arc<HealthCache>,
     /// This farm's release key (`rcctl farm release-removals`).
@@ -359,6 +362,7 @@ impl Farm {
         w.readers = Some(self.readers.clone());
         w.regressions = Some(self.store_regressions.clone());
         let pod_demand = Demand::new(cfg.consistency_interval);
+        let node_demand = Demand::new(cfg.consistency_interval);
         // The pool scheduler counts every pod on a node, whoever wrote it.
         let pool = cfg.pool_scheduler();
         let _pool_reads_every_change = pool.then(|| pod_demand.fast());
@@ -389,7 +393,12 @@ impl Farm {
                 LabelType::ReplicationController,
                 w.clone(),
             )),
-            nodes: Arc::new(LabelCache::spawn(&self.consul, LabelType::Node, w.clone())),
+            nodes: Arc::new(LabelCache::spawn(
+                &self.consul,
+                LabelType::Node,
+                w.clone().on_demand(node_demand.clone()),
+            )),
+            _nodes_every_change: node_demand.fast(),
             // Read on demand: this farm's own pod writes are applied as it commits them, so
             // it reads the whole tree only when it takes RCs over from another session, while
             // rolling updates run, when a write finds a label changed behind its back, and
@@ -468,6 +477,7 @@ impl Farm {
                 consul: self.consul.clone(),
                 farm_id: cfg.farm_id.clone(),
                 pods: views.pods.clone(),
+                nodes: views.nodes.clone(),
                 health: views.health.clone(),
                 scheduler: scheduler.clone(),
                 intents: Arc::new(IntentView::default()),

@@ -2,6 +2,7 @@
 //! split as kube-runtime does it: a pure [`plan`] from what is observed, and a worker that
 //! applies plans in fenced transactions.
 
+mod cut;
 pub mod intents;
 mod outcome;
 pub mod plan;

@@ -66,6 +66,9 @@ pub struct TaskContext {
     pub consul: Consul,
     pub farm_id: String,
     pub pods: Arc<LabelCache>,
+    /// The node label tree the scheduler reads, for its index and a read sent on demand
+    /// before a decision that needs it current (`crate::freshness`).
+    pub nodes: Arc<LabelCache>,
     pub health: Arc<HealthCache>,
     pub scheduler: Arc<dyn Scheduler>,
     pub intents: Arc<IntentView>,
@@ -159,6 +162,7 @@ pub fn spawn(
             held: (false, false),
             backoff: Backoff::new(Duration::from_millis(200), Duration::from_secs(30)),
             unmet_backoff: Backoff::new(Duration::from_millis(200), Duration::from_secs(5)),
+            nodes_read_for: 0,
         };
         // `run` borrows the worker where this block keeps it: an `async fn` that takes `self`
         // by value holds two copies of it in its state (the argument and the moved-in local,
@@ -210,6 +214,9 @@ pub(super) struct Worker {
     /// Paces passes while desires cannot be met (too few nodes): short, and skipped when the
     /// RC itself changes, so an operator's fix is acted on at once.
     pub(super) unmet_backoff: Backoff,
+    /// The newest RC version the node label tree was read for (a read sent after the task
+    /// held that version): `crate::freshness`'s `read_for` of the node view.
+    pub(super) nodes_read_for: u64,
 }
 
 /// A pass's result, with the RC version it was made for.
@@ -393,16 +400,6 @@ impl Worker {
     /// the desires are unmet.
     pub(super) async fn pass(&mut self, rc: &Rc) -> Result<Pass, TaskError> {
         let started = self.ctx.clock.now();
-        // Pods another session may have written must be known before planning: a plan from a
-        // view without them would schedule more pods than the RC wants.
-        let ticket = self.ctx.pod_tickets.lock().get(&self.id).copied();
-        if let Some(t) = ticket {
-            self.ctx.pods_fresh(t, Duration::from_secs(30)).await?;
-            let mut tickets = self.ctx.pod_tickets.lock();
-            if tickets.get(&self.id) == Some(&t) {
-                tickets.remove(&self.id);
-            }
-        }
         self.ctx.status.update_rc(self.id, &self.ctx.farm_id, |s| {
             s.set_condition("Invalid", None)
         });
@@ -437,6 +434,11 @@ impl Worker {
                 o.transfer_frozen = frozen_by.clone();
             }
             let p = plan(&o);
+            // Every decision (nothing to do included) from views current to the RC version it
+            // acts on: one behind is read first, and the plan made again (`crate::freshness`).
+            if self.read_stale_views(rc, p.actions.first()).await? {
+                continue;
+            }
             // Applying needs only the current pods; do not hold every eligible node's name
             // across the writes (thousands of RCs do this at once when a farm starts).
             o.eligible = NodeSet::default();

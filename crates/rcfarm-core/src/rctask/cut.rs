@@ -1,0 +1,109 @@
+//! The RC task's side of [`crate::freshness`]: before it applies the first action of a plan,
+//! it asks the rule which views that decision needs current to the RC version it acts on, and
+//! reads those again first (then plans again from them).
+
+use std::time::Duration;
+
+use super::outcome::TaskError;
+use super::plan::Action;
+use super::worker::Worker;
+use crate::freshness::{Decision, Seen, View, stale_views};
+use crate::rc::Rc;
+
+/// How long a decision waits for a read of a view it needs before the pass fails (and is
+/// retried with backoff): a whole tree's read, queued behind the watch's pace.
+const READ_LIMIT: Duration = Duration::from_secs(30);
+
+/// What kind of decision a plan's first action is, for the rules (none: nothing to do).
+fn decision_of(action: Option<&Action>) -> Decision {
+    let Some(action) = action else {
+        return Decision::Idle;
+    };
+    match action {
+        Action::Schedule(_) | Action::Allocate(_) | Action::Repair(_) => Decision::Place,
+        Action::Unschedule(_) | Action::Replace(_) => Decision::Remove,
+        Action::StartTransfer { .. } => Decision::Transfer,
+        Action::CompleteTransfer | Action::RollbackTransfer(_) => Decision::EndTransfer,
+    }
+}
+
+impl Worker {
+    /// What the task knows of each view `action` reads.
+    fn seen(&self, rc: &Rc) -> [Seen; 3] {
+        [
+            Seen::new(View::RcRecord, rc.modify_index),
+            Seen {
+                // Above the RC's version only if Consul's index went back (a restored
+                // server): a read made for the old store's index says nothing of the new one.
+                read_for: if self.nodes_read_for > rc.modify_index {
+                    0
+                } else {
+                    self.nodes_read_for
+                },
+                ..Seen::new(View::NodeLabels, self.ctx.nodes.index())
+            },
+            Seen {
+                owed: self.ctx.pod_tickets.lock().contains_key(&self.id),
+                ..Seen::new(View::PodLabels, self.ctx.pods.index())
+            },
+        ]
+    }
+
+    /// Reads the views the decision to take `first` (a plan's first action; none: nothing to
+    /// do) needs and the task's are behind on. `true`: something was read, and the plan must
+    /// be made again from it.
+    pub(super) async fn read_stale_views(
+        &mut self,
+        rc: &Rc,
+        first: Option<&Action>,
+    ) -> Result<bool, TaskError> {
+        let decision = decision_of(first);
+        let stale = stale_views(decision, rc.modify_index, &self.seen(rc));
+        if stale.is_empty() {
+            return Ok(false);
+        }
+        tracing::debug!(
+            ?decision,
+            ?stale,
+            version = rc.modify_index,
+            "reading views behind the RC before deciding"
+        );
+        for view in stale {
+            match view {
+                View::NodeLabels => {
+                    if let Some(d) = self.ctx.nodes.demand() {
+                        // A read sent after now sees every change committed before the RC
+                        // version this task holds (it was read before now).
+                        let ticket = d.urge();
+                        tokio::time::timeout(READ_LIMIT, d.fresh(ticket))
+                            .await
+                            .map_err(|_| {
+                                TaskError::Other(format!(
+                                    "the node label tree was not read again within {READ_LIMIT:?}"
+                                ))
+                            })?;
+                    }
+                    self.nodes_read_for = self.nodes_read_for.max(rc.modify_index);
+                    metrics::counter!("rcfarm_decision_reads_total", "view" => view.name())
+                        .increment(1);
+                }
+                View::PodLabels => {
+                    let ticket = self.ctx.pod_tickets.lock().get(&self.id).copied();
+                    if let Some(t) = ticket {
+                        self.ctx.pods_fresh(t, READ_LIMIT).await?;
+                        let mut tickets = self.ctx.pod_tickets.lock();
+                        if tickets.get(&self.id) == Some(&t) {
+                            tickets.remove(&self.id);
+                        }
+                    }
+                    metrics::counter!("rcfarm_decision_reads_total", "view" => view.name())
+                        .increment(1);
+                }
+                // The record is the change itself; the lock tree is no input of an RC task's
+                // plan (its mutation locks are guarded at commit).
+                View::RcRecord | View::Locks => {}
+            }
+        }
+        Ok(true)
+    }
+}
