@@ -218,6 +218,10 @@ impl Farm {
 
     /// Decides what to claim and release, starts and stops tasks, and hands RCs their updates.
     /// Returns the RCs it took over that another session may have written pods for.
+    ///
+    /// Gather (the views, the claim inputs), decide (which claims must wait for a read of the
+    /// pod labels: `crate::freshness`'s `SinceTakeover`), apply (claims, releases, tasks),
+    /// then report. Each step is a function of its own below.
     #[allow(clippy::too_many_arguments)]
     pub(super) async fn reconcile_rcs(
         &self,
@@ -229,39 +233,66 @@ impl Farm {
         ev_tx: &mpsc::UnboundedSender<TaskEvent>,
         locks_tx: &LocksTx,
     ) -> Vec<RcId> {
-        let (Some(keys), Some(listing)) = (views.rc_keys.latest(), views.records.latest()) else {
+        // Gather.
+        let Some(g) = Gathered::from(views) else {
             return Vec::new();
         };
-        let Some(locks) = views.locks.latest() else {
-            return Vec::new();
-        };
-        let Some(farm_snap) = views.farms.latest() else {
-            return Vec::new();
-        };
-        let sid = session.id();
-        {
-            let mut seen = self.garbage_locks_reported.lock();
-            // Only what is still there stays reported (a key removed and written again is
-            // reported again).
-            seen.rcs.retain(|k| locks.garbage.contains(k));
-            let seen = &mut seen.rcs;
-            for key in &locks.garbage {
-                if seen.insert(key.clone()) {
-                    tracing::warn!(%key, "a key under the lock prefix is not an RC lock; ignoring it");
-                }
-            }
+        self.report_garbage_locks(&g.locks);
+        publish_locks(locks_tx, &g.locks, owned);
+        self.report_invalid_rcs(&g.listing).await;
+        let (inputs, inputs_changed) = self.claim_inputs_for(&g, views, session, info, owned);
+        // Decide which claims wait for the pod labels.
+        let pod_demand = views.pods.demand().cloned();
+        if let Some(d) = &pod_demand {
+            self.after_store_regression(views, ctx, owned, d);
         }
-        if locks_tx.borrow().index != locks.index {
-            let old = locks_tx.send_replace(locks.clone());
-            for (id, t) in &owned.tasks {
-                if old.mutation(*id) != locks.mutation(*id)
-                    || old.node_transfer(*id) != locks.node_transfer(*id)
-                {
-                    t.wake();
-                }
-            }
+        let owed = match &pod_demand {
+            Some(d) => self.pods_owed(&g, &inputs, ctx, owned, d),
+            None => BTreeSet::new(),
+        };
+        // Apply.
+        let claimed = self
+            .apply_claims(&g, &inputs, views, session, ctx, owned, ev_tx)
+            .await;
+        let listing = views.records.latest().unwrap_or_else(|| g.listing.clone());
+        if inputs_changed || !claimed.is_empty() {
+            self.keep_pods_of(&listing, &inputs, owned);
         }
+        if let Some(d) = &pod_demand {
+            self.settle_pods_owed(&owed, &claimed, ctx, owned, d);
+        }
+        // A ticket is for a task's next pass: one of an RC this farm no longer serves (deleted,
+        // handed over, fenced before its pass) would be kept for ever.
+        ctx.pod_tickets
+            .lock()
+            .retain(|id, _| owned.tasks.contains_key(id) || claimed.contains(id));
+        self.release_stray_mutation_locks(session.id(), stray_mutation_locks(&inputs, owned))
+            .await;
+        // Report.
+        self.publish_ownership(&inputs, &listing, owned);
+        claimed
+            .iter()
+            .filter(|id| pod_demand.is_none() || owed.contains(*id))
+            .copied()
+            .collect()
+    }
 
+    /// Logs each key under the lock prefix that is not an RC lock, once while it is there.
+    fn report_garbage_locks(&self, locks: &LockView) {
+        let mut seen = self.garbage_locks_reported.lock();
+        // Only what is still there stays reported (a key removed and written again is
+        // reported again).
+        seen.rcs.retain(|k| locks.garbage.contains(k));
+        let seen = &mut seen.rcs;
+        for key in &locks.garbage {
+            if seen.insert(key.clone()) {
+                tracing::warn!(%key, "a key under the lock prefix is not an RC lock; ignoring it");
+            }
+        }
+    }
+
+    /// Reports the RC keys that name no RC (each once, audited).
+    async fn report_invalid_rcs(&self, listing: &RcListing) {
         self.report_unclaimable(
             crate::rc::RC_PREFIX,
             "RC",
@@ -280,151 +311,172 @@ impl Farm {
                 .collect(),
         )
         .await;
+    }
 
+    /// The claim inputs for what `g` shows, and whether they were computed anew: ticks and
+    /// events that changed none of their inputs do not compute the assignment of 20,000 RCs
+    /// again (it was most of an idle farm's CPU).
+    fn claim_inputs_for(
+        &self,
+        g: &Gathered,
+        views: &Views,
+        session: &Session,
+        info: &FarmInfo,
+        owned: &OwnedRcs,
+    ) -> (Arc<ClaimInputs>, bool) {
         // What this farm holds beyond what the lock tree showed (claims since its last read).
-        let mine_now = RcId::digest(owned.tasks.keys());
         let key = (
-            keys.index,
+            g.keys.index,
             views.rc_labels.index(),
-            farm_snap.index,
-            locks.index,
-            sid.to_string(),
-            mine_now,
+            g.farms.index,
+            g.locks.index,
+            session.id().to_string(),
+            RcId::digest(owned.tasks.keys()),
         );
-        let mut inputs_changed = false;
-        let inputs = {
-            let cached = self.claim_inputs.lock().clone();
-            match cached {
-                // Ticks and events that changed none of its inputs: the assignment of 20,000
-                // RCs is not computed again (it was most of an idle farm's CPU).
-                Some(c) if c.key == key => c,
-                _ => {
-                    inputs_changed = true;
-                    let c = Arc::new(claim_inputs(
-                        key,
-                        &keys,
-                        &listing,
-                        views,
-                        &locks,
-                        &farm_snap.value,
-                        info,
-                        &self.config.rc_selector,
-                        owned.tasks.keys(),
-                    ));
-                    *self.claim_inputs.lock() = Some(c.clone());
-                    c
-                }
-            }
-        };
-        let (all_ids, assignment, owners, farms) = (
-            &inputs.all,
-            &inputs.assignment,
-            &inputs.owners,
-            &inputs.farms,
-        );
-        let matching: &BTreeSet<RcId> = &inputs.matching;
-        let cap = assignment
-            .cap
-            .get(&self.config.farm_id)
-            .copied()
-            .unwrap_or(0);
-        // Tickets for the RCs that would need a read of the pod label tree if claimed now.
-        let pod_demand = views.pods.demand().cloned();
-        // A watch was answered with an older state than it had seen: Consul restored from a
-        // backup or emptied (or a new leader replaying its log, which costs one read). The
-        // watches of the RC tree and of the pod label tree each take in a store gone back on
-        // their own, seconds apart (each holds an older answer back for its grace, or until
-        // the restored store's index passes the one it held), so a task handed the restored RC
-        // record could plan it against the pods as they were before, and its writes pass every
-        // check the restored store makes: the record's index is the restored one, a pod on a
-        // node the old view shows empty is created. (The restore chaos: an RC scaled down
-        // after the backup got its 3 replicas and 3 pods back, and its farm, still seeing
-        // none, wrote 3 more.) So before the tasks are handed what the RC watch now says
-        // (below), every task's next plan and every claim's first waits for a read of the pod
-        // labels sent from now on, and that read is believed over our own earlier writes.
-        let regressions = self.store_regressions.count();
-        if let Some(d) = &pod_demand
-            && self.regressions_acted.swap(regressions, Ordering::SeqCst) != regressions
+        if let Some(c) = self.claim_inputs.lock().clone()
+            && c.key == key
         {
-            views.pods.forget_all_own();
-            let ticket = d.urge();
-            self.pod_freshness.lock().pending = Some(ticket);
-            let mut tickets = ctx.pod_tickets.lock();
-            for id in owned.tasks.keys() {
-                tickets.insert(*id, ticket);
-            }
-            tracing::warn!(
-                "Consul answered with an older state than seen (restored, emptied, or a new leader replaying its log): every RC's next plan waits for a fresh read of the pod labels"
-            );
+            return (c, false);
         }
-        let candidates: BTreeSet<RcId> = match &pod_demand {
-            Some(d) => {
-                let mut f = self.pod_freshness.lock();
-                // Holders change only with the lock view (not with each claim or listing).
-                if f.foreign_at != Some(locks.index) {
-                    f.foreign.extend(inputs.theirs.iter().copied());
-                    f.foreign_at = Some(locks.index);
+        let c = Arc::new(claim_inputs(
+            key,
+            &g.keys,
+            &g.listing,
+            views,
+            &g.locks,
+            &g.farms.value,
+            info,
+            &self.config.rc_selector,
+            owned.tasks.keys(),
+        ));
+        *self.claim_inputs.lock() = Some(c.clone());
+        (c, true)
+    }
+
+    /// A watch was answered with an older state than it had seen: Consul restored from a
+    /// backup or emptied (or a new leader replaying its log, which costs one read). The
+    /// watches of the RC tree and of the pod label tree each take in a store gone back on
+    /// their own, seconds apart (each holds an older answer back for its grace, or until the
+    /// restored store's index passes the one it held), so a task handed the restored RC record
+    /// could plan it against the pods as they were before, and its writes pass every check the
+    /// restored store makes: the record's index is the restored one, a pod on a node the old
+    /// view shows empty is created. (The restore chaos: an RC scaled down after the backup got
+    /// its 3 replicas and 3 pods back, and its farm, still seeing none, wrote 3 more.) So
+    /// before the tasks are handed what the RC watch now says, every task's next plan and
+    /// every claim's first waits for a read of the pod labels sent from now on, and that read
+    /// is believed over our own earlier writes.
+    fn after_store_regression(
+        &self,
+        views: &Views,
+        ctx: &TaskContext,
+        owned: &OwnedRcs,
+        demand: &Demand,
+    ) {
+        let regressions = self.store_regressions.count();
+        if self.regressions_acted.swap(regressions, Ordering::SeqCst) == regressions {
+            return;
+        }
+        views.pods.forget_all_own();
+        let ticket = demand.urge();
+        self.pod_freshness.lock().pending = Some(ticket);
+        let mut tickets = ctx.pod_tickets.lock();
+        for id in owned.tasks.keys() {
+            tickets.insert(*id, ticket);
+        }
+        tracing::warn!(
+            "Consul answered with an older state than seen (restored, emptied, or a new leader replaying its log): every RC's next plan waits for a fresh read of the pod labels"
+        );
+    }
+
+    /// The RCs that would need a read of the pod label tree if claimed now (another session
+    /// may have written their pods), each given a ticket for that read, their pods kept by the
+    /// cache from now on.
+    fn pods_owed(
+        &self,
+        g: &Gathered,
+        inputs: &ClaimInputs,
+        ctx: &TaskContext,
+        owned: &OwnedRcs,
+        demand: &Demand,
+    ) -> BTreeSet<RcId> {
+        let mut f = self.pod_freshness.lock();
+        // Holders change only with the lock view (not with each claim or listing).
+        if f.foreign_at != Some(g.locks.index) {
+            f.foreign.extend(inputs.theirs.iter().copied());
+            f.foreign_at = Some(g.locks.index);
+        }
+        f.foreign.extend(owned.refused().copied());
+        f.pending = f.pending.filter(|t| !demand.is_fresh(*t));
+        // Free locks, and ours without a task: a lock our session holds that this farm serves
+        // no task for is taken up as if claimed (a store restored from a backup hands back
+        // locks we gave up since, of RCs whose pods the cache stopped keeping when another
+        // farm took them: planned from that view, the RC's pods were not there, and one was
+        // scheduled twice).
+        let owed: BTreeSet<RcId> = inputs
+            .held
+            .unheld
+            .iter()
+            .chain(&inputs.held.ours)
+            .filter(|id| !owned.tasks.contains_key(*id))
+            .filter(|id| {
+                f.pending.is_some()
+                    || f.foreign.contains(*id)
+                    // Another RC of its pod id is held elsewhere (a rolling update's old RC):
+                    // the pods it may take over are not in the cache.
+                    || g
+                        .listing
+                        .rcs
+                        .get(id)
+                        .is_some_and(|rc| inputs.foreign_pod_ids.contains(rc.pod_id()))
+            })
+            .copied()
+            .collect();
+        drop(f);
+        if !owed.is_empty() {
+            // Their pods are kept from now on, before the ticket is taken: the read their
+            // tasks wait for must be folded with them wanted. A read already in flight (a
+            // pending ticket's, or one started by the last claims) may be folded before this
+            // reconcile updates the interest, leaving them out; their tasks then planned
+            // without their pods and every write was refused (1,800-2,000 passes per farm
+            // when a SIGTERMed farm handed 6,666 RCs over).
+            let mut interest = self.pod_interest.write();
+            for id in &owed {
+                interest.foreign.remove(id);
+                if let Some(rc) = g.listing.rcs.get(id) {
+                    interest.pod_ids.insert(rc.pod_id().to_string());
                 }
-                f.foreign.extend(owned.refused().copied());
-                f.pending = f.pending.filter(|t| !d.is_fresh(*t));
-                // Free locks, and ours without a task: a lock our session holds that this
-                // farm serves no task for is taken up as if claimed (a store restored from a
-                // backup hands back locks we gave up since, of RCs whose pods the cache
-                // stopped keeping when another farm took them: planned from that view, the
-                // RC's pods were not there, and one was scheduled twice).
-                let c: BTreeSet<RcId> = inputs
-                    .held
-                    .unheld
-                    .iter()
-                    .chain(&inputs.held.ours)
-                    .filter(|id| !owned.tasks.contains_key(*id))
-                    .filter(|id| {
-                        f.pending.is_some()
-                            || f.foreign.contains(*id)
-                            // Another RC of its pod id is held elsewhere (a rolling update's
-                            // old RC): the pods it may take over are not in the cache.
-                            || listing
-                                .rcs
-                                .get(id)
-                                .is_some_and(|rc| inputs.foreign_pod_ids.contains(rc.pod_id()))
-                    })
-                    .copied()
-                    .collect();
-                drop(f);
-                if !c.is_empty() {
-                    // Their pods are kept from now on, before the ticket is taken: the read
-                    // their tasks wait for must be folded with them wanted. A read already in
-                    // flight (a pending ticket's, or one started by the last claims) may be
-                    // folded before this reconcile updates the interest below, leaving them
-                    // out; their tasks then planned without their pods and every write was
-                    // refused (1,800-2,000 passes per farm when a SIGTERMed farm handed
-                    // 6,666 RCs over).
-                    let mut interest = self.pod_interest.write();
-                    for id in &c {
-                        interest.foreign.remove(id);
-                        if let Some(rc) = listing.rcs.get(id) {
-                            interest.pod_ids.insert(rc.pod_id().to_string());
-                        }
-                    }
-                }
-                // Not an earlier pending ticket: its read may have been sent already. A
-                // later one also follows whatever made it pending.
-                let ticket = d.next_ticket();
-                let mut tickets = ctx.pod_tickets.lock();
-                for id in &c {
-                    tickets.insert(*id, ticket);
-                }
-                c
             }
-            None => BTreeSet::new(),
-        };
+        }
+        // Not an earlier pending ticket: its read may have been sent already. A later one
+        // also follows whatever made it pending.
+        let ticket = demand.next_ticket();
+        let mut tickets = ctx.pod_tickets.lock();
+        for id in &owed {
+            tickets.insert(*id, ticket);
+        }
+        owed
+    }
+
+    /// Claims what is assigned and free, starts a task per RC held, hands over what is over
+    /// the farm's share (`ownership::Owned`). Returns what it claimed.
+    #[allow(clippy::too_many_arguments)]
+    async fn apply_claims(
+        &self,
+        g: &Gathered,
+        inputs: &ClaimInputs,
+        views: &Views,
+        session: &Session,
+        ctx: &Arc<TaskContext>,
+        owned: &mut OwnedRcs,
+        ev_tx: &mpsc::UnboundedSender<TaskEvent>,
+    ) -> BTreeSet<RcId> {
         let view = ClaimView {
-            all: all_ids,
-            matching,
-            assignment,
-            holders: owners,
+            all: &inputs.all,
+            matching: &inputs.matching,
+            assignment: &inputs.assignment,
+            holders: &inputs.owners,
             held: Some(&inputs.held),
-            lock_index: locks.index,
+            lock_index: g.locks.index,
             // Not the view's own time: an answer equal to the last one leaves the view as it
             // was, yet says it is still current (a refused claim, or a grace period, waits for
             // such an answer).
@@ -435,14 +487,16 @@ impl Farm {
             lock_reads: Some(&self.lock_demand),
             // The records' own index: a read that failed leaves it behind the keys', so the
             // tasks are handed their records once a read succeeds.
-            listing_index: listing.index,
+            listing_index: g.listing.index,
             // A claim of an RC deleted meanwhile is harmless: its task is told, and gives the
             // lock back.
             guard: &|_| None,
         };
         let records = &views.records;
+        let keys = &g.keys;
+        let sid = session.id();
         let serving: BTreeSet<RcId> = owned.tasks.keys().copied().collect();
-        let claimed = owned
+        owned
             .reconcile_with(
                 &self.claim_farm(session),
                 &view,
@@ -454,96 +508,87 @@ impl Farm {
                         sid.clone(),
                         session.lost(),
                         id,
-                        rc_state(&keys, &listing, id).unwrap_or(RcState::Deleted),
+                        rc_state(keys, &listing, id).unwrap_or(RcState::Deleted),
                         ev_tx.clone(),
                     )
                 },
                 |id| {
                     let listing = records.latest()?;
                     Some((
-                        rc_state(&keys, &listing, id)?,
+                        rc_state(keys, &listing, id)?,
                         listing.record(&id)?.modify_index(),
                     ))
                 },
-                |ids| self.prepare_records(views, &keys, serving, ids),
+                |ids| self.prepare_records(views, keys, serving, ids),
             )
-            .await;
-        let listing = views.records.latest().unwrap_or(listing);
-        if inputs_changed || !claimed.is_empty() {
-            // Before any read of the pod labels these claims ask for: the new RCs' pods (and
-            // their pod ids') are to be kept.
-            let pod_ids: HashSet<String> = owned
-                .tasks
-                .keys()
-                .filter_map(|id| listing.rcs.get(id))
-                .map(|rc| rc.pod_id().to_string())
-                .collect();
-            let mut interest = self.pod_interest.write();
-            interest.pod_ids = pod_ids;
-            interest.foreign = inputs.theirs.clone();
-        }
-        // RCs taken over from another session: their intents are swept soon too. New RCs
-        // have none to sweep (a sweep lists every intent: 100,000 of them were most of what a
-        // farm read while claiming, and its peak memory).
-        if let Some(d) = &pod_demand
-            && !candidates.is_empty()
-        {
-            // Claimed, or a lock of ours taken up: its task waits for the read.
-            let started: Vec<RcId> = candidates
-                .iter()
-                .filter(|id| owned.tasks.contains_key(*id))
-                .copied()
-                .collect();
-            if !started.is_empty() {
-                d.urge();
-            }
-            let mut f = self.pod_freshness.lock();
-            for id in claimed.iter().chain(&started) {
-                f.foreign.remove(id);
-            }
-            let mut tickets = ctx.pod_tickets.lock();
-            for id in candidates
-                .iter()
-                .filter(|id| !owned.tasks.contains_key(*id))
-            {
-                tickets.remove(id);
-            }
-        }
-        // A ticket is for a task's next pass: one of an RC this farm no longer serves (deleted,
-        // handed over, fenced before its pass) would be kept for ever.
-        ctx.pod_tickets
-            .lock()
-            .retain(|id, _| owned.tasks.contains_key(id) || claimed.contains(id));
+            .await
+            .into_iter()
+            .collect()
+    }
 
-        // A mutation lock our session holds on an RC we do not serve would stop its owner from
-        // ever moving a pod (it waits for "another session"). It happens when a task is stopped
-        // mid-transfer (handover, fencing, deletion), when the release request is lost, or when
-        // an acquire sent by a task just stopped lands late; the lock tree's change brings us
-        // back here. The transfer itself, if one is in flight, is resumed by the owner.
-        let stray: Vec<(RcId, String)> = inputs
-            .our_mutations
-            .iter()
-            .filter_map(|(id, v)| {
-                let ours_for_transfer = *v == id.node_transfer_holder();
-                // A rolling update's lock is the roll farm's business; any other value under
-                // our session (a late request of a stopped task, an older version) is stray.
-                let stray = if ours_for_transfer {
-                    !owned.tasks.contains_key(id)
-                } else {
-                    !v.starts_with(crate::roll::ROLL_HOLDER_PREFIX)
-                };
-                stray.then(|| (*id, v.clone()))
-            })
+    /// The pods the cache keeps: those of the pod ids this farm serves, not those of RCs
+    /// another session holds. Updated before any read the claims ask for.
+    fn keep_pods_of(&self, listing: &RcListing, inputs: &ClaimInputs, owned: &OwnedRcs) {
+        let pod_ids: HashSet<String> = owned
+            .tasks
+            .keys()
+            .filter_map(|id| listing.rcs.get(id))
+            .map(|rc| rc.pod_id().to_string())
             .collect();
-        self.release_stray_mutation_locks(sid, stray).await;
+        let mut interest = self.pod_interest.write();
+        interest.pod_ids = pod_ids;
+        interest.foreign = inputs.theirs.clone();
+    }
 
+    /// After the claims: asks for the read the owed RCs now served wait for, and forgets the
+    /// tickets of those not claimed. RCs taken over from another session have their intents
+    /// swept soon too; new RCs have none to sweep (a sweep lists every intent: 100,000 of them
+    /// were most of what a farm read while claiming, and its peak memory).
+    fn settle_pods_owed(
+        &self,
+        owed: &BTreeSet<RcId>,
+        claimed: &BTreeSet<RcId>,
+        ctx: &TaskContext,
+        owned: &OwnedRcs,
+        demand: &Demand,
+    ) {
+        if owed.is_empty() {
+            return;
+        }
+        // Claimed, or a lock of ours taken up: its task waits for the read.
+        let started: Vec<RcId> = owed
+            .iter()
+            .filter(|id| owned.tasks.contains_key(*id))
+            .copied()
+            .collect();
+        if !started.is_empty() {
+            demand.urge();
+        }
+        let mut f = self.pod_freshness.lock();
+        for id in claimed.iter().chain(&started) {
+            f.foreign.remove(id);
+        }
+        let mut tickets = ctx.pod_tickets.lock();
+        for id in owed.iter().filter(|id| !owned.tasks.contains_key(*id)) {
+            tickets.remove(id);
+        }
+    }
+
+    /// The farm's ownership in its metrics and status.
+    fn publish_ownership(&self, inputs: &ClaimInputs, listing: &RcListing, owned: &OwnedRcs) {
+        let cap = inputs
+            .assignment
+            .cap
+            .get(&self.config.farm_id)
+            .copied()
+            .unwrap_or(0);
         let owned_n = owned.tasks.len();
         metrics::gauge!("rcfarm_owned_rcs").set(owned_n as f64);
         metrics::gauge!("rcfarm_fair_share").set(cap as f64);
-        metrics::gauge!("rcfarm_live_farms").set(farms.len() as f64);
+        metrics::gauge!("rcfarm_live_farms").set(inputs.farms.len() as f64);
         // As this farm sees them: an RC no session holds a lock on (none of the farms'
         // selectors matches it, or its farm died and nobody has taken it yet).
-        metrics::gauge!("rcfarm_rcs").set(all_ids.len() as f64);
+        metrics::gauge!("rcfarm_rcs").set(inputs.all.len() as f64);
         let unowned = inputs
             .all_unheld
             .iter()
@@ -553,15 +598,10 @@ impl Farm {
         self.status.update_farm(|f| {
             f.owned = owned_n;
             f.fair_share = cap;
-            f.live_farms = farms.iter().map(|f| f.farm_id.clone()).collect();
-            f.matching_rcs = matching.len();
+            f.live_farms = inputs.farms.iter().map(|f| f.farm_id.clone()).collect();
+            f.matching_rcs = inputs.matching.len();
             f.invalid_rcs = listing.invalid.len();
         });
-        claimed
-            .iter()
-            .filter(|id| pod_demand.is_none() || candidates.contains(*id))
-            .copied()
-            .collect()
     }
 
     /// Reads the intents of every owned pod and wakes the tasks that have something to repair.
@@ -742,6 +782,65 @@ impl Farm {
 
 /// An RC's state as the farm knows it: `None` when its key exists but its record was not read
 /// (never taken for a deletion).
+/// The views a reconcile of the RCs decides from, each as last read.
+struct Gathered {
+    keys: Arc<RcKeys>,
+    listing: Arc<RcListing>,
+    locks: Arc<LockView>,
+    farms: Arc<crate::consul::Snapshot<Vec<KvPair>>>,
+}
+
+impl Gathered {
+    /// `None` until every one of them was read once.
+    fn from(views: &Views) -> Option<Gathered> {
+        Some(Gathered {
+            keys: views.rc_keys.latest()?,
+            listing: views.records.latest()?,
+            locks: views.locks.latest()?,
+            farms: views.farms.latest()?,
+        })
+    }
+}
+
+/// Tells the RC tasks what the lock tree now says, waking those whose mutation or
+/// node-transfer lock changed.
+fn publish_locks(locks_tx: &LocksTx, locks: &Arc<LockView>, owned: &OwnedRcs) {
+    if locks_tx.borrow().index == locks.index {
+        return;
+    }
+    let old = locks_tx.send_replace(locks.clone());
+    for (id, t) in &owned.tasks {
+        if old.mutation(*id) != locks.mutation(*id)
+            || old.node_transfer(*id) != locks.node_transfer(*id)
+        {
+            t.wake();
+        }
+    }
+}
+
+/// A mutation lock our session holds on an RC we do not serve would stop its owner from ever
+/// moving a pod (it waits for "another session"). It happens when a task is stopped
+/// mid-transfer (handover, fencing, deletion), when the release request is lost, or when an
+/// acquire sent by a task just stopped lands late; the lock tree's change brings us back here.
+/// The transfer itself, if one is in flight, is resumed by the owner.
+fn stray_mutation_locks(inputs: &ClaimInputs, owned: &OwnedRcs) -> Vec<(RcId, String)> {
+    inputs
+        .our_mutations
+        .iter()
+        .filter_map(|(id, v)| {
+            let ours_for_transfer = *v == id.node_transfer_holder();
+            // A rolling update's lock is the roll farm's business; any other value under our
+            // session (a late request of a stopped task, an older version) is stray.
+            let stray = if ours_for_transfer {
+                !owned.tasks.contains_key(id)
+            } else {
+                !v.starts_with(crate::roll::ROLL_HOLDER_PREFIX)
+            };
+            stray.then(|| (*id, v.clone()))
+        })
+        .collect()
+}
+
 fn rc_state(keys: &RcKeys, listing: &RcListing, id: RcId) -> Option<RcState> {
     match listing.record(&id) {
         Some(ListedRc::Valid(rc)) => Some(RcState::Valid(rc.clone())),
