@@ -103,11 +103,17 @@ impl Group {
     /// Node 1 relabelled out of the selector, then the RC scaled 3 → 2 in the next write.
     async fn relabel_then_scale(&self, c: &Cluster, run: usize) {
         let before = self.eligible_pods_written(c).await;
+        let transfers = transfer_starts(c).await;
         wake_node_watch(c, run).await;
         c.label_node(&self.node(1), &[("pool", "gone"), ("tier", "a")])
             .await;
         c.patch_rc(self.id, "replicas_desired", json!(2)).await;
         self.check_run(c, run, "relabel then scale", &before).await;
+        assert_eq!(
+            transfer_starts(c).await,
+            transfers,
+            "relabel then scale, run {run}: no pod had to be moved afterwards"
+        );
         self.reset(c).await;
     }
 
@@ -273,5 +279,88 @@ async fn right_after_a_handover_too(b: Backend) {
         for i in [a, b, d] {
             stop_farm(&mut c, i).await;
         }
+    }
+}
+
+/// How many node transfers were started: a decision on a stale node view shows as one (the
+/// pod placed or kept on the ineligible node is moved afterwards).
+async fn transfer_starts(c: &Cluster) -> usize {
+    c.audit_events(rcfarm::audit::events::NODE_TRANSFER_START)
+        .await
+        .len()
+}
+
+on_both_backends!(a_roll_started_right_after_a_relabel_leaves_the_ineligible_pod_behind);
+async fn a_roll_started_right_after_a_relabel_leaves_the_ineligible_pod_behind(b: Backend) {
+    let mut c = Cluster::start_on(&b).await;
+    big_node_tree(&c).await;
+    // Nodes `node-00…03`, which the simulator runs (a roll steps on health); the old RC runs
+    // on the first three, the fourth is room for the new RC's third pod.
+    let _sim = c.simulate(4, 0.0);
+    for f in ["f1", "f2", "f3"] {
+        c.spawn_farm(f, &FARM_FLAGS).await;
+    }
+    let node = |i: usize| format!("node-{i:02}");
+    for run in 0..repeats() {
+        for i in 0..4 {
+            c.label_node(&node(i), &[("pool", "e2e")]).await;
+        }
+        let old = RcId::new();
+        c.put_rc(old, "svc", "pool=e2e", 3, "dynamic_strategy")
+            .await;
+        c.wait_for(TIMEOUT, &format!("run {run}: the old RC up"), || async {
+            c.all_up(old, 3).await
+        })
+        .await;
+        let written = |c: &Cluster| {
+            let c = c.consul.clone();
+            async move {
+                let mut out = Vec::new();
+                for n in ["node-00", "node-02"] {
+                    let key = format!("labels/pod/{n}/svc");
+                    let (kv, _) = c.kv_get(&key, &QueryOptions::default()).await.unwrap();
+                    out.push(kv.map(|kv| kv.create_index));
+                }
+                out
+            }
+        };
+        let before = written(&c).await;
+        let transfers = transfer_starts(&c).await;
+        // node-01 relabelled out of the selector, then a roll started.
+        wake_node_watch(&c, run).await;
+        c.label_node(&node(1), &[("pool", "gone")]).await;
+        let new = c
+            .start_roll_to(old, 2 + run as u32, None, 1, Duration::ZERO)
+            .await;
+        let want: std::collections::BTreeSet<String> = [0, 2, 3].map(node).into();
+        c.wait_for(TIMEOUT, &format!("run {run}: rolled"), || async {
+            let p = c.placements().await;
+            p.get(&new) == Some(&want) && p.get(&old).is_none_or(|s| s.is_empty())
+        })
+        .await;
+        c.passes(&[new], 3).await;
+        assert_eq!(
+            c.placements().await.get(&new),
+            Some(&want),
+            "run {run}: the new RC runs on the eligible nodes"
+        );
+        assert_eq!(
+            written(&c).await,
+            before,
+            "run {run}: the old RC's eligible pods are taken over in place, none removed"
+        );
+        assert_eq!(
+            transfer_starts(&c).await,
+            transfers,
+            "run {run}: no pod had to be moved afterwards"
+        );
+        // The next run starts from an old RC of its own.
+        c.patch_rc(new, "replicas_desired", json!(0)).await;
+        c.wait_for(TIMEOUT, &format!("run {run}: cleared"), || async {
+            c.placements().await.get(&new).is_none_or(|s| s.is_empty())
+        })
+        .await;
+        c.consul.kv_delete(&new.key()).await.unwrap();
+        c.consul.kv_delete(&old.key()).await.unwrap();
     }
 }

@@ -43,8 +43,10 @@ impl View {
 /// A decision a farm makes, by what it changes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Decision {
-    /// An RC task places pods (schedule, allocate, repair in place).
+    /// An RC task places pods on free nodes (schedule, allocate, repair in place).
     Place,
+    /// An RC task takes pods over in place from the RC a rolling update moves replicas from.
+    TakeOver,
     /// An RC task removes pods it chose (scale down, replace, unschedule an ineligible node).
     Remove,
     /// An RC task starts moving a pod off a node it found ineligible.
@@ -86,6 +88,17 @@ pub const RULES: &[Rule] = &[
               view has it; a read of the node tree before every placement would cost a whole \
               tree per pace on a converging farm. Pods another session wrote must be known, or \
               the RC gets more pods than it wants",
+    },
+    Rule {
+        decision: Decision::TakeOver,
+        needs: &[
+            (View::RcRecord, Need::ToChange),
+            (View::NodeLabels, Need::ToChange),
+            (View::PodLabels, Need::SinceTakeover),
+        ],
+        why: "a roll's new RC chooses which of the old RC's pods to keep: one taken over on a \
+              node relabelled just before the roll started is moved by a transfer, onto the \
+              node of an eligible pod the old RC then removed",
     },
     Rule {
         decision: Decision::Remove,
@@ -218,6 +231,8 @@ mod tests {
              Decision::Transfer, &[rc, nodes_behind, pods], &[View::NodeLabels]),
             ("a placement does not wait for the node tree: a transfer corrects it",
              Decision::Place, &[rc, nodes_behind, pods], &[]),
+            ("a roll's takeover chooses by eligibility: the nodes are read first",
+             Decision::TakeOver, &[rc, nodes_behind, pods], &[View::NodeLabels]),
             ("pods another session may have written are read before any decision",
              Decision::Place, &[rc, nodes_current, pods_owed], &[View::PodLabels]),
             ("pods owed and nodes behind: a removal reads both",
@@ -242,6 +257,7 @@ mod tests {
     fn every_decision_has_one_row_and_reads_its_rc_at_the_change() {
         for d in [
             Decision::Place,
+            Decision::TakeOver,
             Decision::Remove,
             Decision::Transfer,
             Decision::EndTransfer,

@@ -9,17 +9,20 @@ use super::plan::Action;
 use super::worker::Worker;
 use crate::freshness::{Decision, Seen, View, stale_views};
 use crate::rc::Rc;
+use crate::scheduler::NodeName;
 
 /// How long a decision waits for a read of a view it needs before the pass fails (and is
 /// retried with backoff): a whole tree's read, queued behind the watch's pace.
 const READ_LIMIT: Duration = Duration::from_secs(30);
 
-/// What kind of decision a plan's first action is, for the rules (none: nothing to do).
-fn decision_of(action: Option<&Action>) -> Decision {
+/// What kind of decision a plan's first action is, for the rules (none: nothing to do), with
+/// the nodes whose pods the plan may take over in place.
+fn decision_of(action: Option<&Action>, takeover: &[NodeName]) -> Decision {
     let Some(action) = action else {
         return Decision::Idle;
     };
     match action {
+        Action::Schedule(nodes) if nodes.iter().any(|n| takeover.contains(n)) => Decision::TakeOver,
         Action::Schedule(_) | Action::Allocate(_) | Action::Repair(_) => Decision::Place,
         Action::Unschedule(_) | Action::Replace(_) => Decision::Remove,
         Action::StartTransfer { .. } => Decision::Transfer,
@@ -49,15 +52,16 @@ impl Worker {
         ]
     }
 
-    /// Reads the views the decision to take `first` (a plan's first action; none: nothing to
-    /// do) needs and the task's are behind on. `true`: something was read, and the plan must
-    /// be made again from it.
+    /// Reads the views the decision to take `first` (a plan's first action, from a view in
+    /// which the pods on `takeover` may be taken over; none: nothing to do) needs and the
+    /// task's are behind on. `true`: something was read, and the plan must be made again.
     pub(super) async fn read_stale_views(
         &mut self,
         rc: &Rc,
         first: Option<&Action>,
+        takeover: &[NodeName],
     ) -> Result<bool, TaskError> {
-        let decision = decision_of(first);
+        let decision = decision_of(first, takeover);
         let stale = stale_views(decision, rc.modify_index, &self.seen(rc));
         if stale.is_empty() {
             return Ok(false);

@@ -436,7 +436,10 @@ impl Worker {
             let p = plan(&o);
             // Every decision (nothing to do included) from views current to the RC version it
             // acts on: one behind is read first, and the plan made again (`crate::freshness`).
-            if self.read_stale_views(rc, p.actions.first()).await? {
+            if self
+                .read_stale_views(rc, p.actions.first(), &o.takeover)
+                .await?
+            {
                 continue;
             }
             // Applying needs only the current pods; do not hold every eligible node's name
