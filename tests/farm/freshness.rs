@@ -240,14 +240,15 @@ on_both_backends!(right_after_a_handover_too);
 async fn right_after_a_handover_too(b: Backend) {
     let mut c = Cluster::start_on(&b).await;
     big_node_tree(&c).await;
-    const POOLS: [&str; 9] = ["p0", "q0", "r0", "p1", "q1", "r1", "p2", "q2", "r2"];
     for run in 0..repeats() {
-        // One farm serves three RCs; two more farms come, and it hands two of them over.
+        // One farm serves three RCs; two more farms come, and it hands two of them over. Each
+        // run has nodes and pod ids of its own (a deleted RC leaves its pods where they are).
         let first = format!("a{run}");
         let a = c.spawn_farm(&first, &FARM_FLAGS).await;
         let mut groups = Vec::new();
-        for k in 0..3 {
-            groups.push(Group::create(&c, POOLS[(run * 3 + k) % POOLS.len()]).await);
+        for k in ["p", "q", "r"] {
+            let pool: &'static str = Box::leak(format!("{k}{run}").into_boxed_str());
+            groups.push(Group::create(&c, pool).await);
         }
         let b = c.spawn_farm(&format!("b{run}"), &FARM_FLAGS).await;
         let d = c.spawn_farm(&format!("c{run}"), &FARM_FLAGS).await;
