@@ -84,20 +84,9 @@ impl Group {
         .await;
     }
 
-    /// When the pods on the eligible nodes 0 and 2 were written (their label keys'
-    /// `CreateIndex`): a pod removed and placed again has a new one.
+    /// When the pods on the eligible nodes 0 and 2 were written (see [`pods_written`]).
     async fn eligible_pods_written(&self, c: &Cluster) -> Vec<Option<u64>> {
-        let mut out = Vec::new();
-        for node in self.nodes(&[0, 2]) {
-            let key = format!("labels/pod/{node}/svc-{}", self.pool);
-            let (kv, _) = c
-                .consul
-                .kv_get(&key, &QueryOptions::default())
-                .await
-                .unwrap();
-            out.push(kv.map(|kv| kv.create_index));
-        }
-        out
+        pods_written(c, &self.nodes(&[0, 2]), &format!("svc-{}", self.pool)).await
     }
 
     /// Node 1 relabelled out of the selector, then the RC scaled 3 → 2 in the next write.
@@ -170,6 +159,22 @@ impl Group {
         c.patch_rc(self.id, "replicas_desired", json!(3)).await;
         self.wait_placed(c, &[0, 1, 2], "back at 3").await;
     }
+}
+
+/// When the pods of `pod` on `nodes` were written (their label keys' `CreateIndex`): a pod
+/// removed and placed again has a new one, even where the placement ends as it began.
+async fn pods_written(c: &Cluster, nodes: &[String], pod: &str) -> Vec<Option<u64>> {
+    let mut out = Vec::new();
+    for node in nodes {
+        let key = format!("labels/pod/{node}/{pod}");
+        let (kv, _) = c
+            .consul
+            .kv_get(&key, &QueryOptions::default())
+            .await
+            .unwrap();
+        out.push(kv.map(|kv| kv.create_index));
+    }
+    out
 }
 
 /// Filler nodes whose labels make the node tree big.
@@ -313,19 +318,8 @@ async fn a_roll_started_right_after_a_relabel_leaves_the_ineligible_pod_behind(b
             c.all_up(old, 3).await
         })
         .await;
-        let written = |c: &Cluster| {
-            let c = c.consul.clone();
-            async move {
-                let mut out = Vec::new();
-                for n in ["node-00", "node-02"] {
-                    let key = format!("labels/pod/{n}/svc");
-                    let (kv, _) = c.kv_get(&key, &QueryOptions::default()).await.unwrap();
-                    out.push(kv.map(|kv| kv.create_index));
-                }
-                out
-            }
-        };
-        let before = written(&c).await;
+        let eligible = [node(0), node(2)];
+        let before = pods_written(&c, &eligible, "svc").await;
         let transfers = transfer_starts(&c).await;
         // node-01 relabelled out of the selector, then a roll started.
         wake_node_watch(&c, run).await;
@@ -346,7 +340,7 @@ async fn a_roll_started_right_after_a_relabel_leaves_the_ineligible_pod_behind(b
             "run {run}: the new RC runs on the eligible nodes"
         );
         assert_eq!(
-            written(&c).await,
+            pods_written(&c, &eligible, "svc").await,
             before,
             "run {run}: the old RC's eligible pods are taken over in place, none removed"
         );

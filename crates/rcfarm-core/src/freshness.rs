@@ -25,8 +25,6 @@ pub enum View {
     PodLabels,
     /// The RC's own record (`replication_controllers/<id>`), read when its keys' index moves.
     RcRecord,
-    /// The RC lock tree (who serves each RC, mutation locks).
-    Locks,
 }
 
 impl View {
@@ -35,7 +33,6 @@ impl View {
             View::NodeLabels => "node labels",
             View::PodLabels => "pod labels",
             View::RcRecord => "RC record",
-            View::Locks => "RC locks",
         }
     }
 }

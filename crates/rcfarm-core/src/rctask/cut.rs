@@ -74,40 +74,44 @@ impl Worker {
         );
         for view in stale {
             match view {
-                View::NodeLabels => {
-                    if let Some(d) = self.ctx.nodes.demand() {
-                        // A read sent after now sees every change committed before the RC
-                        // version this task holds (it was read before now).
-                        let ticket = d.urge();
-                        tokio::time::timeout(READ_LIMIT, d.fresh(ticket))
-                            .await
-                            .map_err(|_| {
-                                TaskError::Other(format!(
-                                    "the node label tree was not read again within {READ_LIMIT:?}"
-                                ))
-                            })?;
-                    }
-                    self.nodes_read_for = self.nodes_read_for.max(rc.modify_index);
-                    metrics::counter!("rcfarm_decision_reads_total", "view" => view.name())
-                        .increment(1);
-                }
-                View::PodLabels => {
-                    let ticket = self.ctx.pod_tickets.lock().get(&self.id).copied();
-                    if let Some(t) = ticket {
-                        self.ctx.pods_fresh(t, READ_LIMIT).await?;
-                        let mut tickets = self.ctx.pod_tickets.lock();
-                        if tickets.get(&self.id) == Some(&t) {
-                            tickets.remove(&self.id);
-                        }
-                    }
-                    metrics::counter!("rcfarm_decision_reads_total", "view" => view.name())
-                        .increment(1);
-                }
-                // The record is the change itself; the lock tree is no input of an RC task's
-                // plan (its mutation locks are guarded at commit).
-                View::RcRecord | View::Locks => {}
+                View::NodeLabels => self.read_nodes(rc).await?,
+                View::PodLabels => self.read_owed_pods().await?,
+                // The record is the change itself: never behind it.
+                View::RcRecord => continue,
             }
+            metrics::counter!("rcfarm_decision_reads_total", "view" => view.name()).increment(1);
         }
         Ok(true)
+    }
+
+    /// Waits for a read of the node label tree sent after now: it sees every change committed
+    /// before the RC version this task holds (that version was read before now).
+    async fn read_nodes(&mut self, rc: &Rc) -> Result<(), TaskError> {
+        if let Some(d) = self.ctx.nodes.demand() {
+            let ticket = d.urge();
+            tokio::time::timeout(READ_LIMIT, d.fresh(ticket))
+                .await
+                .map_err(|_| {
+                    TaskError::Other(format!(
+                        "the node label tree was not read again within {READ_LIMIT:?}"
+                    ))
+                })?;
+        }
+        self.nodes_read_for = self.nodes_read_for.max(rc.modify_index);
+        Ok(())
+    }
+
+    /// Waits for the read of the pod label tree this RC's ticket names (pods another session
+    /// may have written), then drops the ticket unless a newer one replaced it meanwhile.
+    async fn read_owed_pods(&self) -> Result<(), TaskError> {
+        let ticket = self.ctx.pod_tickets.lock().get(&self.id).copied();
+        if let Some(t) = ticket {
+            self.ctx.pods_fresh(t, READ_LIMIT).await?;
+            let mut tickets = self.ctx.pod_tickets.lock();
+            if tickets.get(&self.id) == Some(&t) {
+                tickets.remove(&self.id);
+            }
+        }
+        Ok(())
     }
 }
