@@ -25,6 +25,12 @@ pub enum View {
     PodLabels,
     /// The RC's own record (`replication_controllers/<id>`), read when its keys' index moves.
     RcRecord,
+    /// The lock tree (`lock/`): which session holds each RC, roll and mutation.
+    LockTree,
+    /// The tree of RCs (or of rolls) as one listing: which objects exist, and their records.
+    Objects,
+    /// The cluster's removal window (`rcfarm/removals/window`).
+    RemovalWindow,
 }
 
 impl View {
@@ -33,6 +39,9 @@ impl View {
             View::NodeLabels => "node labels",
             View::PodLabels => "pod labels",
             View::RcRecord => "RC record",
+            View::LockTree => "lock tree",
+            View::Objects => "objects",
+            View::RemovalWindow => "removal window",
         }
     }
 }
@@ -52,6 +61,13 @@ pub enum Decision {
     EndTransfer,
     /// An RC task finds nothing to do, and reports the RC settled or its desires unmet.
     Idle,
+    /// The farm loop's ownership decisions: what to claim, which tasks to start or stop, what
+    /// to hand over (`farm::decide`).
+    Own,
+    /// A roll worker's step: lock, grow the new RC, retire the old one, complete or revert.
+    RollStep,
+    /// The failsafe's tripwire looks at the RC tree (a bulk edit holds every removal).
+    Trip,
 }
 
 /// How current a decision needs a view.
@@ -63,6 +79,14 @@ pub enum Need {
     /// pods are written only under its lock, by this farm (applied to the view as it commits)
     /// or by the session that held it before (owed a read when the farm took the RC over).
     SinceTakeover,
+    /// As read, with what this farm's own writes taught it laid over it ([`Learnt`]), each
+    /// until the view is current to that write. What other sessions wrote since is not
+    /// needed: the write the decision makes is refused if it conflicts (a lock acquire fails
+    /// on a held lock, and the refusal is learnt in turn).
+    OwnWrites,
+    /// As read: the decision's write carries the index it read (a `cas`, a `check-index`), so
+    /// a view behind makes the write fail and the decision is made again from a fresh read.
+    Guarded,
 }
 
 /// One row of the table: a decision, the views it reads, how current each must be, and why.
@@ -135,6 +159,40 @@ pub const RULES: &[Rule] = &[
         why: "nothing to do is a decision too: pods another session wrote and the view lacks \
               would be left until the next resync (an RC at 0 keeping its previous farm's pods)",
     },
+    Rule {
+        decision: Decision::Own,
+        needs: &[
+            (View::LockTree, Need::OwnWrites),
+            (View::Objects, Need::OwnWrites),
+        ],
+        why: "a claim is an acquire, refused if another session holds the lock; what the view \
+              lacks of this farm's own claims, refusals, releases and finished objects would \
+              stop its own tasks, claim again what was refused, restart what it gave back or \
+              finished: each is laid over the view until a read after it (`farm::ownership`). \
+              Objects waiting between farms are settled by reads of their own (`decide::claims`)",
+    },
+    Rule {
+        decision: Decision::RollStep,
+        needs: &[
+            (View::Objects, Need::ToChange),
+            (View::RcRecord, Need::Guarded),
+            (View::RemovalWindow, Need::Guarded),
+        ],
+        why: "a roll is written with its new RC in one transaction: an RC listing older than the \
+              roll is behind, not proof that an RC is gone (the missing RC is read from Consul). \
+              Each step's write is guarded by both RCs' indexes, and a retirement's charge by \
+              the window's",
+    },
+    Rule {
+        decision: Decision::Trip,
+        needs: &[
+            (View::Objects, Need::ToChange),
+            (View::PodLabels, Need::SinceTakeover),
+        ],
+        why: "the tripwire's first look at a share trips on RCs at 0 only if their pods run: \
+              the pods of RCs just taken from another farm are read first, every removal \
+              held meanwhile (`Failsafe::await_first_look`)",
+    },
 ];
 
 /// The views a decision reads and how current each must be.
@@ -174,18 +232,66 @@ impl Seen {
     }
 }
 
+/// What one of this farm's own writes taught it about a view that the view may not show yet
+/// (an object claimed, a claim refused, a lock given back, an object finished). A decision
+/// reads the view with it laid over (`Need::OwnWrites`) until the view is known current to
+/// the write: the view's index reached the write's, or a read sent after the write was
+/// answered. Not "any answer since": a read answered after the write may have been sent
+/// before it, and an answer equal to the last leaves a watch's view as it was.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Learnt {
+    /// The view shows the write from this index on.
+    index: u64,
+    /// With an on-demand view: the ticket of a read asked for after the write.
+    ticket: Option<u64>,
+}
+
+impl Learnt {
+    /// A write committed at `index`.
+    pub fn written_at(index: u64) -> Learnt {
+        Learnt {
+            index,
+            ticket: None,
+        }
+    }
+
+    /// A write whose index the farm does not know (a refusal, a release), learnt while the
+    /// view stood at `view_index`: shown by the view's next change, or, for an on-demand view,
+    /// by the answer to `ticket` (a read asked for now).
+    pub fn after(view_index: u64, ticket: Option<u64>) -> Learnt {
+        Learnt {
+            index: view_index.saturating_add(1),
+            ticket,
+        }
+    }
+
+    /// Whether a view at `view_index`, whose reads with a ticket are `answered`, shows it.
+    pub fn shown(&self, view_index: u64, answered: impl Fn(u64) -> bool) -> bool {
+        match self.ticket {
+            Some(t) => answered(t),
+            None => view_index >= self.index,
+        }
+    }
+}
+
 /// The views to read before `decision` acts on the change at index `acts_on`, in the order of
-/// [`View`]. A view the decision needs and `seen` does not mention is not known: it is read.
+/// [`View`]. A view the decision needs current and `seen` does not mention is not known: it is
+/// read. A view needed with its own writes laid over, or guarded at the write, never is.
 pub fn stale_views(decision: Decision, acts_on: u64, seen: &[Seen]) -> Vec<View> {
     let mut stale: Vec<View> = needs(decision)
         .iter()
         .filter(|(view, need)| {
+            // Never read first: see their docs.
+            if matches!(need, Need::OwnWrites | Need::Guarded) {
+                return false;
+            }
             let Some(s) = seen.iter().find(|s| s.view == *view) else {
                 return true;
             };
             match need {
                 Need::ToChange => !s.current_to(acts_on),
                 Need::SinceTakeover => s.owed,
+                Need::OwnWrites | Need::Guarded => false,
             }
         })
         .map(|(view, _)| *view)
@@ -244,6 +350,17 @@ mod tests {
              Decision::Idle, &[rc, nodes_behind, pods], &[]),
             ("a view the farm has no word of is read",
              Decision::Remove, &[rc, pods], &[View::NodeLabels]),
+            ("ownership reads nothing first: own writes are laid over, others' refuse the acquire",
+             Decision::Own, &[seen(View::LockTree, 1), seen(View::Objects, 1)], &[]),
+            ("a roll step from an RC listing older than the roll reads it first",
+             Decision::RollStep, &[seen(View::Objects, M - 1), rc], &[View::Objects]),
+            ("a roll step's RC records and window are guarded by their indexes",
+             Decision::RollStep, &[seen(View::Objects, M), seen(View::RcRecord, 1),
+                                   seen(View::RemovalWindow, 1)], &[]),
+            ("the tripwire's first look at RCs just taken waits for their pods",
+             Decision::Trip, &[seen(View::Objects, M), pods_owed], &[View::PodLabels]),
+            ("a look at a share whose pods are read decides at once",
+             Decision::Trip, &[seen(View::Objects, M), pods], &[]),
         ];
         for (why, decision, views, want) in rows {
             assert_eq!(&stale_views(*decision, M, views), want, "{why}");
@@ -251,20 +368,57 @@ mod tests {
     }
 
     #[test]
-    fn every_decision_has_one_row_and_reads_its_rc_at_the_change() {
-        for d in [
+    fn every_decision_has_one_row_and_an_rc_task_reads_its_rc_at_the_change() {
+        let rc_task = [
             Decision::Place,
             Decision::TakeOver,
             Decision::Remove,
             Decision::Transfer,
             Decision::EndTransfer,
             Decision::Idle,
-        ] {
-            assert_eq!(RULES.iter().filter(|r| r.decision == d).count(), 1, "{d:?}");
+        ];
+        for d in rc_task {
             assert!(
                 needs(d).contains(&(View::RcRecord, Need::ToChange)),
                 "{d:?}"
             );
+        }
+        for d in rc_task
+            .into_iter()
+            .chain([Decision::Own, Decision::RollStep, Decision::Trip])
+        {
+            assert_eq!(RULES.iter().filter(|r| r.decision == d).count(), 1, "{d:?}");
+        }
+    }
+
+    /// What the farm's own writes taught it stands until the view is current to them.
+    #[test]
+    fn learnt() {
+        let none = |_: u64| false;
+        let answered_7 = |t: u64| t <= 7;
+        #[rustfmt::skip]
+        let rows: &[(&str, Learnt, u64, bool, bool)] = &[
+            // (why, learnt, view index, ticket 7 answered?, shown)
+            ("a claim committed at 50: a view at 49 lacks it",
+             Learnt::written_at(50), 49, false, false),
+            ("a view at the claim's index shows it",
+             Learnt::written_at(50), 50, false, true),
+            ("a refusal learnt with the view at 40: an answer at 40 again says nothing",
+             Learnt::after(40, None), 40, false, false),
+            ("the watch's next change shows it",
+             Learnt::after(40, None), 41, false, true),
+            ("an on-demand view: its index says nothing, however new",
+             Learnt::after(40, Some(8)), 1000, true, false),
+            ("the read asked for after the refusal answered",
+             Learnt::after(40, Some(7)), 40, true, true),
+        ];
+        for (why, l, index, answered, shown) in rows {
+            let got = if *answered {
+                l.shown(*index, answered_7)
+            } else {
+                l.shown(*index, none)
+            };
+            assert_eq!(got, *shown, "{why}");
         }
     }
 }

@@ -18,6 +18,7 @@ use crate::consul::{
     BatchError, Consul, Demand, Fence, FenceError, FencedBatch, FencedTxn, MAX_TXN_OPS, Session,
     TxnFailure, TxnOp,
 };
+use crate::freshness::Learnt;
 use crate::rc::RcId;
 use crate::task::TaskHandle;
 
@@ -97,9 +98,9 @@ pub(crate) fn ownership_record(
 pub(crate) struct Owned<K: Kind> {
     pub kind: K,
     pub tasks: BTreeMap<RcId, TaskHandle<K::State>>,
-    /// Lock-tree index at which each object was claimed: until the watch shows that index, a
+    /// Each object claimed, at the claim's commit: until the lock tree shows that index, a
     /// missing lock in the view is the watch lagging, not a loss.
-    claimed_at: HashMap<RcId, u64>,
+    claimed_at: HashMap<RcId, Learnt>,
     /// When each unheld object was first seen unheld (for the grace rule).
     unheld_since: HashMap<RcId, Instant>,
     /// The versions handed to tasks.
@@ -110,7 +111,7 @@ pub(crate) struct Owned<K: Kind> {
     sent_at: Option<u64>,
     /// Objects whose task finished them (a completed roll) at a commit index: not claimed
     /// or started again until the view of the objects has caught up with that index.
-    finished_at: HashMap<RcId, u64>,
+    finished_at: HashMap<RcId, Learnt>,
     /// Objects a claim found held by another session: held, as far as this farm knows, until
     /// a lock tree read after the refusal shows otherwise.
     refused_at: HashMap<RcId, Learnt>,
@@ -122,32 +123,18 @@ pub(crate) struct Owned<K: Kind> {
     recheck_at: Option<Instant>,
 }
 
-/// Something a write taught the farm about the lock tree (a claim refused, a lock given back)
-/// that its view may not show yet: it stands until the view comes from a read sent after it.
-#[derive(Debug, Clone, Copy)]
-struct Learnt {
-    /// With an on-demand view: a ticket for a read asked for after the write. Not the time of
-    /// the view's last answer: a read answered after the write may have been sent before it,
-    /// and an answer equal to the last leaves the view as it was, so a refusal could stand
-    /// until the tree changed again (seen: a handover stalled for a whole watch wait).
-    ticket: Option<u64>,
-    /// Otherwise the lock tree's index when it was learnt: a later view is a later read.
-    index: u64,
+/// What a write taught the farm about the lock tree (a claim refused, a lock given back),
+/// learnt now: shown by a read asked for now, or by a change of a watch's view.
+fn learnt_now(view: &ClaimView<'_>) -> Learnt {
+    Learnt::after(view.lock_index, view.lock_reads.map(Demand::urge))
 }
 
-impl Learnt {
-    fn now(view: &ClaimView<'_>) -> Learnt {
-        Learnt {
-            ticket: view.lock_reads.map(Demand::urge),
-            index: view.lock_index,
-        }
-    }
-
-    fn shown(&self, view: &ClaimView<'_>) -> bool {
-        match (self.ticket, view.lock_reads) {
-            (Some(t), Some(d)) => d.is_fresh(t),
-            _ => view.lock_index > self.index,
-        }
+impl ClaimView<'_> {
+    /// Whether the lock tree shows what `l` stands for.
+    fn locks_show(&self, l: &Learnt) -> bool {
+        l.shown(self.lock_index, |t| {
+            self.lock_reads.is_some_and(|d| d.is_fresh(t))
+        })
     }
 }
 
@@ -190,7 +177,7 @@ impl<K: Kind> Owned<K> {
         if let Some(t) = self.tasks.remove(&id) {
             t.cancel();
         }
-        self.finished_at.insert(id, index);
+        self.finished_at.insert(id, Learnt::written_at(index));
         self.claimed_at.remove(&id);
         self.sent.remove(&id);
     }
@@ -244,10 +231,17 @@ impl<K: Kind> Owned<K> {
         P: FnOnce(Vec<RcId>) -> Fut,
         Fut: std::future::Future<Output = Vec<RcId>>,
     {
-        self.refused_at.retain(|_, l| !l.shown(view));
-        self.released_at.retain(|_, l| !l.shown(view));
-        self.claimed_at.retain(|_, idx| view.lock_index < *idx);
-        self.finished_at.retain(|_, idx| view.listing_index < *idx);
+        // What this farm's writes taught it is laid over the views until they show it
+        // (`freshness::Need::OwnWrites`).
+        for learnt in [
+            &mut self.refused_at,
+            &mut self.released_at,
+            &mut self.claimed_at,
+        ] {
+            learnt.retain(|_, l| !view.locks_show(l));
+        }
+        self.finished_at
+            .retain(|_, l| !l.shown(view.listing_index, |_| false));
         let computed;
         let held = match view.held {
             Some(h) => h,
@@ -341,7 +335,10 @@ impl<K: Kind> Owned<K> {
         }
 
         // The situation again, with what was just claimed.
-        let just_claimed: HashMap<RcId, u64> = claimed.iter().copied().collect();
+        let just_claimed: HashMap<RcId, Learnt> = claimed
+            .iter()
+            .map(|(id, index)| (*id, Learnt::written_at(*index)))
+            .collect();
         let claimed_now = |id: &RcId| claimed_at.contains_key(id) || just_claimed.contains_key(id);
         let situation = Situation {
             claimed: &claimed_now,
@@ -384,12 +381,12 @@ impl<K: Kind> Owned<K> {
         }
         self.claimed_at.extend(just_claimed);
         if !refused.is_empty() {
-            let l = Learnt::now(view);
+            let l = learnt_now(view);
             self.refused_at
                 .extend(refused.into_iter().map(|id| (id, l)));
         }
         if !deleted.is_empty() || !excess.is_empty() {
-            let l = Learnt::now(view);
+            let l = learnt_now(view);
             self.released_at
                 .extend(deleted.iter().chain(&excess).map(|id| (*id, l)));
         }

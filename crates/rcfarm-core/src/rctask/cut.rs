@@ -76,8 +76,9 @@ impl Worker {
             match view {
                 View::NodeLabels => self.read_nodes(rc).await?,
                 View::PodLabels => self.read_owed_pods().await?,
-                // The record is the change itself: never behind it.
-                View::RcRecord => continue,
+                // The record is the change itself: never behind it. The others are no RC
+                // task decision's (`freshness::RULES`).
+                View::RcRecord | View::LockTree | View::Objects | View::RemovalWindow => continue,
             }
             metrics::counter!("rcfarm_decision_reads_total", "view" => view.name()).increment(1);
         }

@@ -22,6 +22,7 @@ use super::status::RollStatusRegistry;
 use crate::audit::{AuditRecord, events};
 use crate::clock::Clock;
 use crate::consul::{Consul, ConsulError, FenceError, KvPair, SessionId, TxnOp};
+use crate::freshness::{Decision, Seen, View, stale_views};
 use crate::health::HealthCache;
 use crate::labels::{LabelCache, LabelSet, LabelType, Selector, split_pod_label_id};
 use crate::rc::{LockView, RC_ID_LABEL, Rc, RcId, RcListing};
@@ -483,10 +484,12 @@ impl Worker {
             .clone()
             .ok_or_else(|| RollError::Other("the RC view is not ready".into()))?;
         // A roll is created with its new RC in one transaction, and the watches of rolls and
-        // of RCs answer apart: an RC view older than the roll is behind, not proof of absence.
-        // Consul itself is asked whether a missing RC is there (an RC deleted before the roll
-        // was written is absent from every view, however new).
-        if listing.index < roll.create_index {
+        // of RCs answer apart: an RC view older than the roll is behind, not proof of absence
+        // (`freshness::RULES`, `RollStep`). What it lacks is read: Consul itself is asked
+        // whether a missing RC is there (an RC deleted before the roll was written is absent
+        // from every view, however new); an RC it shows is guarded by its index at the write.
+        let seen = [Seen::new(View::Objects, listing.index)];
+        if stale_views(Decision::RollStep, roll.create_index, &seen).contains(&View::Objects) {
             for id in [u.old_rc, u.new_rc] {
                 if listing.rcs.contains_key(&id) || listing.invalid.contains_key(&id.key()) {
                     continue;
