@@ -326,6 +326,15 @@ impl Window {
         })
     }
 
+    /// Removals the window holds at `now` by the settings it records (an operator's release
+    /// reports it): buckets that left the window are not held, though not yet pruned.
+    pub fn held(&self, now: i64) -> u64 {
+        match self.recorded_settings() {
+            Some(s) => self.spent(s, now),
+            None => self.buckets.iter().map(|b| b.1).sum(),
+        }
+    }
+
     /// One line for operators: spent, limit, when room comes back.
     pub fn describe(&self, now: i64) -> String {
         let Some(st) = self.recorded_settings() else {
@@ -397,6 +406,20 @@ mod tests {
         assert_eq!(w.room(st, back - 1), 0);
         assert_eq!(w.room(st, back), 3);
         assert!(w.charge(st, back, 3, None).is_ok());
+    }
+
+    /// A release reports what the window held when it was released, not charges that had
+    /// left it (the key keeps them until the next charge prunes them).
+    #[test]
+    fn a_release_reports_only_what_the_window_still_held() {
+        let st = s(MaxRemovals::Pods(5), 300);
+        let t0 = 1_000_000;
+        let w = Window::default().charge(st, t0, 3, None).unwrap();
+        let w = w.charge(st, t0 + 200, 1, None).unwrap();
+        assert_eq!(w.held(t0 + 250), 4);
+        assert_eq!(w.buckets.iter().map(|b| b.1).sum::<u64>(), 4);
+        assert_eq!(w.held(t0 + 400), 1, "the first charge left the window");
+        assert_eq!(w.release("rcctl:op@host", t0 + 400).held(t0 + 400), 0);
     }
 
     #[test]

@@ -66,8 +66,9 @@ pub async fn release_window_op(consul: &Consul, by: &str) -> Result<(TxnOp, u64)
         ),
         None => (Window::default(), 0),
     };
-    let held = window.buckets.iter().map(|b| b.1).sum();
-    let released = window.release(by, Utc::now().timestamp());
+    let now = Utc::now().timestamp();
+    let held = window.held(now);
+    let released = window.release(by, now);
     Ok((TxnOp::cas(BUDGET_KEY, released.to_bytes(), index), held))
 }
 
