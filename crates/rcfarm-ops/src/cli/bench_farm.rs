@@ -63,18 +63,32 @@ pub struct BenchFarmArgs {
     /// `--idle`) and at its peak.
     #[arg(long, conflicts_with = "floor")]
     pub prewritten: bool,
+    /// Write every RC (and no pod) before any farm starts, then start the farms: farms
+    /// (re)started on a cluster that holds its RCs, as at every upgrade. Reports the time from
+    /// the farms' exec until every pod's intent and labels are written, and each farm's RSS
+    /// steady (after `--idle`) and at its peak.
+    #[arg(long, conflicts_with_all = ["floor", "prewritten"])]
+    pub restart: bool,
+    /// The `rcfarm` the farms run (default: this one). `scripts/bench-guard` times two builds'
+    /// farms with one harness: this build's benchmark and each build's `rcfarm serve`.
+    #[arg(long)]
+    pub farm_bin: Option<std::path::PathBuf>,
+    /// Also print each run's figures on stdout as one line `figures: {JSON}`, for scripts.
+    #[arg(long)]
+    pub json: bool,
     /// Run the benchmark once per farm count given (`--compare 3,6`), back to back with the
     /// other flags, and print the scale-out table: bytes read, CPU-seconds of the farms and of
     /// Consul, wall time and RSS per farm, each as a ratio to the first count's.
-    #[arg(long, value_delimiter = ',', conflicts_with_all = ["floor", "prewritten"])]
+    #[arg(long, value_delimiter = ',', conflicts_with_all = ["floor", "prewritten", "restart"])]
     pub compare: Vec<usize>,
 }
 
-/// What one run measured, for `--compare`.
-#[derive(Debug, Clone, Default)]
+/// What one run measured, for `--compare` and `--json`.
+#[derive(Debug, Clone, Default, serde::Serialize)]
 pub struct Figures {
     pub farms: usize,
-    /// From the first RC written until every pod was written.
+    /// From the first RC written until every pod was written (`--restart`: from the farms'
+    /// exec; `--prewritten`: until every RC was held).
     pub converge: f64,
     /// How long the benchmark's writer took to write the RCs.
     pub written_in: f64,
@@ -88,6 +102,22 @@ pub struct Figures {
     pub rss: Vec<f64>,
     /// Peak RSS over steady of those farms.
     pub peak_ratio: Vec<f64>,
+    /// Peak RSS (MiB) of those farms.
+    pub peak_rss: Vec<f64>,
+    /// From an RC change to the farm's write, 99th percentile (embedded server only).
+    pub change_p99_ms: Option<f64>,
+}
+
+impl Figures {
+    /// `figures: {JSON}` on stdout, with `--json`.
+    fn print_json(&self, args: &BenchFarmArgs) {
+        if args.json {
+            println!(
+                "figures: {}",
+                serde_json::to_string(self).unwrap_or_default()
+            );
+        }
+    }
 }
 
 pub(super) fn failed(e: impl std::fmt::Display) -> CliError {
@@ -115,8 +145,12 @@ pub(super) async fn spawn_farms(
     ttl: Duration,
     dir: &std::path::Path,
     extra: &[&str],
+    farm_bin: Option<&std::path::Path>,
 ) -> Result<Vec<FarmProc>, CliError> {
-    let exe = std::env::current_exe().map_err(failed)?;
+    let exe = match farm_bin {
+        Some(b) => b.to_path_buf(),
+        None => std::env::current_exe().map_err(failed)?,
+    };
     let audit_db = format!("sqlite://{}", dir.join("audit.db").display());
     let ttl = format!("{}ms", ttl.as_millis());
     let mut farms: Vec<FarmProc> = Vec::new();
@@ -377,7 +411,9 @@ fn total(m: &BTreeMap<String, f64>) -> f64 {
 
 pub async fn run(args: BenchFarmArgs) -> Result<(), CliError> {
     if args.compare.is_empty() {
-        run_once(&args).await.map(|_| ())
+        let fig = run_once(&args).await?;
+        fig.print_json(&args);
+        Ok(())
     } else {
         compare(&args).await
     }
@@ -394,6 +430,7 @@ async fn compare(args: &BenchFarmArgs) -> Result<(), CliError> {
         };
         let fig = run_once(&a).await?;
         eprintln!("F = {f}: {fig:?}");
+        fig.print_json(args);
         runs.push(fig);
     }
     let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
@@ -494,8 +531,8 @@ async fn run_once(args: &BenchFarmArgs) -> Result<Figures, CliError> {
             .await
             .map(|_| Figures::default());
     }
-    if args.prewritten {
-        return prewritten(&args, target, &consul, &dir).await;
+    if args.prewritten || args.restart {
+        return started_on_a_full_cluster(&args, target, &consul, &dir).await;
     }
 
     // Farms.
@@ -510,6 +547,7 @@ async fn run_once(args: &BenchFarmArgs) -> Result<Figures, CliError> {
         args.session_ttl,
         dir.as_path(),
         &extra,
+        args.farm_bin.as_deref(),
     )
     .await?;
     farm_sessions(&consul, &mut farms).await?;
@@ -684,6 +722,10 @@ async fn run_once(args: &BenchFarmArgs) -> Result<Figures, CliError> {
         }
     }
 
+    if !latencies.is_empty() {
+        figures.change_p99_ms = Some(pct(&mut latencies.clone(), 0.99));
+    }
+
     // Idle: let the outbox drain, then watch.
     wait_until(
         Duration::from_secs(120),
@@ -752,6 +794,7 @@ async fn run_once(args: &BenchFarmArgs) -> Result<Figures, CliError> {
     for (f, shipping) in farms.iter().zip(&shippers) {
         if !shipping && let (Some(now), Some(peak)) = (rss_kib(f.pid), peak_rss_kib(f.pid)) {
             figures.rss.push(now as f64 / 1024.0);
+            figures.peak_rss.push(peak as f64 / 1024.0);
             figures.peak_ratio.push(peak as f64 / now.max(1) as f64);
         }
     }
@@ -892,8 +935,10 @@ async fn farm_gauges(http: &reqwest::Client, farms: &[FarmProc], metric: &str) -
     out
 }
 
-/// `--prewritten`: every RC and pod written, then the farms started on the full cluster.
-async fn prewritten(
+/// `--prewritten`: every RC and pod written, then the farms started on the full cluster, timed
+/// until every RC is held. `--restart`: every RC written (no pod), then the farms started,
+/// timed from their exec until every pod is written.
+async fn started_on_a_full_cluster(
     args: &BenchFarmArgs,
     target: Target,
     consul: &Consul,
@@ -904,6 +949,9 @@ async fn prewritten(
     for n in 0..args.rcs {
         let id = RcId::new();
         ops.push(vec![rc_record(id, n, args.replicas)]);
+        if args.restart {
+            continue;
+        }
         let pod = format!("bench-{n}");
         let labels: LabelSet = [
             (crate::rc::POD_ID_LABEL.to_string(), pod.clone()),
@@ -938,23 +986,43 @@ async fn prewritten(
         consul.txn(&batch).await.map_err(failed)?;
     }
     eprintln!(
-        "{} RCs and {pods} pods written in {:.1} s, before any farm",
+        "{} RCs and {} pods written in {:.1} s, before any farm",
         args.rcs,
+        if args.restart { 0 } else { pods },
         t.elapsed().as_secs_f64()
     );
     let extra = ["--resync-interval", "30s", "--consistency-interval", "60s"];
     let cpu0 = target.cpu();
     let t0 = Instant::now();
-    let mut farms = spawn_farms(&target.url(), args.farms, args.session_ttl, dir, &extra).await?;
-    let farm_cpu0: Vec<Option<Duration>> =
-        farms.iter().map(|f| bench_probe::cpu_time(f.pid)).collect();
+    let mut farms = spawn_farms(
+        &target.url(),
+        args.farms,
+        args.session_ttl,
+        dir,
+        &extra,
+        args.farm_bin.as_deref(),
+    )
+    .await?;
+    // From before the farms' exec: their CPU is counted from 0.
+    let farm_cpu0: Vec<Option<Duration>> = farms.iter().map(|_| Some(Duration::ZERO)).collect();
     let n = args.rcs;
     let c = consul.clone();
-    let held = wait_until(args.timeout, "every RC held", || {
-        let c = c.clone();
-        async move { owners(&c).await.is_ok_and(|o| o.len() == n) }
-    })
-    .await?
+    let held = if args.restart {
+        let tgt = &target;
+        wait_until(args.timeout, "every pod written", || {
+            let c = c.clone();
+            async move {
+                tgt.count(&c, "intent/").await == pods && tgt.count(&c, "labels/pod/").await == pods
+            }
+        })
+        .await?
+    } else {
+        wait_until(args.timeout, "every RC held", || {
+            let c = c.clone();
+            async move { owners(&c).await.is_ok_and(|o| o.len() == n) }
+        })
+        .await?
+    }
     .max(t0.elapsed());
     let consul_cpu = match (cpu0, target.cpu()) {
         (Some(a), Some(b)) => Some(b.saturating_sub(a).as_secs_f64()),
@@ -987,17 +1055,28 @@ async fn prewritten(
         }
         if !shipping {
             figures.rss.push(now as f64 / 1024.0);
+            figures.peak_rss.push(peak as f64 / 1024.0);
             figures.peak_ratio.push(ratio);
         }
     }
     figures.mib_read = total(&watch_bytes(&scraper, &farms).await) / (1 << 20) as f64;
     println!(
-        "| {} | prewritten, {} farms | {}×{} | {} | every RC held in {:.2} s | intents after: {intents} of {pods} | RSS steady / peak MiB: {} | worst peak/steady {:.2} | farms' CPU {:.1} s | Consul CPU {} | MiB read {:.0} |",
+        "| {} | {}, {} farms | {}×{} | {} | {} {:.2} s | intents after: {intents} of {pods} | RSS steady / peak MiB: {} | worst peak/steady {:.2} | farms' CPU {:.1} s | Consul CPU {} | MiB read {:.0} |",
         target.name(),
+        if args.restart {
+            "restart"
+        } else {
+            "prewritten"
+        },
         args.farms,
         args.rcs,
         args.replicas,
         args.nodes,
+        if args.restart {
+            "every pod written from the farms' exec in"
+        } else {
+            "every RC held in"
+        },
         figures.converge,
         cells.join(", "),
         figures.peak_ratio.iter().copied().fold(0.0, f64::max),

@@ -112,6 +112,7 @@ pub async fn run(args: BenchRollsArgs) -> Result<(), CliError> {
         args.session_ttl,
         dir.path(),
         &["--roll-resync", "5s"],
+        None,
     )
     .await?;
 
