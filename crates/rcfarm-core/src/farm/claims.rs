@@ -60,6 +60,31 @@ impl Assignment {
             .map(|(rc, _)| *rc)
             .collect()
     }
+
+    /// Whether this gives `farm_id` an RC that another farm holds while holding more than its
+    /// cap (`holder`: the id of the farm holding an RC, if a live one does): that farm hands
+    /// its excess over as soon as it computes the same assignment. A farm within its cap
+    /// keeps what it holds.
+    pub fn handover_due_to<'a>(
+        &self,
+        farm_id: &str,
+        holder: impl Fn(&RcId) -> Option<&'a str>,
+    ) -> bool {
+        let mut held: HashMap<&str, usize> = HashMap::new();
+        for rc in self.owner.keys() {
+            if let Some(f) = holder(rc) {
+                *held.entry(f).or_default() += 1;
+            }
+        }
+        let over =
+            |f: &str| held.get(f).copied().unwrap_or(0) > self.cap.get(f).copied().unwrap_or(0);
+        if !held.keys().any(|f| *f != farm_id && over(f)) {
+            return false;
+        }
+        self.owner
+            .iter()
+            .any(|(rc, f)| f == farm_id && holder(rc).is_some_and(|h| h != farm_id && over(h)))
+    }
 }
 
 /// Computes the assignment of `rcs` (each with its own labels, for the farms' RC selectors).
@@ -188,6 +213,31 @@ mod tests {
 
     fn rcs(n: usize) -> BTreeMap<RcId, LabelSet> {
         (0..n).map(|_| (RcId::new(), LabelSet::new())).collect()
+    }
+
+    /// A farm waits for a handover only from a farm over its share.
+    #[test]
+    fn a_handover_is_due_only_from_a_farm_over_its_share() {
+        let fs = farms(&["a", "b", "c"]);
+        let all = rcs(9);
+        let a = assign(&all, &fs);
+        let of_b: Vec<RcId> = a.of("b").into_iter().collect();
+        // Farm a holds every RC (it started first): b waits for its share.
+        assert!(a.handover_due_to("b", |_| Some("a")));
+        // Nobody holds anything: nothing to wait for (b claims).
+        assert!(!a.handover_due_to("b", |_| None));
+        // b already holds its share; a holds the rest: only c waits.
+        let holder = |rc: &RcId| Some(if of_b.contains(rc) { "b" } else { "a" });
+        assert!(!a.handover_due_to("b", holder));
+        assert!(a.handover_due_to("c", holder));
+        // a holds one of b's RCs and one fewer of its own: within its cap, it keeps it, and
+        // b does not wait for it.
+        let mut held_by_a = a.of("a");
+        let first = *held_by_a.iter().next().expect("a has a share");
+        held_by_a.remove(&first);
+        held_by_a.insert(of_b[0]);
+        let holder = |rc: &RcId| held_by_a.contains(rc).then_some("a");
+        assert!(!a.handover_due_to("b", holder));
     }
 
     #[test]

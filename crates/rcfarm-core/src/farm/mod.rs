@@ -680,7 +680,10 @@ impl Farm {
         *self.pod_freshness.lock() =
             rcs::PodFreshness::new(views.pods.demand(), self.status.farm().session_losses > 0);
         let mut roll_fast: Option<(FastGuard, FastGuard)> = None;
-        self.farms_changed(views);
+        let mut awaited = rcs::AwaitedHandovers::new(HANDOVER_FAST);
+        if self.farms_changed(views).changed {
+            awaited.farms_changed(self.config.clock.now());
+        }
         // A farm that leaves gives its locks back over seconds (a transaction per few dozen
         // RCs): for a while every change of the lock tree is read, so they are taken at once.
         let mut handover_fast: Option<(FastGuard, Instant)> = None;
@@ -773,6 +776,14 @@ impl Farm {
                 }
                 // Swept once the read of the pod labels their claim asked for is in.
                 taken_over.extend(claimed);
+                let inputs = self.claim_inputs.lock().clone();
+                awaited.update(
+                    inputs,
+                    &self.config.farm_id,
+                    session.id(),
+                    &self.lock_demand,
+                    self.config.clock.now(),
+                );
             }
             if ready && dirty_rolls && !in_doubt {
                 dirty_rolls = false;
@@ -870,8 +881,12 @@ impl Farm {
                 }
                 r = farm_rx.changed() => {
                     if r.is_err() { return Ended::SessionLost("farm watch ended".into()); }
-                    if self.farms_changed(views) {
+                    let change = self.farms_changed(views);
+                    if change.left {
                         handover_fast = Some((self.lock_demand.fast(), self.config.clock.now() + HANDOVER_FAST));
+                    }
+                    if change.changed {
+                        awaited.farms_changed(self.config.clock.now());
                     }
                     dirty = true;
                     dirty_rolls = true;
@@ -967,9 +982,12 @@ impl Farm {
         }
     }
 
-    fn farms_changed(&self, views: &Views) -> bool {
+    fn farms_changed(&self, views: &Views) -> rcs::FarmsChange {
         let Some(snap) = views.farms.latest() else {
-            return false;
+            return rcs::FarmsChange {
+                changed: false,
+                left: false,
+            };
         };
         let live: BTreeSet<String> = registry::live_farms(&snap.value)
             .into_iter()
