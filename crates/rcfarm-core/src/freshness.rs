@@ -281,16 +281,11 @@ pub fn stale_views(decision: Decision, acts_on: u64, seen: &[Seen]) -> Vec<View>
     let mut stale: Vec<View> = needs(decision)
         .iter()
         .filter(|(view, need)| {
-            // Never read first: see their docs.
-            if matches!(need, Need::OwnWrites | Need::Guarded) {
-                return false;
-            }
-            let Some(s) = seen.iter().find(|s| s.view == *view) else {
-                return true;
-            };
+            let known = || seen.iter().find(|s| s.view == *view);
             match need {
-                Need::ToChange => !s.current_to(acts_on),
-                Need::SinceTakeover => s.owed,
+                Need::ToChange => known().is_none_or(|s| !s.current_to(acts_on)),
+                Need::SinceTakeover => known().is_none_or(|s| s.owed),
+                // Never read first: see their docs.
                 Need::OwnWrites | Need::Guarded => false,
             }
         })

@@ -78,9 +78,6 @@ impl Assignment {
         }
         let over =
             |f: &str| held.get(f).copied().unwrap_or(0) > self.cap.get(f).copied().unwrap_or(0);
-        if !held.keys().any(|f| *f != farm_id && over(f)) {
-            return false;
-        }
         self.owner
             .iter()
             .any(|(rc, f)| f == farm_id && holder(rc).is_some_and(|h| h != farm_id && over(h)))
