@@ -6,6 +6,7 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use tokio::sync::{Notify, watch};
@@ -15,6 +16,10 @@ use tokio_util::sync::CancellationToken;
 
 use crate::rc::RcId;
 
+/// How long a task counts as on its first pass at most, whatever the pass does: a pass that
+/// hangs (Consul unreachable within its timeouts) must not keep a farm over its share.
+pub const FIRST_PASS_GRACE: Duration = Duration::from_secs(5);
+
 /// The farm's handle on a task; `S` is the object's state as the farm last saw it.
 pub struct TaskHandle<S> {
     pub id: RcId,
@@ -22,6 +27,8 @@ pub struct TaskHandle<S> {
     wake: Arc<Notify>,
     cancel: CancellationToken,
     join: JoinHandle<()>,
+    passed: Arc<AtomicBool>,
+    spawned: Instant,
 }
 
 /// The task's side: the latest state, wake-ups, and its stop signal.
@@ -29,6 +36,8 @@ pub struct Inbox<S> {
     pub state: watch::Receiver<S>,
     pub wake: Arc<Notify>,
     pub cancel: CancellationToken,
+    /// Set once the task's first pass is done ([`drive`] sets it).
+    pub passed: Arc<AtomicBool>,
 }
 
 /// Starts a task for `id` with `initial` state; it stops when `parent` is cancelled (the
@@ -42,10 +51,12 @@ where
     let (state_tx, state_rx) = watch::channel(initial);
     let wake = Arc::new(Notify::new());
     let cancel = parent.child_token();
+    let passed = Arc::new(AtomicBool::new(false));
     let join = tokio::spawn(run(Inbox {
         state: state_rx,
         wake: wake.clone(),
         cancel: cancel.clone(),
+        passed: passed.clone(),
     }));
     TaskHandle {
         id,
@@ -53,6 +64,8 @@ where
         wake,
         cancel,
         join,
+        passed,
+        spawned: Instant::now(),
     }
 }
 
@@ -69,6 +82,14 @@ impl<S> TaskHandle<S> {
 
     pub fn is_finished(&self) -> bool {
         self.join.is_finished()
+    }
+
+    /// Whether the task has yet to finish its first pass, within [`FIRST_PASS_GRACE`] of its
+    /// start.
+    pub fn on_first_pass(&self) -> bool {
+        !self.passed.load(Ordering::Acquire)
+            && !self.join.is_finished()
+            && self.spawned.elapsed() < FIRST_PASS_GRACE
     }
 
     /// Stops the task and waits until it can no longer write.
@@ -144,6 +165,7 @@ pub async fn drive<R: Reconciler>(r: &mut R) {
             _ = cancel.cancelled() => break,
             o = r.reconcile(state) => o,
         };
+        r.inbox().passed.store(true, Ordering::Release);
         let after = match r.next(outcome).await {
             Next::Stop => break,
             Next::Requeue(after) => after,
@@ -212,6 +234,7 @@ mod tests {
                     state: rx,
                     wake: Arc::new(Notify::new()),
                     cancel: CancellationToken::new(),
+                    passed: Arc::new(AtomicBool::new(false)),
                 },
                 script: next,
                 passes: passes.clone(),

@@ -143,7 +143,12 @@ impl Sql {
         self.args.push(a);
         let n = self.args.len();
         match self.engine {
-            Engine::Sqlite => self.text.push_str(&format!("?{n}")),
+            // Anonymous: SQLite keeps a numbered placeholder's name in a list that
+            // `sqlite3_bind_parameter_name` walks, and sqlx asks for each argument's name as
+            // it binds it, so `?N` made binding a 4,000-argument insert quadratic (a third of
+            // all farms' CPU when farms started on 2,000 RCs: BENCHMARKS.md). Arguments are
+            // pushed in order, so `?` binds the same.
+            Engine::Sqlite => self.text.push('?'),
             Engine::Postgres => self.text.push_str(&format!("${n}")),
         }
         self

@@ -259,9 +259,18 @@ pub fn starts<'a, T>(
 
 /// What to hand over, given the tasks running (after claims): what we may not serve, and as
 /// many objects assigned to other farms as we hold over our share. Only objects held per the
-/// view (never one just claimed), so no farm claims something only to hand it back.
-pub fn handovers<T>(s: &Situation<'_>, tasks: &BTreeMap<RcId, T>) -> Vec<RcId> {
-    let handable = |id: &&RcId| !s.mine(id) && s.held_by_us(id) && !(s.claimed)(id);
+/// view (never one just claimed), so no farm claims something only to hand it back; and not
+/// one whose task is on its first pass (`first_pass`): farms started together each claim
+/// what they see free before they see each other, and a task stopped in its first pass
+/// leaves its writes to a farm that has yet to claim, read and write the same. Such a task is
+/// handed over once its pass is done (within `FIRST_PASS_GRACE`: `TaskHandle::on_first_pass`).
+pub fn handovers<T>(
+    s: &Situation<'_>,
+    tasks: &BTreeMap<RcId, T>,
+    first_pass: impl Fn(&T) -> bool,
+) -> Vec<RcId> {
+    let passing = |id: &RcId| tasks.get(id).is_some_and(&first_pass);
+    let handable = |id: &&RcId| !s.mine(id) && s.held_by_us(id) && !(s.claimed)(id) && !passing(id);
     let mut out: Vec<RcId> = tasks
         .keys()
         .filter(handable)
@@ -655,8 +664,47 @@ mod tests {
         ];
         for (rule, row, want) in rows {
             let b = row.build();
-            let got = with(&b, Instant::now(), |s| handovers(s, &b.tasks));
+            let got = with(&b, Instant::now(), |s| handovers(s, &b.tasks, |_| false));
             assert_eq!(names(&got), want, "{rule}");
         }
+    }
+
+    /// A task on its first pass is handed over after it, not in it; the others go as ever.
+    /// (In these rows a task's flag stands for "on its first pass".)
+    #[test]
+    fn a_task_on_its_first_pass_is_handed_over_after_it() {
+        let held = vec![(1, "S"), (2, "S"), (3, "S")];
+        let over = Row {
+            exist: vec![1, 2, 3],
+            cap_f: 1,
+            assigned: vec![(1, "f"), (2, "g"), (3, "g")],
+            held: held.clone(),
+            tasks: vec![(1, false), (2, true), (3, false)],
+            ..Row::default()
+        }
+        .build();
+        let got = with(&over, Instant::now(), |s| handovers(s, &over.tasks, |p| *p));
+        assert_eq!(names(&got), vec![3], "over our share: 2 waits for its pass");
+        let got = with(&over, Instant::now(), |s| {
+            handovers(s, &over.tasks, |_| false)
+        });
+        assert_eq!(names(&got), vec![2, 3], "its pass done: 2 goes too");
+        let foreign = Row {
+            exist: vec![1],
+            foreign: vec![1],
+            cap_f: 5,
+            assigned: vec![(1, "g")],
+            held: vec![(1, "S")],
+            tasks: vec![(1, true)],
+            ..Row::default()
+        }
+        .build();
+        let got = with(&foreign, Instant::now(), |s| {
+            handovers(s, &foreign.tasks, |p| *p)
+        });
+        assert!(
+            got.is_empty(),
+            "not ours to serve, on its first pass: after it"
+        );
     }
 }

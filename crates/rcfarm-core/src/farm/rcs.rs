@@ -595,6 +595,9 @@ impl Farm {
                         listing.record(&id)?.modify_index(),
                     ))
                 },
+                |ids| async move {
+                    self.add_records(views, &ids.into_iter().collect()).await;
+                },
                 |ids| self.prepare_records(views, keys, serving, ids),
             )
             .await

@@ -73,6 +73,11 @@ pub struct BenchFarmArgs {
     /// farms with one harness: this build's benchmark and each build's `rcfarm serve`.
     #[arg(long)]
     pub farm_bin: Option<std::path::PathBuf>,
+    /// With `--restart`: run P2's farm (`p2-rctl-server`, for example
+    /// `../shared/p2/p2-rctl-server`) instead of rcfarm's, timed by the same harness on the
+    /// same cluster. It serves no metrics: bytes read are not reported for it.
+    #[arg(long, requires = "restart", conflicts_with = "farm_bin")]
+    pub p2_farm_bin: Option<std::path::PathBuf>,
     /// Also print each run's figures on stdout as one line `figures: {JSON}`, for scripts.
     #[arg(long)]
     pub json: bool,
@@ -132,6 +137,24 @@ pub(super) struct FarmProc {
     pub metrics: String,
 }
 
+impl FarmProc {
+    /// Starts `cmd` with its stderr in `log`, killed when dropped.
+    fn spawn(cmd: &mut Command, log: std::fs::File, metrics: String) -> Result<Self, CliError> {
+        let child = cmd
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(log))
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(failed)?;
+        Ok(FarmProc {
+            pid: child.id().unwrap_or(0),
+            child,
+            session: None,
+            metrics,
+        })
+    }
+}
+
 fn free_port() -> Result<u16, CliError> {
     let l = std::net::TcpListener::bind("127.0.0.1:0").map_err(failed)?;
     Ok(l.local_addr().map_err(failed)?.port())
@@ -158,42 +181,34 @@ pub(super) async fn spawn_farms(
         let log = std::fs::File::create(dir.join(format!("farm-{i}.log"))).map_err(failed)?;
         let http = format!("127.0.0.1:{}", free_port()?);
         let mut cmd = Command::new(&exe);
-        let child = cmd
-            .args([
-                "serve",
-                "--consul",
-                consul_url,
-                "--farm-id",
-                &format!("bench-{i}"),
-            ])
-            .args([
-                "--http",
-                &http,
-                "--audit-db",
-                &audit_db,
-                "--session-ttl",
-                &ttl,
-            ])
-            .args(["--lock-delay", "500ms"])
-            // Benchmarks measure how fast farms converge, not their blast-radius limit.
-            .args(["--max-removals", "off", "--failsafe-confirm", "0s"])
-            .args(extra)
-            .env(
-                "RUST_LOG",
-                std::env::var("RCFARM_BENCH_FARM_LOG").unwrap_or_else(|_| "warn".into()),
-            )
-            .stdout(Stdio::null())
-            .stderr(Stdio::from(log))
-            .kill_on_drop(true)
-            .spawn()
-            .map_err(failed)?;
-        let pid = child.id().unwrap_or(0);
-        farms.push(FarmProc {
-            child,
-            pid,
-            session: None,
-            metrics: format!("http://{http}/metrics"),
-        });
+        cmd.args([
+            "serve",
+            "--consul",
+            consul_url,
+            "--farm-id",
+            &format!("bench-{i}"),
+        ])
+        .args([
+            "--http",
+            &http,
+            "--audit-db",
+            &audit_db,
+            "--session-ttl",
+            &ttl,
+        ])
+        .args(["--lock-delay", "500ms"])
+        // Benchmarks measure how fast farms converge, not their blast-radius limit.
+        .args(["--max-removals", "off", "--failsafe-confirm", "0s"])
+        .args(extra)
+        .env(
+            "RUST_LOG",
+            std::env::var("RCFARM_BENCH_FARM_LOG").unwrap_or_else(|_| "warn".into()),
+        );
+        farms.push(FarmProc::spawn(
+            &mut cmd,
+            log,
+            format!("http://{http}/metrics"),
+        )?);
     }
     let c = Consul::new(ConsulConfig::new(consul_url)).map_err(failed)?;
     wait_until(Duration::from_secs(60), "farms registered", || {
@@ -210,6 +225,24 @@ pub(super) async fn spawn_farms(
         }
     })
     .await?;
+    Ok(farms)
+}
+
+/// Starts `n` of P2's farms (`p2-rctl-server --consul HOST:PORT`) logging to `dir`. They
+/// register nowhere this harness reads, so nothing is awaited.
+fn spawn_p2_farms(
+    bin: &std::path::Path,
+    port: u16,
+    n: usize,
+    dir: &std::path::Path,
+) -> Result<Vec<FarmProc>, CliError> {
+    let mut farms = Vec::new();
+    for i in 0..n {
+        let log = std::fs::File::create(dir.join(format!("p2-farm-{i}.log"))).map_err(failed)?;
+        let mut cmd = Command::new(bin);
+        cmd.args(["--consul", &format!("127.0.0.1:{port}")]);
+        farms.push(FarmProc::spawn(&mut cmd, log, String::new())?);
+    }
     Ok(farms)
 }
 
@@ -368,15 +401,16 @@ impl Target {
         }
     }
 
-    /// Whether every one of `pods` pods has its intent and labels. Real Consul is asked over
-    /// HTTP: a listing of 100,000 keys every 20 ms would be a load of its own, so above 10,000
-    /// pods it is polled every 250 ms (±0.25 s).
-    async fn every_pod_written(&self, consul: &Consul, pods: usize) -> bool {
+    /// Whether every one of `pods` pods has its intent and labels (beside `other_labels` pod
+    /// labels of no RC's). Real Consul is asked over HTTP: a listing of 100,000 keys every
+    /// 20 ms would be a load of its own, so above 10,000 pods it is polled every 250 ms
+    /// (±0.25 s).
+    async fn every_pod_written(&self, consul: &Consul, pods: usize, other_labels: usize) -> bool {
         if matches!(self, Target::Real(_)) && pods > 10_000 {
             tokio::time::sleep(Duration::from_millis(230)).await;
         }
         self.count(consul, "intent/").await == pods
-            && self.count(consul, "labels/pod/").await == pods
+            && self.count(consul, "labels/pod/").await == pods + other_labels
     }
 
     async fn shutdown(self) {
@@ -417,7 +451,7 @@ async fn watch_bytes(http: &reqwest::Client, farms: &[FarmProc]) -> BTreeMap<Str
 }
 
 fn total(m: &BTreeMap<String, f64>) -> f64 {
-    m.values().sum()
+    m.values().fold(0.0, |a, v| a + v)
 }
 
 pub async fn run(args: BenchFarmArgs) -> Result<(), CliError> {
@@ -605,12 +639,21 @@ async fn run_once(args: &BenchFarmArgs) -> Result<Figures, CliError> {
             peak
         })
     };
+    // The sampler runs on a blocking thread, which the runtime waits for at exit: it must
+    // stop on every return, an early one included, or the benchmark never exits.
+    let _stop_sampling = sampling.clone().drop_guard();
     let (tgt, c) = (&target, &consul);
-    let converge = wait_until(args.timeout, "convergence", || {
-        tgt.every_pod_written(c, pods)
+    let converge = match wait_until(args.timeout, "convergence", || {
+        tgt.every_pod_written(c, pods, 0)
     })
-    .await?
-    .max(t0.elapsed());
+    .await
+    {
+        Ok(d) => d.max(t0.elapsed()),
+        Err(e) => {
+            so_far(&target, &consul, &scraper, &farms, pods).await;
+            return Err(e);
+        }
+    };
     let consul_cpu = match (cpu0, target.cpu()) {
         (Some(a), Some(b)) => Some(b.saturating_sub(a)),
         _ => None,
@@ -732,13 +775,25 @@ async fn run_once(args: &BenchFarmArgs) -> Result<Figures, CliError> {
         figures.change_p99_ms = Some(pct(&mut latencies.clone(), 0.99));
     }
 
-    // Idle: let the outbox drain, then watch.
-    wait_until(
+    // Idle: let the outbox drain, then watch. A backlog that does not drain in time is
+    // reported, not fatal: the idle figures that follow then include its shipping.
+    let backlog = tgt.count(c, "audit_logs/").await;
+    match wait_until(
         Duration::from_secs(120),
         "the audit outbox to drain",
         || async move { tgt.count(c, "audit_logs/").await == 0 },
     )
-    .await?;
+    .await
+    {
+        Ok(d) => eprintln!(
+            "audit outbox: {backlog} records left at convergence, shipped in {:.1} s after",
+            d.as_secs_f64()
+        ),
+        Err(e) => eprintln!(
+            "audit outbox: {backlog} records left at convergence, {} still left: {e}",
+            tgt.count(c, "audit_logs/").await
+        ),
+    }
     tokio::time::sleep(Duration::from_secs(2)).await;
     sampling.cancel();
     let peak_conns = sampler.await.map_err(failed)?;
@@ -929,6 +984,38 @@ async fn run_once(args: &BenchFarmArgs) -> Result<Figures, CliError> {
     Ok(figures)
 }
 
+/// What a run that timed out got to: pods written, and each farm's CPU, RSS and bytes read.
+async fn so_far(
+    target: &Target,
+    consul: &Consul,
+    http: &reqwest::Client,
+    farms: &[FarmProc],
+    pods: usize,
+) {
+    let cpu: f64 = farms
+        .iter()
+        .filter_map(|f| bench_probe::cpu_time(f.pid))
+        .map(|d| d.as_secs_f64())
+        .sum();
+    let rss: Vec<String> = farms
+        .iter()
+        .map(|f| {
+            let mib =
+                |k: Option<u64>| k.map_or("gone".into(), |k| format!("{:.0}", k as f64 / 1024.0));
+            format!("{} / {}", mib(rss_kib(f.pid)), mib(peak_rss_kib(f.pid)))
+        })
+        .collect();
+    println!(
+        "| {} | timed out | {} farms | intents {} and pod labels {} of {pods} | farms' CPU {cpu:.1} s | RSS now / peak MiB: {} | MiB read {:.0} |",
+        target.name(),
+        farms.len(),
+        target.count(consul, "intent/").await,
+        target.count(consul, "labels/pod/").await,
+        rss.join(", "),
+        total(&watch_bytes(http, farms).await) / (1 << 20) as f64,
+    );
+}
+
 /// Whether each farm's gauge `metric` is non-zero.
 async fn farm_gauges(http: &reqwest::Client, farms: &[FarmProc], metric: &str) -> Vec<bool> {
     let mut out = Vec::new();
@@ -988,6 +1075,17 @@ async fn started_on_a_full_cluster(
         }
         batch.extend(group);
     }
+    // P2's farm schedules nothing while `labels/pod/` is empty, so a restart run writes one
+    // pod label of no RC's, for every build alike: the same cluster for P2's farm and rcfarm's.
+    let other_labels = usize::from(args.restart);
+    if args.restart {
+        let labels: LabelSet = [(crate::rc::POD_ID_LABEL.to_string(), "other".to_string())].into();
+        batch.push(LabelStore::set_op(
+            LabelType::Pod,
+            &crate::labels::pod_label_id("bench-other-node", "other"),
+            &labels,
+        ));
+    }
     if !batch.is_empty() {
         consul.txn(&batch).await.map_err(failed)?;
     }
@@ -1000,22 +1098,34 @@ async fn started_on_a_full_cluster(
     let extra = ["--resync-interval", "30s", "--consistency-interval", "60s"];
     let cpu0 = target.cpu();
     let t0 = Instant::now();
-    let mut farms = spawn_farms(
-        &target.url(),
-        args.farms,
-        args.session_ttl,
-        dir,
-        &extra,
-        args.farm_bin.as_deref(),
-    )
-    .await?;
+    let mut farms = match &args.p2_farm_bin {
+        Some(bin) => spawn_p2_farms(bin, target.port(), args.farms, dir)?,
+        None => {
+            spawn_farms(
+                &target.url(),
+                args.farms,
+                args.session_ttl,
+                dir,
+                &extra,
+                args.farm_bin.as_deref(),
+            )
+            .await?
+        }
+    };
     let n = args.rcs;
     let c = consul.clone();
     let held = if args.restart {
-        wait_until(args.timeout, "every pod written", || {
-            target.every_pod_written(consul, pods)
+        match wait_until(args.timeout, "every pod written", || {
+            target.every_pod_written(consul, pods, other_labels)
         })
-        .await?
+        .await
+        {
+            Ok(d) => d,
+            Err(e) => {
+                so_far(&target, consul, &reqwest::Client::new(), &farms, pods).await;
+                return Err(e);
+            }
+        }
     } else {
         wait_until(args.timeout, "every RC held", || {
             let c = c.clone();
@@ -1060,8 +1170,42 @@ async fn started_on_a_full_cluster(
             figures.peak_ratio.push(ratio);
         }
     }
-    figures.mib_read = total(&watch_bytes(&scraper, &farms).await) / (1 << 20) as f64;
-    let (mode, until) = if args.restart {
+    let bytes = watch_bytes(&scraper, &farms).await;
+    figures.mib_read = total(&bytes) / (1 << 20) as f64;
+    if args.p2_farm_bin.is_none() {
+        let requests =
+            farm_counter(&scraper, &farms, "rcfarm_consul_requests_total", "endpoint").await;
+        let answers = farm_counter(
+            &scraper,
+            &farms,
+            "rcfarm_consul_watch_answers_total",
+            "watch",
+        )
+        .await;
+        let list = |m: &BTreeMap<String, f64>, f: &dyn Fn(&str, f64) -> String| {
+            m.iter()
+                .map(|(k, v)| f(k, *v))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        eprintln!(
+            "farms' Consul requests by endpoint: {}",
+            list(&requests, &|k, v| format!("{k} {v:.0}"))
+        );
+        eprintln!(
+            "watch answers (count, MiB): {}",
+            list(&answers, &|k, v| format!(
+                "{k} {v:.0} {:.1}",
+                bytes.get(k).copied().unwrap_or(0.0) / (1 << 20) as f64
+            ))
+        );
+    }
+    let (mode, until) = if args.p2_farm_bin.is_some() {
+        (
+            "restart, P2's farm",
+            "every pod written from the farms' exec in",
+        )
+    } else if args.restart {
         ("restart", "every pod written from the farms' exec in")
     } else {
         ("prewritten", "every RC held in")
