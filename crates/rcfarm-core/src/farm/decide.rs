@@ -257,20 +257,28 @@ pub fn starts<'a, T>(
         .collect()
 }
 
+/// What [`handovers`] decided: what to hand over now, and how many more go once their tasks'
+/// first passes are done.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Handovers {
+    pub now: Vec<RcId>,
+    pub after_first_pass: usize,
+}
+
 /// What to hand over, given the tasks running (after claims): what we may not serve, and as
 /// many objects assigned to other farms as we hold over our share. Only objects held per the
-/// view (never one just claimed), so no farm claims something only to hand it back; and not
-/// one whose task is on its first pass (`first_pass`): farms started together each claim
-/// what they see free before they see each other, and a task stopped in its first pass
-/// leaves its writes to a farm that has yet to claim, read and write the same. Such a task is
-/// handed over once its pass is done (within `FIRST_PASS_GRACE`: `TaskHandle::on_first_pass`).
+/// view (never one just claimed), so no farm claims something only to hand it back. Of those,
+/// one whose task is on its first pass (`first_pass`) goes after it, not now: farms started
+/// together each claim what they see free before they see each other, and a task stopped in
+/// its first pass leaves its writes to a farm that has yet to claim, read and write the same
+/// (`TaskHandle::on_first_pass`, within `FIRST_PASS_GRACE`). What is handed over is the same
+/// either way; only when changes.
 pub fn handovers<T>(
     s: &Situation<'_>,
     tasks: &BTreeMap<RcId, T>,
     first_pass: impl Fn(&T) -> bool,
-) -> Vec<RcId> {
-    let passing = |id: &RcId| tasks.get(id).is_some_and(&first_pass);
-    let handable = |id: &&RcId| !s.mine(id) && s.held_by_us(id) && !(s.claimed)(id) && !passing(id);
+) -> Handovers {
+    let handable = |id: &&RcId| !s.mine(id) && s.held_by_us(id) && !(s.claimed)(id);
     let mut out: Vec<RcId> = tasks
         .keys()
         .filter(handable)
@@ -292,7 +300,13 @@ pub fn handovers<T>(
                 .copied(),
         );
     }
-    out
+    let (later, now): (Vec<RcId>, Vec<RcId>) = out
+        .into_iter()
+        .partition(|id| tasks.get(id).is_some_and(&first_pass));
+    Handovers {
+        now,
+        after_first_pass: later.len(),
+    }
 }
 
 #[cfg(test)]
@@ -665,7 +679,8 @@ mod tests {
         for (rule, row, want) in rows {
             let b = row.build();
             let got = with(&b, Instant::now(), |s| handovers(s, &b.tasks, |_| false));
-            assert_eq!(names(&got), want, "{rule}");
+            assert_eq!(names(&got.now), want, "{rule}");
+            assert_eq!(got.after_first_pass, 0, "{rule}");
         }
     }
 
@@ -684,11 +699,16 @@ mod tests {
         }
         .build();
         let got = with(&over, Instant::now(), |s| handovers(s, &over.tasks, |p| *p));
-        assert_eq!(names(&got), vec![3], "over our share: 2 waits for its pass");
+        assert_eq!(
+            names(&got.now),
+            vec![3],
+            "over our share: 2 waits for its pass"
+        );
+        assert_eq!(got.after_first_pass, 1);
         let got = with(&over, Instant::now(), |s| {
             handovers(s, &over.tasks, |_| false)
         });
-        assert_eq!(names(&got), vec![2, 3], "its pass done: 2 goes too");
+        assert_eq!(names(&got.now), vec![2, 3], "its pass done: 2 goes too");
         let foreign = Row {
             exist: vec![1],
             foreign: vec![1],
@@ -703,8 +723,28 @@ mod tests {
             handovers(s, &foreign.tasks, |p| *p)
         });
         assert!(
-            got.is_empty(),
+            got.now.is_empty(),
             "not ours to serve, on its first pass: after it"
         );
+        assert_eq!(got.after_first_pass, 1);
+        // One not ours to serve on its first pass still counts as leaving: the share is
+        // counted as if it had gone, so no extra object is handed over in its place.
+        let both = Row {
+            exist: vec![1, 2, 3, 4],
+            foreign: vec![1],
+            cap_f: 2,
+            assigned: vec![(1, "g"), (2, "g"), (3, "g"), (4, "f")],
+            held: vec![(1, "S"), (2, "S"), (3, "S"), (4, "S")],
+            tasks: vec![(1, true), (2, false), (3, false), (4, false)],
+            ..Row::default()
+        }
+        .build();
+        let got = with(&both, Instant::now(), |s| handovers(s, &both.tasks, |p| *p));
+        assert_eq!(
+            names(&got.now),
+            vec![2],
+            "1 after its pass; 2 for the share; 3 kept"
+        );
+        assert_eq!(got.after_first_pass, 1);
     }
 }

@@ -375,10 +375,11 @@ impl<K: Kind> Owned<K> {
             }
         }
 
-        let excess = decide::handovers(s, &self.tasks, |t| t.on_first_pass());
+        let handovers = decide::handovers(s, &self.tasks, |t| t.on_first_pass());
+        let excess = handovers.now;
         // Those kept for their first pass are looked at again soon (the pass is a few round
         // trips), not at the next change of a view.
-        if decide::handovers(s, &self.tasks, |_| false).len() > excess.len() {
+        if handovers.after_first_pass > 0 {
             let soon = Instant::now() + FIRST_PASS_RECHECK;
             self.recheck_at = Some(self.recheck_at.map_or(soon, |r| r.min(soon)));
         }

@@ -1096,6 +1096,7 @@ async fn started_on_a_full_cluster(
         t.elapsed().as_secs_f64()
     );
     let extra = ["--resync-interval", "30s", "--consistency-interval", "60s"];
+    let scraper = reqwest::Client::new();
     let cpu0 = target.cpu();
     let t0 = Instant::now();
     let mut farms = match &args.p2_farm_bin {
@@ -1122,7 +1123,7 @@ async fn started_on_a_full_cluster(
         {
             Ok(d) => d,
             Err(e) => {
-                so_far(&target, consul, &reqwest::Client::new(), &farms, pods).await;
+                so_far(&target, consul, &scraper, &farms, pods).await;
                 return Err(e);
             }
         }
@@ -1140,7 +1141,6 @@ async fn started_on_a_full_cluster(
     };
     tokio::time::sleep(args.idle).await;
     let intents = target.count(consul, "intent/").await;
-    let scraper = reqwest::Client::new();
     let shippers = farm_gauges(&scraper, &farms, "rcfarm_audit_shipper").await;
     let mut figures = Figures {
         farms: args.farms,

@@ -1377,7 +1377,7 @@ impl World {
                 let Some(w) = Which::of(id) else { continue };
                 self.farms[f].tasks.entry(w).or_default();
             }
-            for id in decide::handovers(&s, &tasks, |_| false) {
+            for id in decide::handovers(&s, &tasks, |_| false).now {
                 let Some(w) = Which::of(id) else { continue };
                 did.push(self.hand_over_rc(f, w));
             }
@@ -1409,7 +1409,7 @@ impl World {
             if self.kv.roll_lock == Some(session) && self.farms[f].roll_task.is_none() {
                 self.farms[f].roll_task = Some(RollTask::default());
             }
-            if !decide::handovers(&s, &tasks, |_| false).is_empty() {
+            if !decide::handovers(&s, &tasks, |_| false).now.is_empty() {
                 did.push(self.hand_over_roll(f));
             }
         } else if self.farms[f].roll_task.is_some() {
