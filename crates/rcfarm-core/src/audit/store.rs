@@ -272,9 +272,22 @@ impl AuditStore {
             url: shown.clone(),
             source,
         };
+        let sqlite = engine == Engine::Sqlite;
         let pool = AnyPoolOptions::new()
-            .max_connections(if engine == Engine::Sqlite { 4 } else { 8 })
+            .max_connections(if sqlite { 4 } else { 8 })
             .acquire_timeout(std::time::Duration::from_secs(10))
+            .after_connect(move |conn, _| {
+                Box::pin(async move {
+                    if sqlite {
+                        // SQLite's page cache is 2 MiB by default: every record's id and
+                        // indexes are random inserts into B-trees of the whole log, which past
+                        // a few hundred thousand records spilled and re-read pages for each
+                        // batch. 64 MiB per connection holds their inner pages.
+                        sqlx::Executor::execute(&mut *conn, "PRAGMA cache_size = -65536").await?;
+                    }
+                    Ok(())
+                })
+            })
             .connect(&normalized)
             .await
             .map_err(db)?;

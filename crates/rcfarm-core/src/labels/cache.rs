@@ -349,6 +349,10 @@ impl State {
     /// holds any more are forgotten.
     fn expand(&mut self, changes: Vec<RawChange>) -> Vec<LabelChange> {
         let mut expanded: HashMap<*const CompactLabels, Arc<LabelSet>> = HashMap::new();
+        // A set can lose its last entry only in a change that took it away (its `old`): only
+        // those are looked at, not every interned set (a walk of all of them per write made a
+        // farm's own label writes quadratic in the cluster's RCs).
+        let mut released: HashMap<*const CompactLabels, Arc<CompactLabels>> = HashMap::new();
         let mut expand = |l: Option<Arc<CompactLabels>>| {
             l.map(|l| {
                 expanded
@@ -359,15 +363,22 @@ impl State {
         };
         let changes: Vec<LabelChange> = changes
             .into_iter()
-            .map(|(id, old, new)| LabelChange {
-                id,
-                old: expand(old),
-                new: expand(new),
+            .map(|(id, old, new)| {
+                if let Some(o) = &old {
+                    released.entry(Arc::as_ptr(o)).or_insert_with(|| o.clone());
+                }
+                LabelChange {
+                    id,
+                    old: expand(old),
+                    new: expand(new),
+                }
             })
             .collect();
-        if !changes.is_empty() {
-            // Forget label sets no entry holds any more (held only by this set).
-            self.interned.retain(|l| Arc::strong_count(l) > 1);
+        for l in released.into_values() {
+            // Held by the interned set and by `l` alone: no entry holds it any more.
+            if Arc::strong_count(&l) == 2 {
+                self.interned.remove(&l);
+            }
         }
         changes
     }
@@ -923,6 +934,42 @@ mod tests {
                 .is_empty()
         );
         assert!(!st.inverted["replication_controller_id"].contains_key("rc-1"));
+    }
+
+    /// Only the sets a change took away are looked at; each goes once its last entry does,
+    /// also when one batch of own writes moves an id twice.
+    #[test]
+    fn own_writes_forget_the_sets_they_leave_unheld() {
+        let mut st = State::default();
+        let (a, b, c) = (
+            labels(&[("rc", "a")]),
+            labels(&[("rc", "b")]),
+            labels(&[("rc", "c")]),
+        );
+        st.apply_own(vec![
+            ("n1/web".into(), Some(a.clone()), 2),
+            ("n2/web".into(), Some(a.clone()), 2),
+        ]);
+        assert_eq!(st.interned.len(), 1);
+        // n1 leaves `a`, which n2 still holds; within the same batch n2 goes through `b` to `c`.
+        st.apply_own(vec![
+            ("n1/web".into(), Some(b.clone()), 3),
+            ("n3/web".into(), Some(b), 3),
+            ("n3/web".into(), Some(c.clone()), 4),
+        ]);
+        assert_eq!(st.interned.len(), 3, "a (n2), b (n1), c (n3)");
+        st.apply_own(vec![("n2/web".into(), None, 5)]);
+        assert_eq!(st.interned.len(), 2, "a had only n2 left");
+        st.apply_own(vec![
+            ("n1/web".into(), Some(c), 6),
+            ("n3/web".into(), None, 6),
+        ]);
+        let held: Vec<LabelSet> = st.interned.iter().map(|l| l.to_set()).collect();
+        assert_eq!(
+            held,
+            [labels(&[("rc", "c")])],
+            "b left with n1, c stays with it"
+        );
     }
 
     #[test]

@@ -116,35 +116,50 @@ pub struct FarmStatus {
 /// Shared status of a farm and its RCs.
 #[derive(Debug, Default)]
 pub struct StatusRegistry {
-    rcs: RwLock<BTreeMap<RcId, RcStatus>>,
+    rcs: RwLock<RcStatuses>,
     farm: RwLock<FarmStatus>,
+}
+
+/// The RCs' statuses, and the sum of their `current` kept beside them: the farm reads it at
+/// every turn of its loop, and a sum over every RC there cost a walk of the whole map.
+#[derive(Debug, Default)]
+struct RcStatuses {
+    by_id: BTreeMap<RcId, RcStatus>,
+    current: usize,
 }
 
 impl StatusRegistry {
     pub fn update_rc(&self, id: RcId, owner: &str, f: impl FnOnce(&mut RcStatus)) {
         let mut rcs = self.rcs.write();
-        f(rcs.entry(id).or_insert_with(|| RcStatus::new(id, owner)));
+        let RcStatuses { by_id, current } = &mut *rcs;
+        let status = by_id.entry(id).or_insert_with(|| RcStatus::new(id, owner));
+        let before = status.current;
+        f(status);
+        *current = *current - before + status.current;
     }
 
     pub fn remove_rc(&self, id: RcId) {
-        self.rcs.write().remove(&id);
+        let mut rcs = self.rcs.write();
+        if let Some(s) = rcs.by_id.remove(&id) {
+            rcs.current -= s.current;
+        }
     }
 
     pub fn clear_rcs(&self) {
-        self.rcs.write().clear();
+        *self.rcs.write() = RcStatuses::default();
     }
 
     pub fn rc(&self, id: RcId) -> Option<RcStatus> {
-        self.rcs.read().get(&id).cloned()
+        self.rcs.read().by_id.get(&id).cloned()
     }
 
     /// Pods the farm's RCs run now (the base of a percentage `--max-removals`).
     pub fn pods_current(&self) -> usize {
-        self.rcs.read().values().map(|r| r.current).sum()
+        self.rcs.read().current
     }
 
     pub fn rcs(&self) -> Vec<RcStatus> {
-        self.rcs.read().values().cloned().collect()
+        self.rcs.read().by_id.values().cloned().collect()
     }
 
     pub fn farm(&self) -> FarmStatus {

@@ -406,7 +406,11 @@ impl Target {
     /// 20 ms would be a load of its own, so above 10,000 pods it is polled every 250 ms
     /// (±0.25 s).
     async fn every_pod_written(&self, consul: &Consul, pods: usize, other_labels: usize) -> bool {
-        if matches!(self, Target::Real(_)) && pods > 10_000 {
+        // A count walks every key under the prefix (the embedded server in this process, or
+        // Consul's answer): above 10,000 pods, counting every 20 ms took a tenth of the
+        // machine from the farms it times (400,000 pods, embedded). A quarter second is a
+        // fine grain for runs that take seconds.
+        if pods > 10_000 {
             tokio::time::sleep(Duration::from_millis(230)).await;
         }
         self.count(consul, "intent/").await == pods
@@ -631,10 +635,13 @@ async fn run_once(args: &BenchFarmArgs) -> Result<Figures, CliError> {
         tokio::task::spawn_blocking(move || {
             let mut peak = vec![0usize; pids.len()];
             while !stop.is_cancelled() {
-                for (p, pid) in peak.iter_mut().zip(&pids) {
-                    *p = (*p).max(bench_probe::connections_to(*pid, port));
+                let now = bench_probe::connections_of(&pids, port);
+                for (p, n) in peak.iter_mut().zip(now) {
+                    *p = (*p).max(n);
                 }
-                std::thread::sleep(Duration::from_millis(20));
+                // A farm's connections last at least a request; 50 ms catches its peak without
+                // the sampler competing with the farms for the machine.
+                std::thread::sleep(Duration::from_millis(50));
             }
             peak
         })
@@ -824,10 +831,8 @@ async fn run_once(args: &BenchFarmArgs) -> Result<Figures, CliError> {
         }
         _ => None,
     };
-    let idle_conns: Vec<usize> = farms
-        .iter()
-        .map(|f| bench_probe::connections_to(f.pid, port))
-        .collect();
+    let idle_conns =
+        bench_probe::connections_of(&farms.iter().map(|f| f.pid).collect::<Vec<_>>(), port);
     let time_wait = bench_probe::time_wait_to(port);
     let losses = total(&farm_counter(&scraper, &farms, "rcfarm_session_losses_total", "").await);
     let rss: Vec<u64> = farms.iter().filter_map(|f| rss_kib(f.pid)).collect();

@@ -57,11 +57,28 @@ fn socket_inodes(pid: u32) -> BTreeSet<u64> {
 
 /// Established TCP connections process `pid` holds to `port`.
 pub fn connections_to(pid: u32, port: u16) -> usize {
-    let mine = socket_inodes(pid);
-    tcp_rows(pid)
-        .iter()
-        .filter(|r| r.state == ESTABLISHED && r.remote_port == port && mine.contains(&r.inode))
-        .count()
+    connections_of(&[pid], port)[0]
+}
+
+/// Established TCP connections each of `pids` holds to `port`, from one read of the TCP table:
+/// the processes share the network namespace, and the table lists every socket on the machine
+/// (a read of it per process, many times a second, took a tenth of a 2-core machine's CPU in a
+/// benchmark of 400,000 pods).
+pub fn connections_of(pids: &[u32], port: u16) -> Vec<usize> {
+    let Some(&first) = pids.first() else {
+        return Vec::new();
+    };
+    let established: Vec<u64> = tcp_rows(first)
+        .into_iter()
+        .filter(|r| r.state == ESTABLISHED && r.remote_port == port)
+        .map(|r| r.inode)
+        .collect();
+    pids.iter()
+        .map(|&pid| {
+            let mine = socket_inodes(pid);
+            established.iter().filter(|i| mine.contains(i)).count()
+        })
+        .collect()
 }
 
 /// Sockets to `port` in TIME-WAIT on the machine (they belong to no process any more).
