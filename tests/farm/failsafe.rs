@@ -378,11 +378,13 @@ async fn a_bulk_edit_one_put_per_rc_is_limited_for_the_cluster(backend: Backend,
     }
     tokio::time::sleep(Duration::from_secs(15)).await;
     let removed = 24 - crate::brakes::pods_of(&c, &ids).await;
+    // Read before the first assertion, so that a breach shows the limit and the served counts
+    // it was charged under (seen once in CI under load: 6 removed on three farms).
+    let w = window(&c).await;
     assert!(
         removed <= 5,
-        "{removed} pods removed within 15 s by {farms} farms"
+        "{removed} pods removed within 15 s by {farms} farms; the window: {w:?}"
     );
-    let w = window(&c).await;
     let now = chrono::Utc::now().timestamp();
     let st = w.recorded_settings().expect("the farms wrote the window");
     assert_eq!(w.limit, Some(5), "the limit charged under: {w:?}");
