@@ -402,14 +402,11 @@ impl Target {
     }
 
     /// Whether every one of `pods` pods has its intent and labels (beside `other_labels` pod
-    /// labels of no RC's). Real Consul is asked over HTTP: a listing of 100,000 keys every
-    /// 20 ms would be a load of its own, so above 10,000 pods it is polled every 250 ms
-    /// (±0.25 s).
+    /// labels of no RC's). A count walks every key under the prefix (Consul's listing over
+    /// HTTP, or the embedded server in this process): every 20 ms it would be a load of its
+    /// own (at 400,000 pods on the embedded server, a tenth of the machine taken from the
+    /// farms it times), so above 10,000 pods it is polled every 250 ms (±0.25 s).
     async fn every_pod_written(&self, consul: &Consul, pods: usize, other_labels: usize) -> bool {
-        // A count walks every key under the prefix (the embedded server in this process, or
-        // Consul's answer): above 10,000 pods, counting every 20 ms took a tenth of the
-        // machine from the farms it times (400,000 pods, embedded). A quarter second is a
-        // fine grain for runs that take seconds.
         if pods > 10_000 {
             tokio::time::sleep(Duration::from_millis(230)).await;
         }
@@ -632,6 +629,7 @@ async fn run_once(args: &BenchFarmArgs) -> Result<Figures, CliError> {
     let port = target.port();
     let sampler = {
         let stop = sampling.clone();
+        let pids = pids.clone();
         tokio::task::spawn_blocking(move || {
             let mut peak = vec![0usize; pids.len()];
             while !stop.is_cancelled() {
@@ -831,8 +829,7 @@ async fn run_once(args: &BenchFarmArgs) -> Result<Figures, CliError> {
         }
         _ => None,
     };
-    let idle_conns =
-        bench_probe::connections_of(&farms.iter().map(|f| f.pid).collect::<Vec<_>>(), port);
+    let idle_conns = bench_probe::connections_of(&pids, port);
     let time_wait = bench_probe::time_wait_to(port);
     let losses = total(&farm_counter(&scraper, &farms, "rcfarm_session_losses_total", "").await);
     let rss: Vec<u64> = farms.iter().filter_map(|f| rss_kib(f.pid)).collect();
