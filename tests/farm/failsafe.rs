@@ -385,6 +385,11 @@ async fn a_bulk_edit_one_put_per_rc_is_limited_for_the_cluster(backend: Backend,
         removed <= 5,
         "{removed} pods removed within 15 s by {farms} farms; the window: {w:?}"
     );
+    // Each pod counted once in the base of the percentage, handovers and all (before the farm
+    // giving RCs back wrote its smaller count first, a handover could count them twice, and
+    // the peak kept that sum: a limit of 6 on 24 pods, seen once in CI).
+    println!("removed {removed}; the window: {w:?}");
+    assert!(w.peak <= 24, "a peak above the 24 pods: {w:?}");
     let now = chrono::Utc::now().timestamp();
     let st = w.recorded_settings().expect("the farms wrote the window");
     assert_eq!(w.limit, Some(5), "the limit charged under: {w:?}");

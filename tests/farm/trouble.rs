@@ -92,7 +92,13 @@ async fn consul_down_past_the_ttl_and_back_with_its_data_dir(backend: Backend) {
         )
         .await;
     let sessions_after: BTreeSet<String> = c.owners().await.into_values().collect();
-    assert_eq!(sessions_after, sessions_before, "the RCs kept their owners");
+    assert_eq!(
+        sessions_after,
+        sessions_before,
+        "the RCs kept their owners; farm logs:\n{}\n---\n{}",
+        c.farm_log(0),
+        c.farm_log(1)
+    );
     for i in 0..2 {
         let log = c.farm_log(i);
         assert!(log.contains("in doubt"), "farm {i} noticed: {log}");
@@ -104,7 +110,14 @@ async fn consul_down_past_the_ttl_and_back_with_its_data_dir(backend: Backend) {
     // The pods survived with the data, untouched.
     assert_eq!(c.placements().await, placed, "no pod moved");
     let fenced = assert_no_violations_in(&c, &before);
-    println!("converged {took:?} after the restart, same sessions; {fenced:?} fenced writes");
+    // A restarted Consul 0.7 server may answer a renewal with 404 before it has applied its
+    // log again (rcfarm_consul::session): say when this run saw it.
+    let behind = (0..2)
+        .filter(|i| c.farm_log(*i).contains("still applying its log"))
+        .count();
+    println!(
+        "converged {took:?} after the restart, same sessions; {fenced:?} fenced writes; {behind} farm(s) heard a 404 from a server still applying its log"
+    );
 }
 
 on_both_backends!(consul_down_past_the_ttl_and_back_empty);

@@ -9,6 +9,15 @@
 //! (404 on renew), which it does at the first renewal that reaches a leader after the session
 //! expired. Acting in doubt is safe because every write made under the session is fenced by it
 //! (`check-session` in the same transaction): a write under an expired session fails.
+//!
+//! A 404 is believed only from a Consul whose state has reached the session's creation. A
+//! restarted Consul 0.7 server answers as leader before it has applied its own log again, and
+//! for that moment it knows none of the sessions created since its last snapshot (seen on the
+//! 0.7.0 binary under load: a farm gave up a session the restarted server then kept). So on a
+//! 404 the renewer reads the session (`/v1/session/info`): absent at an index at or past the
+//! session's `CreateIndex`, it is gone; absent at a lower index, Consul is still catching up,
+//! and renewing goes on, in doubt, for at most one more TTL (a Consul that came back empty or
+//! from an older backup never catches up; the new leader's timers give the session 2×TTL).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -21,7 +30,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::client::Consul;
 use super::error::{ConsulError, Result};
-use super::types::{SessionBehavior, SessionId, SessionRequest};
+use super::types::{QueryOptions, SessionBehavior, SessionId, SessionRequest};
 use crate::util::jitter_half;
 
 /// What to create.
@@ -70,6 +79,18 @@ impl Session {
             })
             .await?
             .into();
+        // Its `CreateIndex`, against which a later 404 is judged (see the module's doc). A
+        // session that has not learnt it (this read failed, and no renewal has answered yet)
+        // believes the first 404, as before.
+        let create_index = match tokio::time::timeout(
+            Duration::from_secs(2).min(config.ttl),
+            consul.session_info(&id, &QueryOptions::default()),
+        )
+        .await
+        {
+            Ok(Ok((Some(entry), _))) => entry.create_index,
+            _ => 0,
+        };
         let lost = CancellationToken::new();
         let stop = CancellationToken::new();
         let reason = Arc::new(Mutex::new(None));
@@ -86,6 +107,8 @@ impl Session {
             renewals: renewals.clone(),
             doubt: doubt_tx,
             doubt_since: None,
+            create_index,
+            unknown_since: None,
         }));
         tracing::info!(session = %id, name = %config.name, ttl = ?config.ttl, "created Consul session");
         Ok(Session {
@@ -168,6 +191,24 @@ struct RenewLoop {
     renewals: Arc<AtomicU64>,
     doubt: tokio::sync::watch::Sender<bool>,
     doubt_since: Option<Instant>,
+    /// The session's `CreateIndex`, read after its creation or reported by a renewal (0: not
+    /// known).
+    create_index: u64,
+    /// Since when Consul has answered 404 without its state having reached the session's
+    /// creation (see the module's doc).
+    unknown_since: Option<Instant>,
+}
+
+/// What a read of the session says after a 404 on renew.
+enum Unknown {
+    /// Absent from a state at or past its creation (or its creation is not known): gone.
+    Gone,
+    /// Absent from a state before its creation (`index`): Consul is catching up.
+    Behind { index: u64 },
+    /// Listed after all (a renewal raced a leader change): renew again.
+    Present,
+    /// The read failed.
+    Unread(String),
 }
 
 impl RenewLoop {
@@ -177,6 +218,27 @@ impl RenewLoop {
             self.doubt.send_replace(true);
             metrics::counter!("rcfarm_session_doubts_total").increment(1);
             tracing::warn!(session = %self.id, ttl = ?self.ttl, %why, "no successful session renewal within the TTL: the session is in doubt; renewing on until Consul answers (a new leader restarts session timers)");
+        }
+    }
+
+    /// After a 404 on renew: does Consul's state reach the session's creation?
+    async fn read_after_404(&self) -> Unknown {
+        if self.create_index == 0 {
+            return Unknown::Gone;
+        }
+        let read = tokio::time::timeout(
+            Duration::from_secs(2).min(self.ttl),
+            self.consul.session_info(&self.id, &QueryOptions::default()),
+        )
+        .await;
+        match read {
+            Ok(Ok((Some(_), _))) => Unknown::Present,
+            Ok(Ok((None, meta))) if meta.index < self.create_index => {
+                Unknown::Behind { index: meta.index }
+            }
+            Ok(Ok((None, _))) => Unknown::Gone,
+            Ok(Err(e)) => Unknown::Unread(e.to_string()),
+            Err(_) => Unknown::Unread("no answer to the session read".into()),
         }
     }
 
@@ -213,6 +275,8 @@ async fn renew_loop(mut s: RenewLoop) {
         let failure = match attempt {
             Ok(Ok(entry)) => {
                 s.last_ok = sent_at;
+                s.unknown_since = None;
+                s.create_index = s.create_index.max(entry.create_index);
                 s.renewals.fetch_add(1, Ordering::Relaxed);
                 metrics::counter!("rcfarm_session_renewals_total").increment(1);
                 // Consul may raise the TTL under load; renewing on our own schedule stays safe
@@ -227,10 +291,28 @@ async fn renew_loop(mut s: RenewLoop) {
                 continue;
             }
             Ok(Err(ConsulError::NotFound(_))) => {
-                return declare_lost(
-                    &s,
-                    "Consul no longer knows the session (404 on renew)".into(),
-                );
+                let gone = "Consul no longer knows the session (404 on renew)";
+                let since = *s.unknown_since.get_or_insert(sent_at);
+                let why = match s.read_after_404().await {
+                    Unknown::Gone => return declare_lost(&s, gone.into()),
+                    Unknown::Present => {
+                        "404 on renew, yet Consul lists the session: renewing again".to_string()
+                    }
+                    Unknown::Behind { index } => format!(
+                        "404 on renew from a Consul whose sessions are at index {index}, before this session's creation at {}: a server still applying its log (a restart)",
+                        s.create_index
+                    ),
+                    Unknown::Unread(e) => format!("404 on renew, and the session unread: {e}"),
+                };
+                if since.elapsed() >= s.ttl {
+                    return declare_lost(
+                        &s,
+                        format!("{gone}, for a whole TTL since the first: {why}"),
+                    );
+                }
+                // Possibly gone: take on nothing new while it is settled.
+                s.enter_doubt(&why);
+                why
             }
             Ok(Err(e)) => e.to_string(),
             Err(_elapsed) => format!("no answer within {limit:?}"),

@@ -369,6 +369,9 @@ pub struct FailsafeStatus {
 struct State {
     /// The pods this farm serves now (what it reports into the window key).
     served: u64,
+    /// The farms the registry holds, as this farm last saw it (`None`: not seen yet). A
+    /// farm's count of the pods it serves is kept in the window key only while it is live.
+    live: Option<BTreeSet<String>>,
     tripwire: Tripwire,
     /// RCs and rolls held now (`rc:<id>`, `roll:<id>`).
     held: BTreeSet<String>,
@@ -475,6 +478,24 @@ impl Failsafe {
     /// into the window key with its next charge or report ([`Failsafe::report_served`]).
     pub fn set_served(&self, pods: u64) {
         self.state.lock().served = pods;
+    }
+
+    /// The farms the registry holds now (their ids). Every write of the window key drops the
+    /// counts of the others: a farm whose session ended serves nothing, and the farms that
+    /// take its RCs over count them once they hold their locks, which is after its session
+    /// (and with it its registration) ended. Kept, its count would add those pods twice to
+    /// the base of a percentage, and the peak would keep them for the whole window.
+    pub fn set_live_farms(&self, live: BTreeSet<String>) {
+        self.state.lock().live = Some(live);
+    }
+
+    /// `w` as this farm writes it: without the counts of farms it does not see live.
+    fn pruned(&self, mut w: Window, s: &State) -> Window {
+        if let Some(live) = &s.live {
+            w.farms
+                .retain(|id, _| *id == self.farm_id || live.contains(id));
+        }
+        w
     }
 
     /// A read of the window key (a watch's answer, or a read after a lost `cas`): kept unless
@@ -594,6 +615,7 @@ impl Failsafe {
                     return Err(ChargeError::Held(self.held_reason(&s)));
                 };
                 let farm = Some((self.farm_id.as_str(), s.served));
+                let w = self.pruned(w, &s);
                 match w.charge(self.settings(), self.now_s(), n, farm) {
                     Ok(next) => (next, index),
                     Err(_) => return Err(ChargeError::Held(self.held_reason(&s))),
@@ -640,30 +662,79 @@ impl Failsafe {
         let Ok(_turn) = self.turn.try_lock() else {
             return Ok(false);
         };
-        if matches!(*self.cluster.lock(), Cached::Unread) {
-            self.read_window(consul).await?;
+        // One try: when another farm wrote first, the next look reports on the newer version.
+        self.write_report(consul, &fence, 1, |w, st, now, me, pods| {
+            w.report_due(st, now, me, pods)
+        })
+        .await
+    }
+
+    /// Before the farm gives RCs back (handed over, or at shutdown): writes its count without
+    /// them into the window key, whatever its size. The farm that takes them over counts them
+    /// once it holds their locks, which is after this write; written after the release, or
+    /// only when due, the key could hold both counts at once, and the peak would keep that
+    /// sum (a higher limit) for the whole window. Waits a little for a charge in flight, and
+    /// gives up quietly (the release goes on) when Consul does not take the write.
+    pub async fn report_before_release(
+        &self,
+        consul: &Consul,
+        fence: Fence,
+        pods: u64,
+    ) -> Result<bool, ChargeError> {
+        self.set_served(pods);
+        if !matches!(self.config.max_removals, MaxRemovals::Percent(_)) {
+            return Ok(false);
         }
-        let (st, now, pods) = (self.settings(), self.now_s(), self.state.lock().served);
-        let Cached::At(Ok(w), index) = self.cluster.lock().clone() else {
+        let Ok(_turn) = tokio::time::timeout(Duration::from_secs(2), self.turn.lock()).await else {
             return Ok(false);
         };
-        if !w.report_due(st, now, &self.farm_id, pods) {
-            return Ok(false);
-        }
-        let next = w.report(st, now, &self.farm_id, pods);
-        let txn = FencedTxn::fenced(fence).charge(TxnOp::cas(BUDGET_KEY, next.to_bytes(), index));
-        match txn.commit(consul).await {
-            Ok(at) => {
-                self.wrote(next, at);
-                Ok(true)
-            }
-            Err(FenceError::Uncharged { .. }) => {
-                // Someone charged first: the next look reports on the newer version.
+        self.write_report(consul, &fence, CHARGE_TRIES, |w, _, _, me, pods| {
+            w.farms.get(me).is_some_and(|f| f.pods > pods)
+        })
+        .await
+    }
+
+    /// Writes this farm's count into the window key if `due` says so, with a `cas`, trying
+    /// `tries` times when another farm wrote first. The caller holds `turn`.
+    async fn write_report(
+        &self,
+        consul: &Consul,
+        fence: &Fence,
+        tries: usize,
+        due: impl Fn(&Window, Settings, i64, &str, u64) -> bool,
+    ) -> Result<bool, ChargeError> {
+        for _ in 0..tries {
+            if matches!(*self.cluster.lock(), Cached::Unread) {
                 self.read_window(consul).await?;
-                Ok(false)
             }
-            Err(e) => Err(e.into()),
+            let st = self.settings();
+            let now = self.now_s();
+            let (w, index, pods) = {
+                let s = self.state.lock();
+                let Cached::At(Ok(w), index) = self.cluster.lock().clone() else {
+                    return Ok(false);
+                };
+                (self.pruned(w, &s), index, s.served)
+            };
+            if !due(&w, st, now, &self.farm_id, pods) {
+                return Ok(false);
+            }
+            let next = w.report(st, now, &self.farm_id, pods);
+            let txn = FencedTxn::fenced(fence.clone()).charge(TxnOp::cas(
+                BUDGET_KEY,
+                next.to_bytes(),
+                index,
+            ));
+            match txn.commit(consul).await {
+                Ok(at) => {
+                    self.wrote(next, at);
+                    return Ok(true);
+                }
+                Err(FenceError::Uncharged { .. }) => self.read_window(consul).await?,
+                Err(e) => return Err(e.into()),
+            }
         }
+        Ok(false)
     }
 
     /// Our own write of the window committed at `index`.
@@ -1385,5 +1456,62 @@ mod tests {
         let (room, why) = f.room();
         assert_eq!(room, 0);
         assert!(why.unwrap().contains("rcctl farm release-removals"));
+    }
+
+    /// The base of a percentage counts each pod once across a handover and a farm's end: the
+    /// farm giving RCs back writes its smaller count first, however small the change (a report
+    /// only when due would leave it), and a farm no longer in the registry drops out of the
+    /// key at the next write.
+    #[tokio::test]
+    async fn the_base_counts_pods_once_across_handovers_and_farms_gone() {
+        let (server, consul, ours, _theirs) = crate::testing::two_sessions().await;
+        consul
+            .txn(&[TxnOp::lock("t/lock", b"o".to_vec(), ours.id())])
+            .await
+            .unwrap();
+        let fence = || Fence::new("t/lock", ours.id());
+        let cfg = FailsafeConfig::default();
+        assert_eq!(cfg.max_removals, MaxRemovals::Percent(20), "the default");
+        let read = || async {
+            let (kv, _) = consul
+                .kv_get(BUDGET_KEY, &QueryOptions::default())
+                .await
+                .unwrap();
+            Window::parse(kv.unwrap().value_bytes()).unwrap()
+        };
+        let (a, b, gone) = (
+            Failsafe::new("farm-a", cfg),
+            Failsafe::new("farm-b", cfg),
+            Failsafe::new("farm-gone", cfg),
+        );
+        for (f, pods) in [(&a, 20), (&b, 20), (&gone, 60)] {
+            f.set_served(pods);
+            assert!(f.report_served(&consul, fence()).await.unwrap());
+        }
+        // a hands one RC of 2 pods over to b: not due as a report (a tenth of 20 is 2), written
+        // before the release all the same.
+        a.set_served(18);
+        assert!(!a.report_served(&consul, fence()).await.unwrap(), "not due");
+        assert!(
+            a.report_before_release(&consul, fence(), 18).await.unwrap(),
+            "written before the release"
+        );
+        assert_eq!(read().await.farms["farm-a"].pods, 18);
+        // Nothing smaller to write: nothing written.
+        assert!(!a.report_before_release(&consul, fence(), 18).await.unwrap());
+        // b takes the RC over and counts it; the sum never held those 2 pods twice.
+        b.set_live_farms(["farm-a", "farm-b"].map(String::from).into());
+        b.set_served(22);
+        b.report_before_release(&consul, fence(), 22).await.unwrap();
+        let send = sender(&consul);
+        let txn = FencedTxn::fenced(fence()).op(TxnOp::set("t/x", b"x".to_vec()));
+        b.commit_charged(&consul, 1, txn, &send).await.unwrap();
+        let w = read().await;
+        assert!(
+            !w.farms.contains_key("farm-gone"),
+            "a farm not in the registry drops out: {w:?}"
+        );
+        assert_eq!(w.served(b.settings(), b.now_s()), 18 + 22, "{w:?}");
+        server.shutdown().await;
     }
 }

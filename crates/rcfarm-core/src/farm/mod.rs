@@ -650,6 +650,7 @@ impl Farm {
         let mut owned = OwnedRcs::new(RcKind {
             farm_id: self.config.farm_id.clone(),
             status: self.status.clone(),
+            failsafe: self.failsafe.clone(),
         });
         let mut rolls = OwnedRolls::new(RollKind {
             farm_id: self.config.farm_id.clone(),
@@ -989,10 +990,10 @@ impl Farm {
                 left: false,
             };
         };
-        let live: BTreeSet<String> = registry::live_farms(&snap.value)
-            .into_iter()
-            .map(|f| f.session.into())
-            .collect();
+        let farms = registry::live_farms(&snap.value);
+        self.failsafe
+            .set_live_farms(farms.iter().map(|f| f.farm_id.clone()).collect());
+        let live: BTreeSet<String> = farms.into_iter().map(|f| f.session.into()).collect();
         self.readers
             .store(live.len().max(1), std::sync::atomic::Ordering::Relaxed);
         // Locks are about to be given back, or to be taken.

@@ -47,6 +47,11 @@ pub(crate) trait Kind {
     fn deleted() -> Self::State;
     /// Forgets what the farm reports about an object it stopped serving.
     fn forget(&self, id: RcId);
+    /// Runs after `forget` and before the locks of objects handed over are given back: what
+    /// must be written while they are still this farm's.
+    fn before_release(&self, _farm: &ClaimFarm<'_>) -> impl Future<Output = ()> + Send {
+        async {}
+    }
 }
 
 /// What the farm sees of one kind at a reconcile.
@@ -396,6 +401,7 @@ impl<K: Kind> Owned<K> {
                 self.sent.remove(id);
                 self.kind.forget(*id);
             }
+            self.kind.before_release(farm).await;
             farm.release(&self.kind, &excess, "handed over for fair share")
                 .await;
         }
@@ -439,6 +445,7 @@ impl<K: Kind> Owned<K> {
         for id in &ids {
             self.kind.forget(*id);
         }
+        self.kind.before_release(farm).await;
         farm.release(&self.kind, &ids, "farm shutting down").await;
         ids
     }

@@ -10,7 +10,7 @@ use tokio::sync::{broadcast, mpsc, watch};
 
 use super::claims::assign_held;
 use super::decide::HeldIndex;
-use super::ownership::{ClaimView, Kind, Owned, ownership_record};
+use super::ownership::{ClaimFarm, ClaimView, Kind, Owned, ownership_record};
 use super::registry::{self, FarmInfo};
 use super::unclaimable::Unclaimable;
 use super::{Farm, Views, sweep};
@@ -171,6 +171,7 @@ impl PodInterest {
 pub(crate) struct RcKind {
     pub farm_id: String,
     pub status: Arc<StatusRegistry>,
+    pub failsafe: Arc<crate::failsafe::Failsafe>,
 }
 
 impl Kind for RcKind {
@@ -210,6 +211,22 @@ impl Kind for RcKind {
 
     fn forget(&self, id: RcId) {
         self.status.remove_rc(id);
+    }
+
+    /// The pods of RCs handed over leave this farm's count in the removal window before
+    /// their locks do (`Failsafe::report_before_release`).
+    async fn before_release(&self, farm: &ClaimFarm<'_>) {
+        let session = farm.session.id();
+        let fence =
+            crate::consul::Fence::new(format!("{}{session}", registry::FARMS_PREFIX), session);
+        let pods = self.status.pods_current() as u64;
+        if let Err(e) = self
+            .failsafe
+            .report_before_release(farm.consul, fence, pods)
+            .await
+        {
+            tracing::debug!(error = %e, "cannot write this farm's smaller count into the removal window before a release");
+        }
     }
 }
 
