@@ -30,7 +30,9 @@ use tokio_util::sync::CancellationToken;
 
 use super::client::Consul;
 use super::error::{ConsulError, Result};
-use super::types::{QueryOptions, SessionBehavior, SessionId, SessionRequest};
+use super::types::{
+    QueryMeta, QueryOptions, SessionBehavior, SessionEntry, SessionId, SessionRequest,
+};
 use crate::util::jitter_half;
 
 /// What to create.
@@ -82,13 +84,8 @@ impl Session {
         // Its `CreateIndex`, against which a later 404 is judged (see the module's doc). A
         // session that has not learnt it (this read failed, and no renewal has answered yet)
         // believes the first 404, as before.
-        let create_index = match tokio::time::timeout(
-            Duration::from_secs(2).min(config.ttl),
-            consul.session_info(&id, &QueryOptions::default()),
-        )
-        .await
-        {
-            Ok(Ok((Some(entry), _))) => entry.create_index,
+        let create_index = match read_info(consul, &id, config.ttl).await {
+            Ok((Some(entry), _)) => entry.create_index,
             _ => 0,
         };
         let lost = CancellationToken::new();
@@ -226,19 +223,13 @@ impl RenewLoop {
         if self.create_index == 0 {
             return Unknown::Gone;
         }
-        let read = tokio::time::timeout(
-            Duration::from_secs(2).min(self.ttl),
-            self.consul.session_info(&self.id, &QueryOptions::default()),
-        )
-        .await;
-        match read {
-            Ok(Ok((Some(_), _))) => Unknown::Present,
-            Ok(Ok((None, meta))) if meta.index < self.create_index => {
+        match read_info(&self.consul, &self.id, self.ttl).await {
+            Ok((Some(_), _)) => Unknown::Present,
+            Ok((None, meta)) if meta.index < self.create_index => {
                 Unknown::Behind { index: meta.index }
             }
-            Ok(Ok((None, _))) => Unknown::Gone,
-            Ok(Err(e)) => Unknown::Unread(e.to_string()),
-            Err(_) => Unknown::Unread("no answer to the session read".into()),
+            Ok((None, _)) => Unknown::Gone,
+            Err(e) => Unknown::Unread(e),
         }
     }
 
@@ -336,6 +327,22 @@ async fn renew_loop(mut s: RenewLoop) {
             next = next.min(deadline);
         }
     }
+}
+
+/// `/v1/session/info` for `id`, given at most 2 s (and no more than the TTL): a renewer must
+/// not wait on a read longer than on a renewal.
+async fn read_info(
+    consul: &Consul,
+    id: &str,
+    ttl: Duration,
+) -> std::result::Result<(Option<SessionEntry>, QueryMeta), String> {
+    tokio::time::timeout(
+        Duration::from_secs(2).min(ttl),
+        consul.session_info(id, &QueryOptions::default()),
+    )
+    .await
+    .map_err(|_| "no answer to the session read".to_string())?
+    .map_err(|e| e.to_string())
 }
 
 fn declare_lost(s: &RenewLoop, reason: String) {

@@ -77,7 +77,7 @@ impl Farm {
             fs.observe_window(snap.value.as_ref());
             wake |= before == 0 && fs.room().0 > 0;
         }
-        let fence = crate::consul::Fence::new(sv.info.key(), sv.session.id());
+        let fence = super::registry::registration_fence(sv.session);
         if let Err(e) = fs.report_served(&self.consul, fence).await {
             tracing::debug!(error = %e, "cannot report the pods this farm serves into the removal window yet");
         }

@@ -216,9 +216,7 @@ impl Kind for RcKind {
     /// The pods of RCs handed over leave this farm's count in the removal window before
     /// their locks do (`Failsafe::report_before_release`).
     async fn before_release(&self, farm: &ClaimFarm<'_>) {
-        let session = farm.session.id();
-        let fence =
-            crate::consul::Fence::new(format!("{}{session}", registry::FARMS_PREFIX), session);
+        let fence = registry::registration_fence(farm.session);
         let pods = self.status.pods_current() as u64;
         if let Err(e) = self
             .failsafe

@@ -5,7 +5,7 @@ use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
 use super::claims::FarmView;
-use crate::consul::{KvPair, SessionId};
+use crate::consul::{Fence, KvPair, Session, SessionId};
 use crate::labels::Selector;
 
 pub const FARMS_PREFIX: &str = "rcfarm/farms/";
@@ -34,8 +34,19 @@ fn shipping_by_default() -> bool {
 
 impl FarmInfo {
     pub fn key(&self) -> String {
-        format!("{FARMS_PREFIX}{}", self.session)
+        registration_key(&self.session)
     }
+}
+
+/// The registry key of the farm holding `session`.
+fn registration_key(session: &SessionId) -> String {
+    format!("{FARMS_PREFIX}{session}")
+}
+
+/// A write fenced by the farm's registration: it commits only while `session` holds it (what
+/// the farm's own records, such as its count in the removal window, are written under).
+pub fn registration_fence(session: &Session) -> Fence {
+    Fence::new(registration_key(session.id()), session.id())
 }
 
 /// Live farms from the registry tree: entries still held by a session and readable.
