@@ -4,7 +4,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rcfarm::audit::{
-    AuditQuery, AuditRecord, AuditStore, SHIPPER_LOCK, Shipper, ShipperConfig, events,
+    AuditPace, AuditQuery, AuditRecord, AuditStore, BACKLOG_KEY, Backlog, PaceConfig, SHIPPER_LOCK,
+    Shipper, ShipperConfig, events,
 };
 use rcfarm::consul::{Consul, QueryOptions, SessionRequest, TxnOp};
 use rcfarm::server::{EmbeddedServer, ServerConfig};
@@ -63,6 +64,7 @@ fn shipper(c: &Consul, store: &Arc<AuditStore>, session: &str, farm: &str) -> Sh
         config: ShipperConfig {
             batch: 500,
             wait: Duration::from_secs(5),
+            ..ShipperConfig::default()
         },
         stats: Arc::default(),
         pace: Arc::default(),
@@ -289,6 +291,71 @@ async fn garbage_in_the_outbox_is_kept_as_dead_letters_and_drained() {
     let dead = store.dead_letters().await.unwrap();
     assert_eq!(dead.len(), 2, "{dead:?}");
     assert!(dead.iter().any(|(k, _)| k == "audit_logs/not-a-uuid"));
+    stop.cancel();
+    t.await.unwrap();
+}
+
+/// An outbox past `--audit-outbox-slow` that the shipper drains (SQL is up and keeps up) is
+/// published as draining, and paces no farm; the first count, before anything shipped, does.
+#[tokio::test]
+async fn an_outbox_past_the_mark_that_drains_is_published_as_draining_and_not_paced() {
+    let db = TestDb::sqlite();
+    let s = test_server().await;
+    let c = client(&s);
+    write_outbox(&c, 5_000, 10).await;
+    let store = Arc::new(AuditStore::connect(&db.url).await.unwrap());
+    let session = c.session_create(&SessionRequest::default()).await.unwrap();
+    let pace = Arc::new(AuditPace::new(PaceConfig {
+        slow_at: 1_500,
+        per_second: 1.0,
+    }));
+    let mut sh = shipper(&c, &store, &session, "f");
+    // Ship 1,000 (or a quarter of the outbox) between listings, so that some listings find it
+    // past the mark and smaller than the one before.
+    sh.config.pass = 1_000;
+    sh.config.batch = 250;
+    sh.pace = pace.clone();
+    let stop = CancellationToken::new();
+    let t = tokio::spawn(sh.run(stop.clone()));
+    let mut index = 0;
+    let mut seen: Vec<Backlog> = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while seen.last().is_none_or(|b| b.records > 0) {
+        assert!(
+            Instant::now() < deadline,
+            "the outbox did not drain: {seen:?}"
+        );
+        let (e, meta) = c
+            .kv_get(
+                BACKLOG_KEY,
+                &QueryOptions::blocking(index, Duration::from_secs(5)),
+            )
+            .await
+            .unwrap();
+        index = meta.index;
+        if let Some(e) = e {
+            let b: Backlog = serde_json::from_slice(e.value_bytes()).unwrap();
+            if !b.draining && b.records >= 1_500 && seen.iter().any(|s| s.draining) {
+                panic!("past the mark and not draining after it drained: {seen:?} then {b:?}");
+            }
+            if b.draining && b.records >= 1_500 {
+                // Told to the shipper's own farm before it is published.
+                assert!(!pace.slowed(), "draining but paced: {b:?}");
+            }
+            seen.push(b);
+        }
+    }
+    let first = &seen[0];
+    assert_eq!(
+        (first.records, first.draining),
+        (5_000, false),
+        "the first count, before anything shipped: {seen:?}"
+    );
+    assert!(
+        seen.iter().any(|b| b.draining && b.records >= 1_500),
+        "a count past the mark while draining: {seen:?}"
+    );
+    assert_eq!(store.count(&AuditQuery::default()).await.unwrap(), 5_000);
     stop.cancel();
     t.await.unwrap();
 }

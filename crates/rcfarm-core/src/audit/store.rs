@@ -284,6 +284,10 @@ impl AuditStore {
                         // a few hundred thousand records spilled and re-read pages for each
                         // batch. 64 MiB per connection holds their inner pages.
                         sqlx::Executor::execute(&mut *conn, "PRAGMA cache_size = -65536").await?;
+                        // A multi-row insert inside a transaction keeps a statement journal
+                        // (to undo just that statement): in a temporary file by default, which
+                        // doubled the page writes of every batch. In memory it is a copy.
+                        sqlx::Executor::execute(&mut *conn, "PRAGMA temp_store = MEMORY").await?;
                     }
                     Ok(())
                 })
@@ -408,66 +412,52 @@ impl AuditStore {
         let now = nanos(Utc::now());
         let mut tx = self.pool.begin().await.map_err(db)?;
         let mut inserted = 0;
+        let mut nodes: Vec<(String, String)> = Vec::new();
         for chunk in records.chunks(400) {
             let mut sql = Sql::new(
                 self.engine,
                 "INSERT INTO audit_events (id, event_type, ts, rc_id, pod_id, farm_id, details, schema_version, shipped_at, shipped_by) VALUES ",
             );
-            let extracted: Vec<Extracted> = chunk.iter().map(extract).collect();
-            let position: std::collections::HashMap<String, usize> = chunk
-                .iter()
-                .enumerate()
-                .map(|(i, r)| (r.id.to_string(), i))
-                .collect();
-            for (i, (r, x)) in chunk.iter().zip(&extracted).enumerate() {
+            for (i, r) in chunk.iter().enumerate() {
+                let x = extract(r);
+                let id = r.id.to_string();
+                nodes.extend(x.nodes.into_iter().map(|n| (n, id.clone())));
                 sql.push(if i == 0 { "(" } else { ", (" });
-                sql.bind(Arg::Str(r.id.to_string())).push(", ");
+                sql.bind(Arg::Str(id)).push(", ");
                 sql.bind(Arg::Str(r.event_type.clone())).push(", ");
                 sql.bind(Arg::I64(nanos(r.timestamp))).push(", ");
-                sql.bind(Arg::OptStr(x.rc_id.clone())).push(", ");
-                sql.bind(Arg::OptStr(x.pod_id.clone())).push(", ");
-                sql.bind(Arg::OptStr(x.farm_id.clone())).push(", ");
+                sql.bind(Arg::OptStr(x.rc_id)).push(", ");
+                sql.bind(Arg::OptStr(x.pod_id)).push(", ");
+                sql.bind(Arg::OptStr(x.farm_id)).push(", ");
                 sql.bind(Arg::Str(r.event_details.to_string())).push(", ");
                 sql.bind(Arg::I64(r.schema_version)).push(", ");
                 sql.bind(Arg::I64(now)).push(", ");
                 sql.bind(Arg::Str(shipped_by.to_string())).push(")");
             }
-            sql.push(" ON CONFLICT (id) DO NOTHING RETURNING seq, id");
-            let rows = sql.query().fetch_all(&mut *tx).await.map_err(db)?;
-            inserted += rows.len();
-            let mut nodes = Sql::new(
+            // No RETURNING: SQLite's driver hands each returned row from its worker thread to
+            // the caller one at a time, a thread wake-up per record.
+            sql.push(" ON CONFLICT (id) DO NOTHING");
+            let done = sql.query().execute(&mut *tx).await.map_err(db)?;
+            inserted += done.rows_affected() as usize;
+        }
+        // The nodes each record names, joined to the record's row for its seq and ts. A record
+        // stored before (shipped twice) finds its node rows there already: DO NOTHING.
+        for chunk in nodes.chunks(1_000) {
+            let mut sql = Sql::new(
                 self.engine,
-                "INSERT INTO audit_event_nodes (node, ts, event_seq) VALUES ",
+                "INSERT INTO audit_event_nodes (node, ts, event_seq) SELECT v.column1, e.ts, e.seq FROM (VALUES ",
             );
-            let mut any = false;
-            for row in rows {
-                let seq: i64 = row.try_get(0).map_err(db)?;
-                let id: String = row.try_get(1).map_err(db)?;
-                let Some(&pos) = position.get(&id) else {
-                    continue;
-                };
-                for n in &extracted[pos].nodes {
-                    nodes.push(if any { ", (" } else { "(" });
-                    nodes.bind(Arg::Str(n.clone())).push(", ");
-                    nodes.bind(Arg::I64(nanos(chunk[pos].timestamp))).push(", ");
-                    nodes.bind(Arg::I64(seq)).push(")");
-                    any = true;
-                    // Stay well under SQLite's variable limit.
-                    if nodes.args.len() > 3000 {
-                        nodes.push(" ON CONFLICT DO NOTHING");
-                        nodes.query().execute(&mut *tx).await.map_err(db)?;
-                        nodes = Sql::new(
-                            self.engine,
-                            "INSERT INTO audit_event_nodes (node, ts, event_seq) VALUES ",
-                        );
-                        any = false;
-                    }
-                }
+            for (i, (node, id)) in chunk.iter().enumerate() {
+                sql.push(if i == 0 { "(" } else { ", (" });
+                sql.bind(Arg::Str(node.clone())).push(", ");
+                sql.bind(Arg::Str(id.clone())).push(")");
             }
-            if any {
-                nodes.push(" ON CONFLICT DO NOTHING");
-                nodes.query().execute(&mut *tx).await.map_err(db)?;
-            }
+            // `WHERE true`: without a WHERE, SQLite's parser cannot tell the upsert's ON from a
+            // join's (its documented ambiguity of INSERT … SELECT … ON CONFLICT).
+            sql.push(
+                ") AS v JOIN audit_events e ON e.id = v.column2 WHERE true ON CONFLICT DO NOTHING",
+            );
+            sql.query().execute(&mut *tx).await.map_err(db)?;
         }
         tx.commit().await.map_err(db)?;
         Ok(inserted)

@@ -70,10 +70,10 @@ impl Farm {
                     .await;
                 match read {
                     Ok((Some(e), _)) => match serde_json::from_slice::<Backlog>(e.value_bytes()) {
-                        Ok(b) => pace.set_backlog(b.records),
+                        Ok(b) => pace.set_backlog(b.records, b.draining),
                         Err(err) => tracing::debug!(error = %err, "unreadable {BACKLOG_KEY}"),
                     },
-                    Ok((None, _)) => pace.set_backlog(0),
+                    Ok((None, _)) => pace.set_backlog(0, false),
                     Err(ConsulError::PermissionDenied(_)) if !denied_said => {
                         denied_said = true;
                         tracing::warn!(

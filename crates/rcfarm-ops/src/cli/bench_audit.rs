@@ -38,7 +38,9 @@ pub async fn run(args: BenchAuditArgs) -> Result<(), CliError> {
     let started = Instant::now();
     if have < args.records {
         let base = Utc::now() - chrono::Duration::days(30);
-        let mut batch = Vec::with_capacity(2000);
+        // In the shipper's batches, so that the load time is the shipper's SQL rate.
+        let per_batch = crate::audit::ShipperConfig::default().batch;
+        let mut batch = Vec::with_capacity(per_batch);
         for i in have..args.records {
             let rc = i % args.rcs;
             let ev = if i % 10 == 0 {
@@ -59,7 +61,7 @@ pub async fn run(args: BenchAuditArgs) -> Result<(), CliError> {
             r.timestamp = base
                 + chrono::Duration::milliseconds((i as i64) * 2_592_000_000 / args.records as i64);
             batch.push(r);
-            if batch.len() == 2000 {
+            if batch.len() == per_batch {
                 store.insert(&batch, "bench").await.map_err(failed)?;
                 batch.clear();
             }

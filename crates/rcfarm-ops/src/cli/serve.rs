@@ -154,9 +154,10 @@ pub struct FarmArgs {
     /// P2's farm does (no SQL database is opened unless --audit-db is given, for queries).
     #[arg(long, env = "RCFARM_AUDIT_SHIPPING", value_enum, default_value = "on")]
     pub audit_shipping: AuditShipping,
-    /// Records waiting in Consul's audit_logs/ (SQL away or slow) past which every farm paces
-    /// its RC and roll writes to --audit-outbox-pace, so that the outbox cannot grow fast enough
-    /// to endanger Consul (0: never). The count is the shipping farm's.
+    /// Records waiting in Consul's audit_logs/ past which every farm paces its RC and roll
+    /// writes to --audit-outbox-pace while the outbox is not draining (SQL away, or slower than
+    /// the farms), so that it cannot grow fast enough to endanger Consul (0: never). The count
+    /// is the shipping farm's.
     #[arg(long, env = "RCFARM_AUDIT_OUTBOX_SLOW", default_value_t = 50_000)]
     pub audit_outbox_slow: u64,
     /// Record-carrying RC and roll writes per second per farm while the outbox is past
