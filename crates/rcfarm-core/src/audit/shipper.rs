@@ -54,6 +54,28 @@ struct Stored {
 /// Consul transactions a shipper stage sends at once (reads of one batch, deletes of another).
 const TXNS_IN_FLIGHT: usize = 4;
 
+/// Runs `jobs` at most `n` at a time and collects their outputs (in the order they finish);
+/// the first error stops the rest.
+async fn in_flight<F, T, E>(jobs: impl Iterator<Item = F>, n: usize) -> Result<Vec<T>, E>
+where
+    F: std::future::Future<Output = Result<T, E>>,
+{
+    let mut pending = FuturesUnordered::new();
+    let mut out = Vec::new();
+    for job in jobs {
+        if pending.len() >= n
+            && let Some(done) = pending.next().await
+        {
+            out.push(done?);
+        }
+        pending.push(job);
+    }
+    while let Some(done) = pending.next().await {
+        out.push(done?);
+    }
+    Ok(out)
+}
+
 /// The most records shipped between two listings of the outbox: at least `pass` (a few
 /// seconds of shipping), and a quarter of a longer outbox, so that draining a big one lists it
 /// a handful of times, not once per part.
@@ -342,20 +364,9 @@ impl Shipper {
     /// The values of `keys`, a transaction of [`MAX_TXN_OPS`] reads each, [`TXNS_IN_FLIGHT`]
     /// at once.
     async fn read_batch(&self, keys: &[String]) -> Result<Vec<KvPair>, ShipError> {
-        let mut pending = FuturesUnordered::new();
-        let mut entries = Vec::with_capacity(keys.len());
-        for chunk in keys.chunks(MAX_TXN_OPS) {
-            if pending.len() >= TXNS_IN_FLIGHT
-                && let Some(read) = pending.next().await
-            {
-                entries.extend(read?);
-            }
-            pending.push(self.read_txn(chunk));
-        }
-        while let Some(read) = pending.next().await {
-            entries.extend(read?);
-        }
-        Ok(entries)
+        let reads = keys.chunks(MAX_TXN_OPS).map(|chunk| self.read_txn(chunk));
+        let parts = in_flight(reads, TXNS_IN_FLIGHT).await?;
+        Ok(parts.into_iter().flatten().collect())
     }
 
     /// One transaction's reads.
@@ -426,19 +437,10 @@ impl Shipper {
 
     /// Deletes stored records from the outbox, [`TXNS_IN_FLIGHT`] transactions at once.
     async fn delete_batch(&self, entries: &[Stored]) -> Result<(), ShipError> {
-        let mut pending = FuturesUnordered::new();
-        for chunk in entries.chunks(MAX_TXN_OPS - 1) {
-            if pending.len() >= TXNS_IN_FLIGHT
-                && let Some(done) = pending.next().await
-            {
-                done?;
-            }
-            pending.push(self.delete_txn(chunk));
-        }
-        while let Some(done) = pending.next().await {
-            done?;
-        }
-        Ok(())
+        let deletes = entries
+            .chunks(MAX_TXN_OPS - 1)
+            .map(|chunk| self.delete_txn(chunk));
+        in_flight(deletes, TXNS_IN_FLIGHT).await.map(|_| ())
     }
 
     /// One transaction of `delete-cas` at the index read (a record rewritten since is not
