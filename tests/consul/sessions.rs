@@ -470,3 +470,67 @@ async fn a_404_from_a_consul_still_applying_its_log_is_doubt_not_loss() {
     assert!(session.loss_reason().unwrap().contains("404"));
     stop.cancel();
 }
+
+/// A farm's runtime can be busy for seconds at a time (decoding and indexing a watch answer of a
+/// million pod labels); its session must not be lost for that. The renewer runs on a thread of
+/// its own: with every worker of the caller's runtime blocked for twice the TTL and more (long
+/// enough for Consul to expire a session renewed from those workers), renewals go on and the
+/// session holds. The server runs on a runtime of its own, as Consul would.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_outlives_a_runtime_whose_workers_are_all_busy() {
+    crate::common::init_tracing();
+    let (url_tx, url_rx) = std::sync::mpsc::channel();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let server_thread = std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async move {
+            let s = server().await;
+            url_tx.send(s.url()).unwrap();
+            let _ = stop_rx.await;
+            s.shutdown().await;
+        });
+    });
+    let url = url_rx.recv().unwrap();
+    let c = crate::common::client_for(&url);
+    let ttl = Duration::from_secs(1);
+    let session = Session::create(
+        &c,
+        &SessionConfig {
+            name: "busy".into(),
+            ttl,
+            lock_delay: Duration::ZERO,
+            behavior: SessionBehavior::Release,
+        },
+    )
+    .await
+    .unwrap();
+    eventually(Duration::from_secs(5), "a renewal", || async {
+        (session.renewals() >= 1).then_some(())
+    })
+    .await;
+
+    // Both workers blocked (not awaiting: busy) for 4 TTLs; this future waits on neither.
+    let before = session.renewals();
+    let busy: Vec<_> = (0..2)
+        .map(|_| tokio::spawn(async move { std::thread::sleep(4 * ttl) }))
+        .collect();
+    for b in busy {
+        b.await.unwrap();
+    }
+    let during = session.renewals() - before;
+    assert!(
+        during >= 3,
+        "renewed {during} times while the runtime's workers were busy for {:?}",
+        4 * ttl
+    );
+    assert!(!session.is_lost(), "{:?}", session.loss_reason());
+    let (info, _) = c.session_info(session.id(), &q()).await.unwrap();
+    assert!(info.is_some(), "Consul still has the session");
+    session.destroy().await.unwrap();
+    let _ = stop_tx.send(());
+    server_thread.join().unwrap();
+}

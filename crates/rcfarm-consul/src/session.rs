@@ -24,9 +24,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use parking_lot::Mutex;
-use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 use super::client::Consul;
 use super::error::{ConsulError, Result};
@@ -55,7 +55,8 @@ pub struct Session {
     reason: Arc<Mutex<Option<String>>>,
     renewals: Arc<AtomicU64>,
     doubt: tokio::sync::watch::Receiver<bool>,
-    task: Option<JoinHandle<()>>,
+    /// Fires when the renewer has stopped.
+    done: Option<tokio::sync::oneshot::Receiver<()>>,
 }
 
 impl std::fmt::Debug for Session {
@@ -93,7 +94,7 @@ impl Session {
         let reason = Arc::new(Mutex::new(None));
         let renewals = Arc::new(AtomicU64::new(0));
         let (doubt_tx, doubt) = tokio::sync::watch::channel(false);
-        let task = tokio::spawn(renew_loop(RenewLoop {
+        let done = start_renewer(RenewLoop {
             consul: consul.clone(),
             id: id.to_string(),
             ttl: config.ttl,
@@ -106,7 +107,7 @@ impl Session {
             doubt_since: None,
             create_index,
             unknown_since: None,
-        }));
+        });
         tracing::info!(session = %id, name = %config.name, ttl = ?config.ttl, "created Consul session");
         Ok(Session {
             id,
@@ -118,7 +119,7 @@ impl Session {
             reason,
             renewals,
             doubt,
-            task: Some(task),
+            done: Some(done),
         })
     }
 
@@ -163,8 +164,8 @@ impl Session {
     /// Stops renewing and destroys the session, which releases (or deletes) every key it holds.
     pub async fn destroy(mut self) -> Result<()> {
         self.stop.cancel();
-        if let Some(t) = self.task.take() {
-            let _ = t.await;
+        if let Some(done) = self.done.take() {
+            let _ = done.await;
         }
         self.consul.session_destroy(&self.id).await
     }
@@ -239,6 +240,56 @@ impl RenewLoop {
             tracing::info!(session = %self.id, in_doubt = ?since.elapsed(), "session renewed: it held");
         }
     }
+}
+
+/// Starts the renewer on a thread of its own, with a runtime and a Consul client (so its own
+/// connection) of its own; the returned receiver fires when it has stopped.
+///
+/// Not a task on the caller's runtime: a farm's workers can be busy for seconds at a time
+/// (decoding a watch answer of a million pod labels, building the views from it), and a renewal
+/// that waits for a worker is a session lost for nothing, with every RC it held stopped and
+/// claimed again (a million pods on the embedded server: every farm lost its session, each
+/// renewal "no answer within 2.5 s"). On its own thread the renewal waits only for the
+/// kernel's scheduler, which wakes a thread that mostly sleeps promptly.
+fn start_renewer(mut r: RenewLoop) -> tokio::sync::oneshot::Receiver<()> {
+    let (done_tx, done_rx) = tokio::sync::oneshot::channel();
+    let (id, lost, reason) = (r.id.clone(), r.lost.clone(), r.reason.clone());
+    let span = tracing::Span::current();
+    let spawned = std::thread::Builder::new()
+        .name("session-renewer".into())
+        .spawn(move || {
+            match tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            {
+                Ok(runtime) => runtime.block_on(
+                    async move {
+                        // Connections are driven by the runtime that opened them: a client
+                        // shared with the farm's runtime would leave renewals to its workers.
+                        match Consul::new(r.consul.inner.cfg.clone()) {
+                            Ok(own) => r.consul = own,
+                            Err(e) => {
+                                tracing::warn!(error = %e, "the session renewer could not build a Consul client of its own; renewing over the farm's")
+                            }
+                        }
+                        renew_loop(r).await
+                    }
+                    .instrument(span),
+                ),
+                Err(e) => declare_lost(&r, format!("cannot start the session renewer: {e}")),
+            }
+            let _ = done_tx.send(());
+        });
+    if let Err(e) = spawned {
+        // The thread (and the loop in it) was never started: the session cannot be kept.
+        mark_lost(
+            &id,
+            &lost,
+            &reason,
+            format!("cannot start the session renewer's thread: {e}"),
+        );
+    }
+    done_rx
 }
 
 async fn renew_loop(mut s: RenewLoop) {
@@ -346,8 +397,12 @@ async fn read_info(
 }
 
 fn declare_lost(s: &RenewLoop, reason: String) {
-    tracing::error!(session = %s.id, %reason, "Consul session lost");
+    mark_lost(&s.id, &s.lost, &s.reason, reason);
+}
+
+fn mark_lost(id: &str, lost: &CancellationToken, why: &Mutex<Option<String>>, reason: String) {
+    tracing::error!(session = %id, %reason, "Consul session lost");
     metrics::counter!("rcfarm_session_losses_total").increment(1);
-    *s.reason.lock() = Some(reason);
-    s.lost.cancel();
+    *why.lock() = Some(reason);
+    lost.cancel();
 }

@@ -667,6 +667,10 @@ async fn run_once(args: &BenchFarmArgs) -> Result<Figures, CliError> {
         (Some(a), Some(b)) => Some(b.saturating_sub(a)),
         _ => None,
     };
+    eprintln!(
+        "converged: every pod's intent and labels written {:.2} s from the start",
+        converge.as_secs_f64()
+    );
     let mut figures = Figures {
         farms: args.farms,
         converge: converge.as_secs_f64(),
@@ -870,25 +874,28 @@ async fn run_once(args: &BenchFarmArgs) -> Result<Figures, CliError> {
         peak_rss.join(", ")
     );
 
-    // Handover and failover need another farm to take over.
+    // Handover and failover need another farm to take over. One that times out is reported
+    // with the row (n/a) and fails the run after it: the figures so far are not lost.
     let (mut handover, mut failover) = (None, None);
-    if args.farms >= 2 {
+    let mut timed_out = None;
+    'takeovers: {
+        if args.farms < 2 {
+            break 'takeovers;
+        }
         let before_handover =
             total(&farm_counter(&scraper, &farms[1..], "rcfarm_rc_pass_errors_total", "").await);
         let gone = farms[0].session.clone().unwrap_or_default();
         signal(farms[0].pid, "TERM");
         let n = args.rcs;
-        handover = Some(
-            wait_until(Duration::from_secs(60), "handover", || {
-                let (c, gone) = (c.clone(), gone.clone());
-                async move {
-                    owners(&c)
-                        .await
-                        .is_ok_and(|o| o.len() == n && o.values().all(|s| *s != gone))
-                }
-            })
-            .await?,
-        );
+        match moved_from(c, n, &gone, Duration::from_secs(60), "handover").await {
+            Ok(d) => handover = Some(d),
+            Err(e) => {
+                // Farm 0 may still be handing over: no kill -9 of another on top of it.
+                eprintln!("{e}");
+                timed_out = Some(e);
+                break 'takeovers;
+            }
+        }
         let _ = farms[0].child.wait().await;
         // The new owners' first passes follow the handover by a moment: a pass planned
         // without the pods the old owner wrote has every write refused.
@@ -904,21 +911,14 @@ async fn run_once(args: &BenchFarmArgs) -> Result<Figures, CliError> {
         );
         let gone = farms[1].session.clone().unwrap_or_default();
         signal(farms[1].pid, "KILL");
-        failover = Some(
-            wait_until(
-                args.session_ttl * 4 + Duration::from_secs(30),
-                "kill -9 failover",
-                || {
-                    let (c, gone) = (c.clone(), gone.clone());
-                    async move {
-                        owners(&c)
-                            .await
-                            .is_ok_and(|o| o.len() == n && o.values().all(|s| *s != gone))
-                    }
-                },
-            )
-            .await?,
-        );
+        let limit = args.session_ttl * 4 + Duration::from_secs(30);
+        match moved_from(c, n, &gone, limit, "kill -9 failover").await {
+            Ok(d) => failover = Some(d),
+            Err(e) => {
+                eprintln!("{e}");
+                timed_out = Some(e);
+            }
+        }
     }
     for f in &mut farms {
         let _ = f.child.start_kill();
@@ -983,7 +983,26 @@ async fn run_once(args: &BenchFarmArgs) -> Result<Figures, CliError> {
         losses,
     );
     target.shutdown().await;
-    Ok(figures)
+    match timed_out {
+        Some(e) => Err(e),
+        None => Ok(figures),
+    }
+}
+
+/// Waits until all `n` RCs are owned, none by the session `gone`.
+async fn moved_from(
+    c: &Consul,
+    n: usize,
+    gone: &str,
+    limit: Duration,
+    what: &str,
+) -> Result<Duration, CliError> {
+    wait_until(limit, what, || async move {
+        owners(c)
+            .await
+            .is_ok_and(|o| o.len() == n && o.values().all(|s| s != gone))
+    })
+    .await
 }
 
 /// What a run that timed out got to: pods written, and each farm's CPU, RSS and bytes read.

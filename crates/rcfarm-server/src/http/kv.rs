@@ -8,7 +8,7 @@ use axum::response::{IntoResponse, Response};
 use tokio::time::Instant;
 
 use super::{
-    Answer, MAX_KV_SIZE_0_7, Params, bad_request, blocking, internal, json_body,
+    Answer, MAX_KV_SIZE_0_7, Params, bad_request, blocking, internal, json_body, json_listing,
     not_found_with_meta, parse_read_opts, read_body, with_meta,
 };
 use crate::Shared;
@@ -34,10 +34,7 @@ pub(super) async fn kv_get(shared: &Shared, key: &str, p: &Params) -> Result<Res
         if keys.is_empty() && !prefix.is_empty() {
             return Ok(not_found_with_meta(index));
         }
-        return Ok(with_meta(
-            json_body(StatusCode::OK, &keys, opts.pretty),
-            index,
-        ));
+        return Ok(with_meta(json_listing(&keys, opts.pretty), index));
     }
     if p.has("recurse") {
         let prefix = key.to_string();
@@ -48,10 +45,7 @@ pub(super) async fn kv_get(shared: &Shared, key: &str, p: &Params) -> Result<Res
         if entries.is_empty() {
             return Ok(not_found_with_meta(index));
         }
-        return Ok(with_meta(
-            json_body(StatusCode::OK, &entries, opts.pretty),
-            index,
-        ));
+        return Ok(with_meta(json_listing(&entries, opts.pretty), index));
     }
     if key.is_empty() {
         return Err(bad_request("Missing key name"));

@@ -26,7 +26,7 @@ use tokio::time::Instant;
 use super::Shared;
 use super::compat::Compat;
 use super::waiters::WatchTarget;
-use crate::util::parse_go_duration;
+use crate::util::{cpu_heavy, parse_go_duration};
 use kv::{kv_delete, kv_get, kv_put};
 use session::{SessionQuery, session_create, session_destroy, session_read, session_renew};
 use status::status;
@@ -178,6 +178,20 @@ fn json_body<T: Serialize + ?Sized>(status: StatusCode, value: &T, pretty: bool)
             StatusCode::INTERNAL_SERVER_ERROR,
             format!("failed to encode response: {e}"),
         ),
+    }
+}
+
+/// A listing's answer (`?recurse`, `?keys`). A long one is encoded off this worker's queue
+/// ([`cpu_heavy`]): a million pod labels take a worker for a second and more, and the session
+/// renewals and small reads queued behind it would wait that long (farms lost their sessions).
+fn json_listing<T: Serialize>(entries: &[T], pretty: bool) -> Response {
+    /// About a mebibyte of answer and more.
+    const HEAVY_ENTRIES: usize = 4_096;
+    let encode = || json_body(StatusCode::OK, entries, pretty);
+    if entries.len() >= HEAVY_ENTRIES {
+        cpu_heavy(encode)
+    } else {
+        encode()
     }
 }
 
