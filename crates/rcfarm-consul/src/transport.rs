@@ -82,13 +82,9 @@ impl Raw {
 
     /// The listing as sent (see [`KvList`]); the body is shared, not copied.
     pub(crate) fn kv_list(&self) -> Result<KvList> {
-        let decode = || KvList::decode(self.body.clone());
-        if self.body.len() >= crate::util::CPU_HEAVY_BYTES {
-            crate::util::cpu_heavy(decode)
-        } else {
-            decode()
-        }
-        .map_err(|e| self.undecodable("a KV listing", e))
+        let heavy = self.body.len() >= crate::util::CPU_HEAVY_BYTES;
+        crate::util::cpu_heavy(heavy, || KvList::decode(self.body.clone()))
+            .map_err(|e| self.undecodable("a KV listing", e))
     }
 
     pub(crate) fn json<T: DeserializeOwned>(&self) -> Result<T> {

@@ -223,6 +223,23 @@ pub fn json_kind(v: &serde_json::Value) -> &'static str {
     }
 }
 
+/// Runs `work`, when `heavy` (CPU-bound for long: decoding or encoding a listing of a million
+/// keys), without holding up the other tasks of a multi-threaded runtime: `block_in_place` hands
+/// this worker's queue to another thread for the while. A renewal, a timer or a small answer
+/// then waits for a core, not for this work to end. Light work, or a current-thread runtime
+/// (tests, tools), just runs: the hand-off costs a thread wake-up, worth it only for long work.
+pub fn cpu_heavy<R>(heavy: bool, work: impl FnOnce() -> R) -> R {
+    match tokio::runtime::Handle::try_current() {
+        Ok(h) if heavy && h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+            tokio::task::block_in_place(work)
+        }
+        _ => work(),
+    }
+}
+
+/// Bodies at least this big are heavy for [`cpu_heavy`]: a few milliseconds of work and more.
+pub const CPU_HEAVY_BYTES: usize = 1 << 20;
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -303,20 +320,3 @@ mod tests {
         assert!(b.next_delay() <= Duration::from_millis(100));
     }
 }
-
-/// Runs `work`, CPU-bound for long (decoding or encoding a listing of a million keys), without
-/// holding up the other tasks of a multi-threaded runtime: `block_in_place` hands this worker's
-/// queue to another thread for the while. A renewal, a timer or a small answer then waits for
-/// a core, not for this work to end. On a current-thread runtime (tests, tools) it just runs.
-pub fn cpu_heavy<R>(work: impl FnOnce() -> R) -> R {
-    match tokio::runtime::Handle::try_current() {
-        Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
-            tokio::task::block_in_place(work)
-        }
-        _ => work(),
-    }
-}
-
-/// Bodies at least this big are decoded or encoded through [`cpu_heavy`]: a few milliseconds
-/// of work and more (the hand-off costs a thread wake-up, worth it only then).
-pub const CPU_HEAVY_BYTES: usize = 1 << 20;

@@ -875,7 +875,8 @@ async fn run_once(args: &BenchFarmArgs) -> Result<Figures, CliError> {
     );
 
     // Handover and failover need another farm to take over. One that times out is reported
-    // with the row (n/a) and fails the run after it: the figures so far are not lost.
+    // with the row (n/a) and fails the run after it (the error printed at exit): the figures
+    // so far are not lost.
     let (mut handover, mut failover) = (None, None);
     let mut timed_out = None;
     'takeovers: {
@@ -891,7 +892,6 @@ async fn run_once(args: &BenchFarmArgs) -> Result<Figures, CliError> {
             Ok(d) => handover = Some(d),
             Err(e) => {
                 // Farm 0 may still be handing over: no kill -9 of another on top of it.
-                eprintln!("{e}");
                 timed_out = Some(e);
                 break 'takeovers;
             }
@@ -914,10 +914,7 @@ async fn run_once(args: &BenchFarmArgs) -> Result<Figures, CliError> {
         let limit = args.session_ttl * 4 + Duration::from_secs(30);
         match moved_from(c, n, &gone, limit, "kill -9 failover").await {
             Ok(d) => failover = Some(d),
-            Err(e) => {
-                eprintln!("{e}");
-                timed_out = Some(e);
-            }
+            Err(e) => timed_out = Some(e),
         }
     }
     for f in &mut farms {

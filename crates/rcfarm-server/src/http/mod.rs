@@ -185,14 +185,11 @@ fn json_body<T: Serialize + ?Sized>(status: StatusCode, value: &T, pretty: bool)
 /// ([`cpu_heavy`]): a million pod labels take a worker for a second and more, and the session
 /// renewals and small reads queued behind it would wait that long (farms lost their sessions).
 fn json_listing<T: Serialize>(entries: &[T], pretty: bool) -> Response {
-    /// About a mebibyte of answer and more.
+    /// About a mebibyte of KV pairs and more.
     const HEAVY_ENTRIES: usize = 4_096;
-    let encode = || json_body(StatusCode::OK, entries, pretty);
-    if entries.len() >= HEAVY_ENTRIES {
-        cpu_heavy(encode)
-    } else {
-        encode()
-    }
+    cpu_heavy(entries.len() >= HEAVY_ENTRIES, || {
+        json_body(StatusCode::OK, entries, pretty)
+    })
 }
 
 fn set_meta(headers: &mut HeaderMap, index: u64) {
