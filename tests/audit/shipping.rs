@@ -259,6 +259,96 @@ async fn two_shippers_racing_only_one_ships_and_the_other_takes_over() {
     let _ = (ta.await, tb.await);
 }
 
+/// The shipper reads the outbox by prefix, in groups cut from its listing: with groups of 2,
+/// keys that extend another key (down to a key `audit_logs/` itself) are read one by one and
+/// those that extend them split further, and every record, good or garbage, is shipped once
+/// and deleted. On the embedded server and on real Consul 0.7.
+async fn an_outbox_of_odd_keys_is_read_by_prefix_and_drained(c: Consul) {
+    let db = TestDb::sqlite();
+    let good = write_outbox(&c, 40, 3).await;
+    let odd = [
+        "audit_logs/",
+        "audit_logs/x",
+        "audit_logs/xa",
+        "audit_logs/xb",
+        "audit_logs/xbc",
+    ];
+    for k in odd {
+        c.kv_put(k, b"{}", None).await.unwrap();
+    }
+    let store = Arc::new(AuditStore::connect(&db.url).await.unwrap());
+    let session = c.session_create(&SessionRequest::default()).await.unwrap();
+    let stop = CancellationToken::new();
+    let mut sh = shipper(&c, &store, &session, "f");
+    sh.config.group = 2;
+    sh.config.batch = 7;
+    let t = tokio::spawn(sh.run(stop.clone()));
+    let cr = &c;
+    eventually(Duration::from_secs(30), "drained", || async move {
+        (outbox_len(cr).await == 0).then_some(())
+    })
+    .await;
+    stop.cancel();
+    t.await.unwrap();
+    let ids: BTreeSet<String> = store
+        .query(&AuditQuery {
+            limit: Some(1_000),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .records
+        .into_iter()
+        .map(|r| r.id)
+        .collect();
+    let want: BTreeSet<String> = good.iter().map(|r| r.id.to_string()).collect();
+    assert_eq!(ids, want, "every good record");
+    assert_eq!(
+        store.count(&AuditQuery::default()).await.unwrap(),
+        good.len() as u64,
+        "each once"
+    );
+    // In key order, each as often as it was stored.
+    let dead: Vec<String> = store
+        .dead_letters()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|(k, _)| k)
+        .collect();
+    assert_eq!(dead, odd.map(String::from), "every odd key once");
+}
+
+#[tokio::test]
+async fn an_outbox_of_odd_keys_is_read_by_prefix_and_drained_embedded() {
+    let s = test_server().await;
+    an_outbox_of_odd_keys_is_read_by_prefix_and_drained(client(&s)).await;
+}
+
+#[tokio::test]
+async fn an_outbox_of_odd_keys_is_read_by_prefix_and_drained_on_real_consul() {
+    let Some(bin) = rcfarm::chaos::agent::consul_bin() else {
+        eprintln!(
+            "SKIPPED on real Consul: set {} to a Consul binary (.ci/run sets it to ../shared/consul/consul)",
+            rcfarm::chaos::agent::CONSUL_BIN_ENV
+        );
+        return;
+    };
+    let agent = rcfarm::chaos::agent::ConsulAgent::start(rcfarm::chaos::agent::AgentConfig::dev(
+        &bin, "odd-keys",
+    ))
+    .await
+    .unwrap();
+    agent
+        .wait_ready(true, Duration::from_secs(30))
+        .await
+        .unwrap();
+    an_outbox_of_odd_keys_is_read_by_prefix_and_drained(
+        Consul::new(agent.client_config()).unwrap(),
+    )
+    .await;
+}
+
 #[tokio::test]
 async fn garbage_in_the_outbox_is_kept_as_dead_letters_and_drained() {
     let db = TestDb::sqlite();

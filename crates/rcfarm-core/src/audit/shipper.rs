@@ -40,6 +40,8 @@ pub struct ShipperConfig {
     pub batch: usize,
     /// Records shipped between two listings of a long outbox, at least (see [`pass_size`]).
     pub pass: usize,
+    /// Listed records a prefix read covers, at most (see [`Group`]).
+    pub group: usize,
     /// The `wait` of the blocking query on the outbox.
     pub wait: Duration,
 }
@@ -51,7 +53,23 @@ struct Stored {
     modify_index: u64,
 }
 
-/// Consul transactions a shipper stage sends at once (reads of one batch, deletes of another).
+/// Records how long one stage of shipping took: `list` (the outbox's keys, when listed without
+/// blocking), `read`, `store` and `delete` (one batch each). The sums tell an operator, and
+/// `bench farm`, which stage a slow outbox waits on.
+fn stage_took(stage: &'static str, started: std::time::Instant, records: usize) {
+    let took = started.elapsed();
+    metrics::histogram!("rcfarm_audit_ship_stage_seconds", "stage" => stage)
+        .record(took.as_secs_f64());
+    tracing::debug!(
+        stage,
+        records,
+        took_ms = took.as_millis() as u64,
+        "audit shipping stage"
+    );
+}
+
+/// Consul requests a shipper stage sends at once (the prefix reads of one batch, the delete
+/// transactions of another).
 const TXNS_IN_FLIGHT: usize = 4;
 
 /// Runs `jobs` at most `n` at a time and collects their outputs (in the order they finish);
@@ -76,6 +94,73 @@ where
     Ok(out)
 }
 
+/// Keys of the outbox that share a prefix, read with one `GET ?recurse` of that prefix.
+///
+/// Why not a transaction of gets per key: a transaction holds at most 64 operations, so a
+/// batch of 10,000 records took 157 of them, each parsed, dispatched and answered op by op; at
+/// a million pods reading was the shipper's slowest stage (133 s of a run's 305 s of stages).
+/// A prefix read is one range of the store per group. The prefixes come from the listing, not
+/// from the keys' format, so keys of any shape (P2's, dead letters) are read too.
+#[derive(Debug, PartialEq, Eq)]
+struct Group {
+    prefix: String,
+    /// Keys of the listing under `prefix` (a read may find more: records written since).
+    listed: usize,
+    /// Read the key `prefix` alone, not the tree under it: a listed key that other listed keys
+    /// extend (`audit_logs/x` beside `audit_logs/xa`, or `audit_logs/` itself), whose tree
+    /// would be more than a group.
+    exact: bool,
+}
+
+/// Splits `keys` (sorted, distinct, each starting with their shared first `depth` bytes) into
+/// groups whose prefixes cover at most `max` of them each, a prefix one character longer at a
+/// time.
+fn prefix_groups(keys: &[String], depth: usize, max: usize, out: &mut Vec<Group>) {
+    let mut i = 0;
+    while i < keys.len() {
+        let first = &keys[i];
+        let cut = (depth + 1..=first.len())
+            .find(|&b| first.is_char_boundary(b))
+            .unwrap_or(first.len());
+        let prefix = &first[..cut];
+        // Sorted: the keys under `prefix` are the run that starts at `i`.
+        let run = keys[i..].partition_point(|k| k.starts_with(prefix));
+        let group = &keys[i..i + run];
+        if group.len() <= max {
+            out.push(Group {
+                prefix: prefix.to_string(),
+                listed: group.len(),
+                exact: false,
+            });
+        } else if cut < first.len() {
+            prefix_groups(group, cut, max, out);
+        } else {
+            // `first` is the prefix itself (the shortest key of the run, and the only one that
+            // can be): read it alone, and split the keys that extend it.
+            out.push(Group {
+                prefix: first.clone(),
+                listed: 1,
+                exact: true,
+            });
+            prefix_groups(&group[1..], cut, max, out);
+        }
+        i += run;
+    }
+}
+
+/// How many of `groups`, from the first, hold `records` listed keys: whole groups, the last
+/// one reaching the number (all of them if they hold fewer).
+fn groups_for(groups: &[Group], records: usize) -> usize {
+    let mut listed = 0;
+    groups
+        .iter()
+        .position(|g| {
+            listed += g.listed;
+            listed >= records
+        })
+        .map_or(groups.len(), |i| i + 1)
+}
+
 /// The most records shipped between two listings of the outbox: at least `pass` (a few
 /// seconds of shipping), and a quarter of a longer outbox, so that draining a big one lists it
 /// a handful of times, not once per part.
@@ -88,6 +173,8 @@ impl Default for ShipperConfig {
         Self {
             batch: 10_000,
             pass: 50_000,
+            // About half a mebibyte of records a read.
+            group: 1_000,
             wait: Duration::from_secs(60),
         }
     }
@@ -240,6 +327,8 @@ impl Shipper {
         // The count at the listing before, to tell whether the outbox drains.
         let mut before: Option<u64> = None;
         loop {
+            // A listing at index 0 answers at once: its time is the listing's own.
+            let listed_at = (index == 0).then(std::time::Instant::now);
             let keys = self
                 .consul
                 .kv_keys(
@@ -252,6 +341,9 @@ impl Shipper {
                 Ok(k) => k,
                 Err(e) => return e.into(),
             };
+            if let Some(t) = listed_at {
+                stage_took("list", t, keys.len());
+            }
             if meta.index < index {
                 index = 0;
             } else {
@@ -274,9 +366,19 @@ impl Shipper {
             // A long listing is shipped a part at a time, listing again between parts, so that
             // the count the farms pace by stays a few seconds old at most.
             let part = pass_size(keys.len(), self.config.pass);
-            let more = keys.len() > part;
-            keys.truncate(part);
-            let failed = self.ship_pass(keys).await.err();
+            keys.sort_unstable();
+            let mut groups = Vec::new();
+            prefix_groups(
+                &keys,
+                AUDIT_PREFIX.len(),
+                self.config.group.max(1),
+                &mut groups,
+            );
+            let whole = groups_for(&groups, part);
+            let more = whole < groups.len();
+            groups.truncate(whole);
+            drop(keys);
+            let failed = self.ship_pass(groups).await.err();
             shipping = failed.is_none();
             match failed {
                 Some(ShipError::Fenced) => return ShipError::Fenced,
@@ -328,15 +430,21 @@ impl Shipper {
 
     /// Ships `keys` in batches, three stages at once: reading a batch from Consul, storing the
     /// one before in SQL, deleting the one before that from Consul. Each stage sends up to
-    /// [`TXNS_IN_FLIGHT`] transactions at once. A batch is deleted only after its SQL commit;
+    /// [`TXNS_IN_FLIGHT`] requests at once. A batch is deleted only after its SQL commit;
     /// the first error stops every stage, and what was not deleted stays for the next pass.
-    async fn ship_pass(&self, keys: Vec<String>) -> Result<(), ShipError> {
+    async fn ship_pass(&self, groups: Vec<Group>) -> Result<(), ShipError> {
         let batch = self.config.batch.max(1);
         let (to_store, mut stored_rx) = tokio::sync::mpsc::channel::<Vec<KvPair>>(1);
         let (to_delete, mut delete_rx) = tokio::sync::mpsc::channel::<Vec<Stored>>(1);
         let read = async move {
-            for chunk in keys.chunks(batch) {
+            // Whole groups, about `batch` listed records a batch.
+            let mut rest = &groups[..];
+            while !rest.is_empty() {
+                let (chunk, after) = rest.split_at(groups_for(rest, batch));
+                rest = after;
+                let t = std::time::Instant::now();
                 let entries = self.read_batch(chunk).await?;
+                stage_took("read", t, entries.len());
                 if to_store.send(entries).await.is_err() {
                     break;
                 }
@@ -345,7 +453,9 @@ impl Shipper {
         };
         let store = async move {
             while let Some(entries) = stored_rx.recv().await {
+                let t = std::time::Instant::now();
                 let entries = self.store_batch(entries).await?;
+                stage_took("store", t, entries.len());
                 if to_delete.send(entries).await.is_err() {
                     break;
                 }
@@ -354,31 +464,32 @@ impl Shipper {
         };
         let delete = async move {
             while let Some(entries) = delete_rx.recv().await {
+                let t = std::time::Instant::now();
                 self.delete_batch(&entries).await?;
+                stage_took("delete", t, entries.len());
             }
             Ok::<(), ShipError>(())
         };
         tokio::try_join!(read, store, delete).map(|_| ())
     }
 
-    /// The values of `keys`, a transaction of [`MAX_TXN_OPS`] reads each, [`TXNS_IN_FLIGHT`]
-    /// at once.
-    async fn read_batch(&self, keys: &[String]) -> Result<Vec<KvPair>, ShipError> {
-        let reads = keys.chunks(MAX_TXN_OPS).map(|chunk| self.read_txn(chunk));
+    /// The records under `groups`' prefixes, [`TXNS_IN_FLIGHT`] reads at once. A default
+    /// (not `consistent`) read is enough: records are written once and never change, a record
+    /// too new to be seen is read at the next pass, and one already deleted is stored by its
+    /// uuid no more than once and deleted again as absent.
+    async fn read_batch(&self, groups: &[Group]) -> Result<Vec<KvPair>, ShipError> {
+        let reads = groups.iter().map(|g| async move {
+            let opts = QueryOptions::default();
+            if g.exact {
+                let (entry, _) = self.consul.kv_get(&g.prefix, &opts).await?;
+                Ok::<_, ConsulError>(entry.into_iter().collect())
+            } else {
+                let (entries, _) = self.consul.kv_list(&g.prefix, &opts).await?;
+                Ok(entries)
+            }
+        });
         let parts = in_flight(reads, TXNS_IN_FLIGHT).await?;
         Ok(parts.into_iter().flatten().collect())
-    }
-
-    /// One transaction's reads.
-    async fn read_txn(&self, keys: &[String]) -> Result<Vec<KvPair>, ConsulError> {
-        // `get-tree` on the exact key never fails for a key deleted meanwhile.
-        let ops: Vec<TxnOp> = keys.iter().map(|k| TxnOp::get_tree(k.clone())).collect();
-        let resp = self.consul.txn(&ops).await?;
-        Ok(resp
-            .results
-            .into_iter()
-            .filter(|e| keys.contains(&e.key))
-            .collect())
     }
 
     /// Stores one batch in SQL (records that do not parse as dead letters); returns what
@@ -459,5 +570,124 @@ impl Shipper {
             }
             Err(e) => Err(ShipError::Other(e.to_string())),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// (prefix, listed keys under it), an exact key's prefix ending in `=`.
+    fn groups(keys: &[&str], max: usize) -> Vec<(String, usize)> {
+        let mut keys: Vec<String> = keys.iter().map(|k| k.to_string()).collect();
+        keys.sort_unstable();
+        let mut out = Vec::new();
+        prefix_groups(&keys, AUDIT_PREFIX.len(), max, &mut out);
+        out.into_iter()
+            .map(|g| {
+                let p = if g.exact {
+                    format!("{}=", g.prefix)
+                } else {
+                    g.prefix
+                };
+                (p, g.listed)
+            })
+            .collect()
+    }
+
+    /// Every listed key is under exactly one group's prefix, each group within the bound.
+    #[test]
+    fn groups_cover_every_key_once_within_the_bound() {
+        let keys: Vec<String> = (0..5_000)
+            .map(|_| format!("{AUDIT_PREFIX}{}", uuid::Uuid::new_v4()))
+            .collect();
+        let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+        let gs = groups(&refs, 100);
+        assert!(gs.iter().all(|(_, n)| *n <= 100), "{gs:?}");
+        assert_eq!(gs.iter().map(|(_, n)| n).sum::<usize>(), keys.len());
+        for k in &keys {
+            let under = gs.iter().filter(|(p, _)| k.starts_with(p.as_str())).count();
+            assert_eq!(under, 1, "{k} is under {under} prefixes");
+        }
+        // Prefixes as short as the bound allows: 5,000 random uuids in groups of 100 need
+        // two hex digits (about 20 a prefix), not three.
+        assert!(gs.iter().all(|(p, _)| p.len() <= AUDIT_PREFIX.len() + 2));
+    }
+
+    #[test]
+    fn a_small_listing_is_one_group_per_first_character() {
+        let gs = groups(
+            &[
+                "audit_logs/a1",
+                "audit_logs/a2",
+                "audit_logs/b1",
+                "audit_logs/c",
+            ],
+            10,
+        );
+        assert_eq!(
+            gs,
+            [
+                ("audit_logs/a".to_string(), 2),
+                ("audit_logs/b".to_string(), 1),
+                ("audit_logs/c".to_string(), 1)
+            ]
+        );
+    }
+
+    /// A pass or a batch takes whole groups up to the one that reaches its size.
+    #[test]
+    fn whole_groups_are_taken_up_to_the_size() {
+        let gs: Vec<Group> = [3, 4, 5]
+            .iter()
+            .map(|&listed| Group {
+                prefix: String::new(),
+                listed,
+                exact: false,
+            })
+            .collect();
+        assert_eq!(groups_for(&gs, 1), 1);
+        assert_eq!(groups_for(&gs, 3), 1);
+        assert_eq!(groups_for(&gs, 4), 2);
+        assert_eq!(groups_for(&gs, 12), 3);
+        assert_eq!(groups_for(&gs, 100), 3);
+        assert_eq!(groups_for(&[], 5), 0);
+    }
+
+    /// A key that other keys extend is read alone, and the keys that extend it split as any
+    /// others: no group's tree is larger than the bound, not even under a key `audit_logs/`.
+    /// Odd keys (not uuids, not ASCII) are grouped like any other.
+    #[test]
+    fn a_key_that_others_extend_is_read_alone() {
+        let gs = groups(
+            &[
+                "audit_logs/x",
+                "audit_logs/xa",
+                "audit_logs/xb",
+                "audit_logs/é1",
+                "audit_logs/é2",
+            ],
+            1,
+        );
+        let want = [
+            ("audit_logs/x=", 1),
+            ("audit_logs/xa", 1),
+            ("audit_logs/xb", 1),
+            ("audit_logs/é1", 1),
+            ("audit_logs/é2", 1),
+        ];
+        assert_eq!(gs, want.map(|(p, n)| (p.to_string(), n)));
+        let gs = groups(&["audit_logs/", "audit_logs/a", "audit_logs/b"], 2);
+        let want = [
+            ("audit_logs/=", 1),
+            ("audit_logs/a", 1),
+            ("audit_logs/b", 1),
+        ];
+        assert_eq!(gs, want.map(|(p, n)| (p.to_string(), n)));
+        // Within the bound, the key and those extending it are one tree read.
+        assert_eq!(
+            groups(&["audit_logs/x", "audit_logs/xa"], 2),
+            [("audit_logs/x".to_string(), 2)]
+        );
     }
 }

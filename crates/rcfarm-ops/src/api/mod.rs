@@ -536,6 +536,10 @@ pub fn describe_metrics() {
             "rcfarm_converge_pass_seconds",
             "duration of RC convergence passes",
         ),
+        (
+            "rcfarm_audit_ship_stage_seconds",
+            "audit shipping, by stage: list (the outbox), read, store (SQL), delete (one batch each)",
+        ),
     ];
     for (name, help) in histograms {
         describe_histogram!(name, metrics::Unit::Seconds, help);

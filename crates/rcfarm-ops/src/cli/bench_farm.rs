@@ -803,6 +803,41 @@ async fn run_once(args: &BenchFarmArgs) -> Result<Figures, CliError> {
             tgt.count(c, "audit_logs/").await
         ),
     }
+    // The goal is the outbox shipped as fast as it fills: every record shipped so far over
+    // the time from the first RC written until the outbox was empty (or now, if it is not).
+    let shipped = total(&farm_counter(&scraper, &farms, "rcfarm_audit_shipped_total", "").await);
+    eprintln!(
+        "audit records shipped to SQL: {shipped:.0} in {:.1} s from the start ({:.0} records/s)",
+        t0.elapsed().as_secs_f64(),
+        shipped / t0.elapsed().as_secs_f64().max(0.001)
+    );
+    // Where the shipper's time went, stage by stage (only the shipping farm has any).
+    let stage_sum = farm_counter(
+        &scraper,
+        &farms,
+        "rcfarm_audit_ship_stage_seconds_sum",
+        "stage",
+    )
+    .await;
+    let stage_count = farm_counter(
+        &scraper,
+        &farms,
+        "rcfarm_audit_ship_stage_seconds_count",
+        "stage",
+    )
+    .await;
+    eprintln!(
+        "audit shipping by stage (seconds in all, times): {}",
+        ["list", "read", "store", "delete"]
+            .iter()
+            .map(|k| format!(
+                "{k} {:.1} {:.0}",
+                stage_sum.get(*k).copied().unwrap_or(0.0),
+                stage_count.get(*k).copied().unwrap_or(0.0)
+            ))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
     tokio::time::sleep(Duration::from_secs(2)).await;
     sampling.cancel();
     let peak_conns = sampler.await.map_err(failed)?;

@@ -395,6 +395,11 @@ fn install_metrics() -> Option<metrics_exporter_prometheus::PrometheusHandle> {
             &buckets,
         )
         .ok()?
+        .set_buckets_for_metric(
+            Matcher::Full("rcfarm_audit_ship_stage_seconds".into()),
+            &buckets,
+        )
+        .ok()?
         .set_buckets_for_metric(Matcher::Prefix("rcfarm_transfer_".into()), &slow)
         .ok()?
         .set_buckets_for_metric(Matcher::Prefix("rcfarm_roll_".into()), &slow)
