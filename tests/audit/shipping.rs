@@ -308,15 +308,11 @@ async fn an_outbox_of_odd_keys_is_read_by_prefix_and_drained(c: Consul) {
         good.len() as u64,
         "each once"
     );
-    // In key order, each as often as it was stored.
-    let dead: Vec<String> = store
-        .dead_letters()
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|(k, _)| k)
-        .collect();
-    assert_eq!(dead, odd.map(String::from), "every odd key once");
+    assert_eq!(
+        crate::common::dead_letter_keys(&store).await,
+        odd.map(String::from),
+        "every odd key once"
+    );
 }
 
 #[tokio::test]
@@ -327,11 +323,7 @@ async fn an_outbox_of_odd_keys_is_read_by_prefix_and_drained_embedded() {
 
 #[tokio::test]
 async fn an_outbox_of_odd_keys_is_read_by_prefix_and_drained_on_real_consul() {
-    let Some(bin) = rcfarm::chaos::agent::consul_bin() else {
-        eprintln!(
-            "SKIPPED on real Consul: set {} to a Consul binary (.ci/run sets it to ../shared/consul/consul)",
-            rcfarm::chaos::agent::CONSUL_BIN_ENV
-        );
+    let Some(bin) = crate::common::real_consul_bin() else {
         return;
     };
     let agent = rcfarm::chaos::agent::ConsulAgent::start(rcfarm::chaos::agent::AgentConfig::dev(

@@ -30,6 +30,30 @@ pub fn client_for(url: &str) -> Consul {
     Consul::new(ConsulConfig::new(url)).expect("client builds")
 }
 
+/// The real Consul of `RCFARM_TEST_CONSUL_BIN`, or `None` after saying loudly that the test
+/// is skipped on it.
+pub fn real_consul_bin() -> Option<std::path::PathBuf> {
+    let bin = rcfarm::chaos::agent::consul_bin();
+    if bin.is_none() {
+        eprintln!(
+            "SKIPPED on real Consul: set {} to a Consul binary (.ci/run sets it to ../shared/consul/consul)",
+            rcfarm::chaos::agent::CONSUL_BIN_ENV
+        );
+    }
+    bin
+}
+
+/// The keys of the audit database's dead letters, in key order, each as often as stored.
+pub async fn dead_letter_keys(store: &rcfarm::audit::AuditStore) -> Vec<String> {
+    store
+        .dead_letters()
+        .await
+        .expect("dead letters read")
+        .into_iter()
+        .map(|(k, _)| k)
+        .collect()
+}
+
 pub fn init_tracing() {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(

@@ -253,15 +253,8 @@ async fn every_malformed_input_is_reported_once_and_skipped_while_the_rest_is_se
     )
     .await;
     let store = AuditStore::connect(&c.audit_db).await.unwrap();
-    let dead: Vec<String> = store
-        .dead_letters()
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|(k, _)| k)
-        .collect();
     assert_eq!(
-        dead,
+        crate::common::dead_letter_keys(&store).await,
         vec![
             format!("audit_logs/{garbage_audit}"),
             "audit_logs/not-a-uuid".to_string()

@@ -59,16 +59,7 @@ impl Backend {
     /// The real Consul of `RCFARM_TEST_CONSUL_BIN`, or `None` after saying loudly that the
     /// test is skipped.
     pub fn real() -> Option<Backend> {
-        match rcfarm::chaos::agent::consul_bin() {
-            Some(p) => Some(Backend::Real(p)),
-            None => {
-                eprintln!(
-                    "SKIPPED on real Consul: set {} to a Consul binary (.ci/run sets it to ../shared/consul/consul)",
-                    rcfarm::chaos::agent::CONSUL_BIN_ENV
-                );
-                None
-            }
-        }
+        crate::common::real_consul_bin().map(Backend::Real)
     }
 }
 

@@ -70,7 +70,7 @@ fn stage_took(stage: &'static str, started: std::time::Instant, records: usize) 
 
 /// Consul requests a shipper stage sends at once (the prefix reads of one batch, the delete
 /// transactions of another).
-const TXNS_IN_FLIGHT: usize = 4;
+const REQUESTS_IN_FLIGHT: usize = 4;
 
 /// Runs `jobs` at most `n` at a time and collects their outputs (in the order they finish);
 /// the first error stops the rest.
@@ -430,7 +430,7 @@ impl Shipper {
 
     /// Ships `keys` in batches, three stages at once: reading a batch from Consul, storing the
     /// one before in SQL, deleting the one before that from Consul. Each stage sends up to
-    /// [`TXNS_IN_FLIGHT`] requests at once. A batch is deleted only after its SQL commit;
+    /// [`REQUESTS_IN_FLIGHT`] requests at once. A batch is deleted only after its SQL commit;
     /// the first error stops every stage, and what was not deleted stays for the next pass.
     async fn ship_pass(&self, groups: Vec<Group>) -> Result<(), ShipError> {
         let batch = self.config.batch.max(1);
@@ -473,7 +473,7 @@ impl Shipper {
         tokio::try_join!(read, store, delete).map(|_| ())
     }
 
-    /// The records under `groups`' prefixes, [`TXNS_IN_FLIGHT`] reads at once. A default
+    /// The records under `groups`' prefixes, [`REQUESTS_IN_FLIGHT`] reads at once. A default
     /// (not `consistent`) read is enough: records are written once and never change, a record
     /// too new to be seen is read at the next pass, and one already deleted is stored by its
     /// uuid no more than once and deleted again as absent.
@@ -488,7 +488,7 @@ impl Shipper {
                 Ok(entries)
             }
         });
-        let parts = in_flight(reads, TXNS_IN_FLIGHT).await?;
+        let parts = in_flight(reads, REQUESTS_IN_FLIGHT).await?;
         Ok(parts.into_iter().flatten().collect())
     }
 
@@ -546,12 +546,12 @@ impl Shipper {
             .collect())
     }
 
-    /// Deletes stored records from the outbox, [`TXNS_IN_FLIGHT`] transactions at once.
+    /// Deletes stored records from the outbox, [`REQUESTS_IN_FLIGHT`] transactions at once.
     async fn delete_batch(&self, entries: &[Stored]) -> Result<(), ShipError> {
         let deletes = entries
             .chunks(MAX_TXN_OPS - 1)
             .map(|chunk| self.delete_txn(chunk));
-        in_flight(deletes, TXNS_IN_FLIGHT).await.map(|_| ())
+        in_flight(deletes, REQUESTS_IN_FLIGHT).await.map(|_| ())
     }
 
     /// One transaction of `delete-cas` at the index read (a record rewritten since is not

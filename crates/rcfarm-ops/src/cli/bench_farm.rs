@@ -806,10 +806,10 @@ async fn run_once(args: &BenchFarmArgs) -> Result<Figures, CliError> {
     // The goal is the outbox shipped as fast as it fills: every record shipped so far over
     // the time from the first RC written until the outbox was empty (or now, if it is not).
     let shipped = total(&farm_counter(&scraper, &farms, "rcfarm_audit_shipped_total", "").await);
+    let since_start = t0.elapsed().as_secs_f64();
     eprintln!(
-        "audit records shipped to SQL: {shipped:.0} in {:.1} s from the start ({:.0} records/s)",
-        t0.elapsed().as_secs_f64(),
-        shipped / t0.elapsed().as_secs_f64().max(0.001)
+        "audit records shipped to SQL: {shipped:.0} in {since_start:.1} s from the start ({:.0} records/s)",
+        shipped / since_start.max(0.001)
     );
     // Where the shipper's time went, stage by stage (only the shipping farm has any).
     let stage_sum = farm_counter(
