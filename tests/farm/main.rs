@@ -4,6 +4,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod assignment;
 mod audit;
 mod bad_input;
 mod behind_the_back;

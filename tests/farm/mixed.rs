@@ -16,8 +16,8 @@ use crate::brakes::{
     scale_to_zero_and_delete,
 };
 use crate::harness::{Backend, Cluster, nodes, signal};
-use crate::on_every_backend;
 use crate::rolls::{ROLL_FLAGS, roll_exists};
+use crate::{on_both_backends, on_every_backend};
 
 fn previous_bin() -> Option<String> {
     match std::env::var("RCFARM_TEST_PREVIOUS_BIN") {
@@ -280,4 +280,14 @@ async fn the_clusters_removal_window_beside_a_farm_of_the_previous_release(backe
         !w.farms.contains_key("old"),
         "the previous release never writes the key: {w:?}"
     );
+}
+
+on_both_backends!(a_farm_of_the_previous_release_holds_every_farm_to_rule_1);
+/// The previous release publishes no assignment rule: this release's farms beside it compute
+/// its rule (1), and move to rule 2 together once it is gone.
+async fn a_farm_of_the_previous_release_holds_every_farm_to_rule_1(backend: Backend) {
+    let Some(previous) = previous_bin() else {
+        return;
+    };
+    crate::assignment::the_oldest_rule_offered_is_every_farms(backend, &previous, &[]).await;
 }

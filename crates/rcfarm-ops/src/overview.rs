@@ -58,6 +58,8 @@ pub struct FarmOverview {
     pub rcs: Vec<String>,
     /// `false`: the farm leaves audit records in Consul (`--audit-shipping off`).
     pub audit_shipping: bool,
+    /// The newest assignment rule the farm offers (`--assignment-rule`; 1 for older releases).
+    pub assignment_rule: u32,
 }
 
 /// A pod whose label names an RC that no longer exists: nothing manages it.
@@ -251,7 +253,11 @@ impl Overview {
             .iter()
             .filter_map(|r| RcId::parse(&r.id).ok().map(|id| (id, r.rc_labels.clone())))
             .collect();
-        let assignment = assign(&all, &registry::views(&farms));
+        let assignment = assign(
+            &all,
+            &registry::views(&farms),
+            registry::agreed_rule(&farms),
+        );
         let farms = farms
             .iter()
             .map(|f| {
@@ -272,6 +278,7 @@ impl Overview {
                     fair_share: assignment.cap.get(&f.farm_id).copied().unwrap_or(0),
                     rcs: owned,
                     audit_shipping: f.audit_shipping,
+                    assignment_rule: f.assignment_rule,
                 }
             })
             .collect();

@@ -1,11 +1,20 @@
 //! Which farm should serve which RC: rendezvous hashing with bounded loads.
 //!
-//! Every farm computes the same assignment from the same view (the RCs, and the live farms with
-//! their RC selectors): RCs are taken in id order and each goes to the highest-scoring farm that
-//! may serve it and is still under its cap, the cap being the fair share `ceil(RCs it may serve /
-//! farms sharing its selector)`. Scores are `hash(farm id, RC id)`, so an RC's preferred farm
-//! does not depend on which other farms exist: when a farm joins or leaves, mostly the RCs that
-//! prefer it move.
+//! Every farm computes the same assignment from the same view: RCs are taken in id order and
+//! each goes to the highest-scoring farm that may serve it and is still under its cap, the cap
+//! being the fair share `ceil(RCs it may serve / farms sharing its selector)`. Scores are
+//! `hash(farm id, RC id)`, so an RC's preferred farm does not depend on which other farms exist.
+//! Two rules exist ([`Rule`]); the live farms use the oldest of their newest rules
+//! (`registry::agreed_rule`), so farms of two releases never compute different assignments from
+//! the same view:
+//! - [`Rule::HoldersFirst`] (every release before rule 2): before the rest, each farm keeps what
+//!   it holds, up to its cap. The assignment then depends on every RC's holder: each farm reads
+//!   the whole lock tree for it, and farms whose lock views are of different ages (farms
+//!   claiming at once: each claim changes the others' inputs) compute different assignments.
+//! - [`Rule::Shares`]: holders are not read. The assignment is a function of the RCs and the
+//!   live farms alone, which claims do not change. What a farm holds still stays with it up to
+//!   its fair share (`decide::handovers` hands over only what is over it), so moving from rule
+//!   1 to rule 2 moves nothing held, and holdings end balanced under either.
 //!
 //! Views differ for a moment when farms come and go; the farm loop tolerates that with a grace
 //! rule (an RC nobody holds for a while is claimed by whoever sees it and is under its cap, a
@@ -41,6 +50,35 @@ pub fn score(farm_id: &str, rc: &RcId) -> u64 {
     h = (h ^ (h >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     h = (h ^ (h >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     h ^ (h >> 31)
+}
+
+/// How farms assign RCs. The number is what a farm publishes in its registration
+/// (`FarmInfo::assignment_rule`, its newest); the order is the order of releases.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Rule {
+    /// Holders keep what they hold up to their fair share; the rest by score under the caps.
+    HoldersFirst = 1,
+    /// By score under the caps, holders not read.
+    Shares = 2,
+}
+
+impl Rule {
+    /// The newest rule this release computes.
+    pub const NEWEST: Rule = Rule::Shares;
+
+    /// The rule a farm's published number names: a farm that publishes none (an older release)
+    /// or an unknown older number computes [`Rule::HoldersFirst`]; a number above ours is a newer
+    /// release, which also computes ours.
+    pub fn from_published(n: u32) -> Rule {
+        match n {
+            0 | 1 => Rule::HoldersFirst,
+            _ => Rule::Shares,
+        }
+    }
+
+    pub fn number(self) -> u32 {
+        self as u32
+    }
 }
 
 /// The assignment: RC → farm id.
@@ -84,22 +122,27 @@ impl Assignment {
     }
 }
 
-/// Computes the assignment of `rcs` (each with its own labels, for the farms' RC selectors).
-pub fn assign(rcs: &BTreeMap<RcId, LabelSet>, farms: &[FarmView]) -> Assignment {
-    assign_held(rcs, farms, &BTreeMap::<RcId, String>::new())
+/// Computes the assignment of `rcs` (each with its own labels, for the farms' RC selectors),
+/// nothing held.
+pub fn assign(rcs: &BTreeMap<RcId, LabelSet>, farms: &[FarmView], rule: Rule) -> Assignment {
+    assign_held(rcs, farms, &BTreeMap::<RcId, String>::new(), rule)
 }
 
-/// Like [`assign`], with `held` (RC → id of the live farm holding it): a farm keeps what it
-/// holds, up to its cap, and only the rest is placed by score. Without this, the assignment of
-/// an RC shifts whenever RCs are created before it in id order or farms come and go, and each
-/// shift is a claim, a handover and a claim again; with it, growth moves nothing and a new or
-/// departed farm moves only the RCs over a cap or left unheld.
+/// Like [`assign`], with `held` (RC → id of the live farm holding it), which only
+/// [`Rule::HoldersFirst`] reads: a farm keeps what it holds, up to its cap, and only the rest is
+/// placed by score. Without that, under caps, the assignment of an RC shifts whenever RCs are
+/// created before it in id order or farms come and go, and each shift is a claim, a handover and
+/// a claim again; with it, growth moves nothing and a new or departed farm moves only the RCs
+/// over a cap or left unheld. Under [`Rule::Shares`] the assignment of an unheld RC may shift
+/// so, but what is held stays with its holder up to its share all the same
+/// (`decide::handovers`), so the shifts move nothing held either.
 pub fn assign_held<L: Borrow<LabelSet>, H: Borrow<str>>(
     rcs: &BTreeMap<RcId, L>,
     farms: &[FarmView],
     held: &BTreeMap<RcId, H>,
+    rule: Rule,
 ) -> Assignment {
-    assign_by(rcs, farms, held, |selector, labels| {
+    assign_by(rcs, farms, held, rule, |selector, labels| {
         selector.matches(labels.borrow())
     })
 }
@@ -111,6 +154,7 @@ pub fn assign_by<L, H: Borrow<str>>(
     items: &BTreeMap<RcId, L>,
     farms: &[FarmView],
     held: &BTreeMap<RcId, H>,
+    rule: Rule,
     may_serve: impl Fn(&Selector, &L) -> bool,
 ) -> Assignment {
     let mut farms: Vec<&FarmView> = farms.iter().collect();
@@ -147,7 +191,11 @@ pub fn assign_by<L, H: Borrow<str>>(
     // Each item's farm, by the item's position in `items` (both passes walk it in id order).
     let mut chosen: Vec<Option<usize>> = vec![None; items.len()];
     // Holders first, in id order, each up to its cap.
+    let keeps_held = rule == Rule::HoldersFirst;
     for ((rc, labels), slot) in items.iter().zip(chosen.iter_mut()) {
+        if !keeps_held {
+            break;
+        }
         let Some(&i) = held.get(rc).and_then(|h| position.get(h.borrow())) else {
             continue;
         };
@@ -199,6 +247,10 @@ pub fn assign_by<L, H: Borrow<str>>(
 mod tests {
     use super::*;
 
+    /// The rule of every release before rule 2 (what most rows here pin).
+    const B: Rule = Rule::HoldersFirst;
+    const R: Rule = Rule::Shares;
+
     fn farms(ids: &[&str]) -> Vec<FarmView> {
         ids.iter()
             .map(|id| FarmView {
@@ -217,7 +269,7 @@ mod tests {
     fn a_handover_is_due_only_from_a_farm_over_its_share() {
         let fs = farms(&["a", "b", "c"]);
         let all = rcs(9);
-        let a = assign(&all, &fs);
+        let a = assign(&all, &fs, B);
         let of_b: Vec<RcId> = a.of("b").into_iter().collect();
         // Farm a holds every RC (it started first): b waits for its share.
         assert!(a.handover_due_to("b", |_| Some("a")));
@@ -240,7 +292,7 @@ mod tests {
     #[test]
     fn balanced_within_one() {
         let rcs = rcs(50);
-        let a = assign(&rcs, &farms(&["a", "b", "c"]));
+        let a = assign(&rcs, &farms(&["a", "b", "c"]), B);
         let counts: Vec<usize> = ["a", "b", "c"].iter().map(|f| a.of(f).len()).collect();
         assert_eq!(counts.iter().sum::<usize>(), 50);
         assert!(
@@ -253,16 +305,20 @@ mod tests {
     fn every_farm_computes_the_same_assignment() {
         let rcs = rcs(100);
         let mut f1 = farms(&["a", "b", "c"]);
-        let a1 = assign(&rcs, &f1);
+        let a1 = assign(&rcs, &f1, B);
         f1.reverse();
-        assert_eq!(assign(&rcs, &f1), a1, "order of the view does not matter");
+        assert_eq!(
+            assign(&rcs, &f1, B),
+            a1,
+            "order of the view does not matter"
+        );
     }
 
     #[test]
     fn a_joining_farm_moves_few_rcs() {
         let rcs = rcs(300);
-        let before = assign(&rcs, &farms(&["a", "b", "c"]));
-        let after = assign(&rcs, &farms(&["a", "b", "c", "d"]));
+        let before = assign(&rcs, &farms(&["a", "b", "c"]), B);
+        let after = assign(&rcs, &farms(&["a", "b", "c", "d"]), B);
         let moved = rcs
             .keys()
             .filter(|rc| before.owner[rc] != after.owner[rc])
@@ -270,7 +326,7 @@ mod tests {
         // The new farm takes its quarter; a few more move because of the caps.
         assert!(after.of("d").len() == 75, "{}", after.of("d").len());
         assert!(moved < 150, "moved {moved} of 300");
-        let left = assign(&rcs, &farms(&["a", "c"]));
+        let left = assign(&rcs, &farms(&["a", "c"]), B);
         let moved_away = rcs
             .keys()
             .filter(|rc| before.owner[rc] != left.owner[rc])
@@ -284,11 +340,11 @@ mod tests {
     fn holders_keep_what_they_hold_up_to_their_cap() {
         let all = rcs(300);
         let three = farms(&["a", "b", "c"]);
-        let before = assign(&all, &three);
+        let before = assign(&all, &three, B);
         let held: BTreeMap<RcId, String> = before.owner.clone();
-        assert_eq!(assign_held(&all, &three, &held), before);
+        assert_eq!(assign_held(&all, &three, &held, B), before);
         let four = farms(&["a", "b", "c", "d"]);
-        let after = assign_held(&all, &four, &held);
+        let after = assign_held(&all, &four, &held, B);
         let moved = all
             .keys()
             .filter(|rc| before.owner[rc] != after.owner[rc])
@@ -298,7 +354,7 @@ mod tests {
         // 100 more RCs: nothing held moves; each farm gets new ones up to its cap.
         let mut more = all.clone();
         more.extend(rcs(100));
-        let grown = assign_held(&more, &three, &held);
+        let grown = assign_held(&more, &three, &held, B);
         assert!(held.iter().all(|(rc, f)| grown.owner[rc] == *f));
         for f in ["a", "b", "c"] {
             assert!(grown.of(f).len() <= grown.cap[f], "{f}");
@@ -306,7 +362,7 @@ mod tests {
         assert_eq!(grown.owner.len(), 400);
         // b leaves: only b's RCs move, and they are spread over a and c.
         let two = farms(&["a", "c"]);
-        let left = assign_held(&all, &two, &held);
+        let left = assign_held(&all, &two, &held, B);
         let moved: Vec<&RcId> = all
             .keys()
             .filter(|rc| before.owner[rc] != left.owner[rc])
@@ -337,7 +393,7 @@ mod tests {
                 rc_selector: Selector::parse("team=blue").unwrap(),
             },
         ];
-        let a = assign(&rcs, &views);
+        let a = assign(&rcs, &views, B);
         assert_eq!(a.of("b1").len(), 10);
         assert_eq!(a.of("r1").len() + a.of("r2").len(), 10);
         assert!(a.of("r1").len() == 5 && a.of("r2").len() == 5);
@@ -355,8 +411,8 @@ mod tests {
             farm_id: "a".into(),
             rc_selector: Selector::parse("!x").unwrap(),
         }];
-        assert_eq!(assign(&rcs, &views).owner.len(), 3);
-        assert!(assign(&rcs, &[]).owner.is_empty());
+        assert_eq!(assign(&rcs, &views, B).owner.len(), 3);
+        assert!(assign(&rcs, &[], B).owner.is_empty());
     }
 
     #[test]
@@ -366,5 +422,43 @@ mod tests {
         assert_ne!(score("farm-a", &rc), score("farm-b", &rc));
         // Pinned: farms of different builds must agree.
         assert_eq!(score("farm-a", &rc), 4_932_952_535_229_323_081);
+    }
+
+    /// Rule 2 reads no holder: any holding gives the same assignment, the one nothing held
+    /// gives, balanced within one. Rule 1 keeps RCs with their holders: the rules differ
+    /// exactly where holders are not where the scores put them.
+    #[test]
+    fn shares_read_no_holder() {
+        let all = rcs(300);
+        let three = farms(&["a", "b", "c"]);
+        let fresh = assign(&all, &three, R);
+        assert_eq!(
+            fresh,
+            assign(&all, &three, B),
+            "nothing held: the rules agree"
+        );
+        let skewed: BTreeMap<RcId, String> = all.keys().map(|rc| (*rc, "a".to_string())).collect();
+        assert_eq!(assign_held(&all, &three, &skewed, R), fresh);
+        let kept = assign_held(&all, &three, &skewed, B);
+        assert_ne!(kept, fresh);
+        for a in [&fresh, &kept] {
+            for f in ["a", "b", "c"] {
+                assert_eq!(a.of(f).len(), 100, "{f}");
+            }
+        }
+        // Under rule 1 a keeps the first 100 it holds, in id order.
+        assert_eq!(kept.of("a"), all.keys().take(100).copied().collect());
+    }
+
+    /// What a farm publishes names the rule it computes: nothing (an older release) is rule 1,
+    /// and a newer release's number is a rule this one need not know (it computes ours too).
+    #[test]
+    fn published_numbers_name_rules() {
+        assert_eq!(Rule::from_published(0), B);
+        assert_eq!(Rule::from_published(1), B);
+        assert_eq!(Rule::from_published(2), R);
+        assert_eq!(Rule::from_published(7), R);
+        assert_eq!(Rule::NEWEST.number(), 2);
+        assert!(B < R);
     }
 }

@@ -213,8 +213,11 @@ pub fn claims<T>(
         let past = |n: u32| waited >= rules.grace * n;
         let may_take =
             (past(1) && holding < cap) || (past(2) && holding < cap + rules.slack) || past(3);
-        // What is assigned to us is within our share (the assignment keeps each farm under its
-        // cap, counting what it holds).
+        // What is assigned to us is taken whatever we hold: under rule 1 it is within our share
+        // (that assignment counts what each farm holds); under rule 2 it does not count what we
+        // hold that is assigned elsewhere, so taking it may put us over our share, and
+        // `handovers` then gives back only what is assigned elsewhere, each RC to the farm it
+        // is assigned to, so every hand-over leaves one fewer RC away from its farm.
         if s.mine(id) {
             out.claim.push(*id);
         } else if may_take {
@@ -435,6 +438,8 @@ mod tests {
         let rows: Vec<(&str, Row, Vec<u8>)> = vec![
             ("assigned to us and free: claimed",
              Row { assigned: vec![(1, "f")], ..base.clone() }, vec![1]),
+            ("assigned to us and free, our share served by one assigned elsewhere (rule 2 does not count it): claimed",
+             Row { exist: vec![1, 2], assigned: vec![(1, "f"), (2, "g")], held: vec![(2, "S")], tasks: vec![(2, false)], ..base.clone() }, vec![1]),
             ("assigned to us, another session holds it: not claimed",
              Row { assigned: vec![(1, "f")], held: vec![(1, "G")], ..base.clone() }, vec![]),
             ("assigned to us, a claim was refused and the tree not read since: not claimed",

@@ -77,6 +77,9 @@ pub struct FarmConfig {
     pub claim_grace: Duration,
     /// How far over its fair share a farm may go to take RCs nobody else takes.
     pub share_slack: usize,
+    /// The newest assignment rule this farm offers (`--assignment-rule`; see
+    /// `registry::agreed_rule`).
+    pub assignment_rule: claims::Rule,
     pub watch: WatchConfig,
     /// Announced in the farm registry (for `rcctl farms` and the status page).
     pub http: Option<String>,
@@ -110,6 +113,7 @@ impl FarmConfig {
             consistency_interval: Duration::from_secs(60),
             claim_grace: Duration::from_secs(3),
             share_slack: 1,
+            assignment_rule: claims::Rule::NEWEST,
             watch: WatchConfig::default(),
             http: None,
             audit_db: None,
@@ -259,6 +263,8 @@ pub struct Farm {
     /// many of those the RC reconcile has acted on (see `reconcile_rcs`).
     store_regressions: Arc<crate::consul::Regressions>,
     regressions_acted: std::sync::atomic::AtomicU64,
+    /// The assignment rule of the last RC reconcile (0 before the first), to log its changes.
+    rule_in_use: std::sync::atomic::AtomicU32,
 }
 
 /// The longest the RC lock tree goes unread while it changes and nothing asks for it (a
@@ -305,6 +311,7 @@ impl Farm {
             pod_interest: Arc::default(),
             store_regressions: Arc::default(),
             regressions_acted: Default::default(),
+            rule_in_use: Default::default(),
             config,
             consul,
             status,
@@ -567,6 +574,7 @@ impl Farm {
             http: cfg.http.clone(),
             version: env!("CARGO_PKG_VERSION").to_string(),
             audit_shipping: cfg.audit_shipping,
+            assignment_rule: cfg.assignment_rule.number(),
         };
         let body = serde_json::to_vec(&info).unwrap_or_default();
         let registered = self

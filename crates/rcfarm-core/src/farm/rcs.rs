@@ -680,6 +680,22 @@ impl Farm {
         metrics::gauge!("rcfarm_owned_rcs").set(owned_n as f64);
         metrics::gauge!("rcfarm_fair_share").set(cap as f64);
         metrics::gauge!("rcfarm_live_farms").set(inputs.farms.len() as f64);
+        let rule = inputs.rule.number();
+        metrics::gauge!("rcfarm_assignment_rule").set(rule as f64);
+        let was = self.rule_in_use.swap(rule, Ordering::Relaxed);
+        if was != rule {
+            let offered: Vec<String> = inputs
+                .farms
+                .iter()
+                .map(|f| format!("{}={}", f.farm_id, f.assignment_rule))
+                .collect();
+            tracing::info!(
+                rule,
+                was,
+                offered = %offered.join(","),
+                "assignment rule: the oldest rule the live farms offer"
+            );
+        }
         // As this farm sees them: an RC no session holds a lock on (none of the farms'
         // selectors matches it, or its farm died and nobody has taken it yet).
         metrics::gauge!("rcfarm_rcs").set(inputs.all.len() as f64);
@@ -693,6 +709,7 @@ impl Farm {
             f.owned = owned_n;
             f.fair_share = cap;
             f.live_farms = inputs.farms.iter().map(|f| f.farm_id.clone()).collect();
+            f.assignment_rule = rule;
             f.matching_rcs = inputs.matching.len();
             f.invalid_rcs = listing.invalid.len();
         });
@@ -953,6 +970,8 @@ pub(crate) struct ClaimInputs {
     all: BTreeSet<RcId>,
     matching: BTreeSet<RcId>,
     assignment: super::claims::Assignment,
+    /// The rule the assignment was computed by (`registry::agreed_rule`).
+    rule: super::claims::Rule,
     /// RC → the session holding its ownership lock.
     owners: BTreeMap<RcId, String>,
     /// Pod ids of RCs another session holds.
@@ -1037,7 +1056,8 @@ fn claim_inputs<'a>(
     // Claims the lock tree does not show yet are ours too: counted as free, they were given to
     // this farm again on top of its share, and it then had that many to hand back.
     farm_holding.extend(tasks.map(|id| (*id, info.farm_id.as_str())));
-    let assignment = assign_held(&rc_labels, &registry::views(&farms), &farm_holding);
+    let rule = registry::agreed_rule(&farms);
+    let assignment = assign_held(&rc_labels, &registry::views(&farms), &farm_holding, rule);
     let matching: BTreeSet<RcId> = rc_labels
         .iter()
         .filter(|(_, l)| selector.matches(**l))
@@ -1086,6 +1106,7 @@ fn claim_inputs<'a>(
         all,
         matching,
         assignment,
+        rule,
         owners,
         farms,
     }

@@ -4,7 +4,7 @@
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
-use super::claims::FarmView;
+use super::claims::{FarmView, Rule};
 use crate::consul::{Fence, KvPair, Session, SessionId};
 use crate::labels::Selector;
 
@@ -26,6 +26,14 @@ pub struct FarmInfo {
     /// `false` when the farm runs with `--audit-shipping off` (older farms: shipping).
     #[serde(default = "shipping_by_default")]
     pub audit_shipping: bool,
+    /// The newest assignment rule this farm computes ([`Rule`]; it computes every older one
+    /// too). Older releases publish none: rule 1. The live farms use [`agreed_rule`].
+    #[serde(default = "first_rule")]
+    pub assignment_rule: u32,
+}
+
+fn first_rule() -> u32 {
+    Rule::HoldersFirst.number()
 }
 
 fn shipping_by_default() -> bool {
@@ -71,6 +79,20 @@ pub fn live_farms_with(entries: &[KvPair], me: &FarmInfo) -> Vec<FarmInfo> {
         farms.push(me.clone());
     }
     farms
+}
+
+/// The assignment rule of `farms` (the live ones, counting this one): the oldest of their
+/// newest. While a farm of an older release is live, every farm computes what it computes; the
+/// last one gone, all of them move to the newer rule on their next view of the registry. Two
+/// farms whose registry views differ (a farm joining or leaving) may compute different rules for
+/// that moment, as they compute different assignments from different farm lists under any one
+/// rule: the locks keep one holder per RC, and the grace rule takes what both leave.
+pub fn agreed_rule(farms: &[FarmInfo]) -> Rule {
+    farms
+        .iter()
+        .map(|f| Rule::from_published(f.assignment_rule))
+        .min()
+        .unwrap_or(Rule::NEWEST)
 }
 
 /// The views the claim assignment needs. A farm whose selector does not parse serves nothing.

@@ -209,6 +209,7 @@ impl Farm {
             &items,
             &registry::views(&farms),
             &BTreeMap::<RcId, String>::new(),
+            registry::agreed_rule(&farms),
             may_serve,
         );
         let matching: BTreeSet<RollId> = items

@@ -95,6 +95,8 @@ pub struct FarmStatus {
     pub owned: usize,
     pub fair_share: usize,
     pub live_farms: Vec<String>,
+    /// The assignment rule the live farms agree on (`--assignment-rule`).
+    pub assignment_rule: u32,
     pub matching_rcs: usize,
     pub invalid_rcs: usize,
     pub owned_rolls: usize,

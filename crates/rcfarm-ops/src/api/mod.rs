@@ -438,6 +438,10 @@ pub fn describe_metrics() {
         ("rcfarm_owned_rcs", "RCs this farm owns"),
         ("rcfarm_fair_share", "this farm's fair share of the RCs"),
         ("rcfarm_live_farms", "live farms seen"),
+        (
+            "rcfarm_assignment_rule",
+            "the rule assigning RCs to farms: the oldest rule the live farms offer (--assignment-rule)",
+        ),
         ("rcfarm_pods_desired", "pods desired by this farm's RCs"),
         ("rcfarm_pods_current", "pods current for this farm's RCs"),
         (

@@ -90,6 +90,13 @@ pub struct FarmArgs {
     /// How long an unheld RC waits for its assigned farm before any farm with room takes it.
     #[arg(long, env = "RCFARM_CLAIM_GRACE", default_value = "3s", value_parser = parse_duration_flag)]
     pub claim_grace: Duration,
+    /// The newest rule this farm offers for assigning RCs to farms: 2 (by score under the fair
+    /// shares, whoever holds what: farms agree on it whatever their views of the lock tree) or
+    /// 1 (each farm first keeps what it holds up to its share: every release before 2). Live
+    /// farms use the oldest rule any of them offers, so a farm of an older release beside this
+    /// one makes all of them compute rule 1 until it is gone.
+    #[arg(long, env = "RCFARM_ASSIGNMENT_RULE", default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=2))]
+    pub assignment_rule: u32,
     /// Report a rolling update stalled (log, metric, audit record, status) when it has not
     /// moved for this long (at once when it can never move as things are).
     #[arg(long, env = "RCFARM_ROLL_STALL_AFTER", default_value = "5m", value_parser = parse_duration_flag)]
@@ -276,6 +283,7 @@ impl FarmArgs {
             confirm: self.failsafe_confirm,
         };
         c.claim_grace = self.claim_grace;
+        c.assignment_rule = crate::farm::claims::Rule::from_published(self.assignment_rule);
         c.watch = WatchConfig {
             wait: self.watch_wait,
             max_pace: self.watch_max_pace,

@@ -33,6 +33,7 @@ use std::time::Instant as StdInstant;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
+use crate::farm::claims::Rule;
 use world::{FARMS, Holder, NODES, Session, Which};
 pub use world::{Mutant, Setup, World};
 
@@ -668,6 +669,13 @@ fn check_range(
             x_replicas: rng.random_range(0..=2),
             bad_deploy: rng.random_range(0..3) == 0,
             roll_later: rng.random_bool(0.5),
+            // By the schedule's number, not the generator: the schedules of a seed stay the
+            // ones they were before rule 2, half of them now under each rule.
+            rule: if i % 2 == 0 {
+                Rule::Shares
+            } else {
+                Rule::HoldersFirst
+            },
         };
         report.schedules += 1;
         let (script, result) = run_schedule(setup, cfg.mutant, None, &mut rng, cfg, &mut report);
@@ -784,6 +792,7 @@ mod tests {
                 x_replicas: x,
                 bad_deploy: false,
                 roll_later: false,
+                rule: Rule::NEWEST,
             };
             let (_, r) = run_schedule(
                 setup,
@@ -813,6 +822,7 @@ mod tests {
                 x_replicas: 2,
                 bad_deploy: false,
                 roll_later: true,
+                rule: Rule::NEWEST,
             };
             let mut w = World::new(setup, mutant);
             for _ in 0..4 {

@@ -12,7 +12,7 @@ use crate::budget::{Settings, Window};
 use tokio::time::Instant;
 
 use crate::failsafe::MaxRemovals;
-use crate::farm::claims::{FarmView, assign_held};
+use crate::farm::claims::{FarmView, Rule, assign_held};
 use crate::farm::decide::{self, HeldIndex, Rules, Situation, Stop};
 use crate::health::HealthStatus;
 use crate::rc::{Rc, RcId};
@@ -336,6 +336,8 @@ pub struct Setup {
     /// The roll is created by an operator during the schedule ([`World::start_roll`]), not
     /// there from the start: the old RC may be moving a pod when it comes.
     pub roll_later: bool,
+    /// The farms' assignment rule (every farm of one release, so all agree on it).
+    pub rule: Rule,
 }
 
 /// A broken promise, with where.
@@ -1598,7 +1600,7 @@ impl World {
 }
 
 /// What farm `f` sees of one kind of claimed object (RCs, or the roll), as `farm::decide`
-/// takes it: every farm serves everything, and the assignment keeps what a farm holds.
+/// takes it: every farm serves everything, under the setup's assignment rule.
 struct DecideView {
     farm_id: String,
     session: String,
@@ -1629,7 +1631,7 @@ impl DecideView {
         let held = HeldIndex::new(&all, &holders, &session);
         DecideView {
             farm_id: farm_id(f),
-            assignment: assign_held(&labels, &views, &held_by),
+            assignment: assign_held(&labels, &views, &held_by, w.setup.rule),
             session,
             all,
             holders,

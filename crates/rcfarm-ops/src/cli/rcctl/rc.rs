@@ -519,6 +519,26 @@ pub async fn farms(ctx: &Ctx) -> Result<(), CliError> {
         ]);
     }
     t.print();
+    let rule = ov
+        .farms
+        .iter()
+        .map(|f| f.assignment_rule.max(1))
+        .min()
+        .unwrap_or(1);
+    let behind: Vec<&str> = ov
+        .farms
+        .iter()
+        .filter(|f| f.assignment_rule.max(1) == rule)
+        .map(|f| f.farm_id.as_str())
+        .collect();
+    if rule < crate::farm::claims::Rule::NEWEST.number() {
+        println!(
+            "assignment rule: {rule} (offered by {}: a farm of an older release, or started with --assignment-rule {rule}; every farm uses it until none does)",
+            behind.join(", ")
+        );
+    } else {
+        println!("assignment rule: {rule} (by score under the fair shares, whoever holds what)");
+    }
     // The cluster's removal window: one for every farm (farms of releases before it keep
     // their own and do not charge it).
     if let Ok((Some(kv), _)) = ctx
