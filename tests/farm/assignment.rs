@@ -1,8 +1,8 @@
 //! Which farm serves which RC, and the rule the live farms agree on: the oldest any of them
 //! offers (`--assignment-rule`; a farm of a release before rule 2 offers none, which is 1).
-//! The rules differ only where RCs are held: rule 1 keeps each with its holder up to its share
-//! and places new RCs around them, rule 2 places every RC by score under the shares, whoever
-//! holds what (what is held stays put all the same, up to the share). So RCs written once
+//! The rules differ where RCs are held: rule 1 keeps each with its holder up to its share and
+//! places new RCs around them, rule 2 places every RC by score alone, whoever holds what (what
+//! is held stays put all the same, up to the share). So RCs written once
 //! others are held, chosen so that the two rules place them differently, end up exactly where
 //! the rule every farm computed puts them, and nowhere else if any farm computed the other.
 
@@ -189,7 +189,8 @@ impl Written {
     }
 }
 
-/// Farms `a` (offering only rule 1, from `a_bin` with `a_args`), `b` and `c` (this release):
+/// Farms `a` (offering only rule 1, from `a_bin` with `a_args`), `b` and `c` (this release,
+/// started with `--assignment-rule 2`):
 /// all three compute rule 1, and RCs written once others are held are placed exactly as rule
 /// 1 places them. With `a` stopped, `b` and `c` move to rule 2 together: what `a` held is taken,
 /// and RCs written then are placed exactly as rule 2 places them.
@@ -198,15 +199,15 @@ pub(crate) async fn the_oldest_rule_offered_is_every_farms(
     a_bin: &str,
     a_args: &[&str],
 ) {
-    let (one, two) = (Rule::HoldersFirst, Rule::Shares);
+    let (one, two) = (Rule::HoldersFirst, Rule::Score);
     let mut c = Cluster::start_on(&backend).await;
     let url = c.server.url();
     let a = c.spawn_farm_from(a_bin, "a", &url, a_args, &[]).await;
-    c.spawn_farm("b", &[]).await;
-    c.spawn_farm("c", &[]).await;
+    c.spawn_farm("b", &["--assignment-rule", "2"]).await;
+    c.spawn_farm("c", &["--assignment-rule", "2"]).await;
     let three = ["a", "b", "c"];
     all_on_rule(&c, &three, &["b", "c"], one).await;
-    farms_say(&c, "assignment rule: 1 (offered by a:").await;
+    farms_say(&c, "assignment rule: 1 (holders first; offered by a:").await;
 
     let mut w = Written { all: Vec::new() };
     w.batch(&c, &three, one, one, "the first RCs placed").await;
@@ -223,7 +224,7 @@ pub(crate) async fn the_oldest_rule_offered_is_every_farms(
     let _ = tokio::time::timeout(Duration::from_secs(20), c.farms[a].child.wait()).await;
     let rest = ["b", "c"];
     all_on_rule(&c, &rest, &rest, two).await;
-    farms_say(&c, "assignment rule: 2 (by score").await;
+    farms_say(&c, "assignment rule: 2 (by score alone").await;
     w.batch(
         &c,
         &rest,

@@ -113,7 +113,7 @@ impl FarmConfig {
             consistency_interval: Duration::from_secs(60),
             claim_grace: Duration::from_secs(3),
             share_slack: 1,
-            assignment_rule: claims::Rule::NEWEST,
+            assignment_rule: claims::Rule::DEFAULT,
             watch: WatchConfig::default(),
             http: None,
             audit_db: None,

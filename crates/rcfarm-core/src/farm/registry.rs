@@ -92,7 +92,7 @@ pub fn agreed_rule(farms: &[FarmInfo]) -> Rule {
         .iter()
         .map(|f| Rule::from_published(f.assignment_rule))
         .min()
-        .unwrap_or(Rule::NEWEST)
+        .unwrap_or(Rule::DEFAULT)
 }
 
 /// The views the claim assignment needs. A farm whose selector does not parse serves nothing.

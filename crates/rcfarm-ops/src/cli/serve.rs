@@ -90,12 +90,14 @@ pub struct FarmArgs {
     /// How long an unheld RC waits for its assigned farm before any farm with room takes it.
     #[arg(long, env = "RCFARM_CLAIM_GRACE", default_value = "3s", value_parser = parse_duration_flag)]
     pub claim_grace: Duration,
-    /// The newest rule this farm offers for assigning RCs to farms: 2 (by score under the fair
-    /// shares, whoever holds what: farms agree on it whatever their views of the lock tree) or
-    /// 1 (each farm first keeps what it holds up to its share: every release before 2). Live
-    /// farms use the oldest rule any of them offers, so a farm of an older release beside this
-    /// one makes all of them compute rule 1 until it is gone.
-    #[arg(long, env = "RCFARM_ASSIGNMENT_RULE", default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=2))]
+    /// The newest rule this farm offers for assigning RCs to farms: 1 (each farm first keeps
+    /// what it holds up to its fair share, the rest by score under the shares: exactly
+    /// balanced, and every release before this option) or 2 (by score alone, whoever holds
+    /// what: farms agree on it whatever their views of the lock tree, with far fewer refused
+    /// claims and lock-tree reads while many RCs are claimed, but loads balanced by the hash
+    /// only). Live farms use the oldest rule any of them offers: rule 2 takes effect once
+    /// every live farm offers it, and a farm of an older release holds all of them to rule 1.
+    #[arg(long, env = "RCFARM_ASSIGNMENT_RULE", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=2))]
     pub assignment_rule: u32,
     /// Report a rolling update stalled (log, metric, audit record, status) when it has not
     /// moved for this long (at once when it can never move as things are).

@@ -672,7 +672,7 @@ fn check_range(
             // By the schedule's number, not the generator: the schedules of a seed stay the
             // ones they were before rule 2, half of them now under each rule.
             rule: if i % 2 == 0 {
-                Rule::Shares
+                Rule::Score
             } else {
                 Rule::HoldersFirst
             },
@@ -792,7 +792,7 @@ mod tests {
                 x_replicas: x,
                 bad_deploy: false,
                 roll_later: false,
-                rule: Rule::NEWEST,
+                rule: Rule::DEFAULT,
             };
             let (_, r) = run_schedule(
                 setup,
@@ -822,7 +822,7 @@ mod tests {
                 x_replicas: 2,
                 bad_deploy: false,
                 roll_later: true,
-                rule: Rule::NEWEST,
+                rule: Rule::DEFAULT,
             };
             let mut w = World::new(setup, mutant);
             for _ in 0..4 {

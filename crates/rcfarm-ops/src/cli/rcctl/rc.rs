@@ -525,19 +525,19 @@ pub async fn farms(ctx: &Ctx) -> Result<(), CliError> {
         .map(|f| f.assignment_rule.max(1))
         .min()
         .unwrap_or(1);
-    let behind: Vec<&str> = ov
-        .farms
-        .iter()
-        .filter(|f| f.assignment_rule.max(1) == rule)
-        .map(|f| f.farm_id.as_str())
-        .collect();
-    if rule < crate::farm::claims::Rule::NEWEST.number() {
+    if rule == 1 {
+        let holding: Vec<&str> = ov
+            .farms
+            .iter()
+            .filter(|f| f.assignment_rule.max(1) == 1)
+            .map(|f| f.farm_id.as_str())
+            .collect();
         println!(
-            "assignment rule: {rule} (offered by {}: a farm of an older release, or started with --assignment-rule {rule}; every farm uses it until none does)",
-            behind.join(", ")
+            "assignment rule: 1 (holders first; offered by {}: every farm computes rule 2, by score alone, once all are started with --assignment-rule 2)",
+            holding.join(", ")
         );
     } else {
-        println!("assignment rule: {rule} (by score under the fair shares, whoever holds what)");
+        println!("assignment rule: {rule} (by score alone, whoever holds what)");
     }
     // The cluster's removal window: one for every farm (farms of releases before it keep
     // their own and do not charge it).
