@@ -79,6 +79,8 @@ pub struct Overview {
     pub orphans: Vec<OrphanPod>,
     /// The Consul index of the RC tree when read.
     pub index: u64,
+    /// The assignment rule the live farms agree on (`registry::agreed_rule`).
+    pub assignment_rule: u32,
 }
 
 impl Overview {
@@ -253,11 +255,8 @@ impl Overview {
             .iter()
             .filter_map(|r| RcId::parse(&r.id).ok().map(|id| (id, r.rc_labels.clone())))
             .collect();
-        let assignment = assign(
-            &all,
-            &registry::views(&farms),
-            registry::agreed_rule(&farms),
-        );
+        let rule = registry::agreed_rule(&farms);
+        let assignment = assign(&all, &registry::views(&farms), rule);
         let farms = farms
             .iter()
             .map(|f| {
@@ -287,6 +286,7 @@ impl Overview {
             farms,
             orphans,
             index: listing.index,
+            assignment_rule: rule.number(),
         })
     }
 

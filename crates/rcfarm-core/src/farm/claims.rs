@@ -199,18 +199,16 @@ pub fn assign_by<L, H: Borrow<str>>(
     let mut load = vec![0usize; farms.len()];
     // Each item's farm, by the item's position in `items` (both passes walk it in id order).
     let mut chosen: Vec<Option<usize>> = vec![None; items.len()];
-    // Holders first, in id order, each up to its cap.
-    let keeps_held = rule == Rule::HoldersFirst;
-    for ((rc, labels), slot) in items.iter().zip(chosen.iter_mut()) {
-        if !keeps_held {
-            break;
-        }
-        let Some(&i) = held.get(rc).and_then(|h| position.get(h.borrow())) else {
-            continue;
-        };
-        if load[i] < caps[i] && may_serve(&farms[i].rc_selector, labels) {
-            load[i] += 1;
-            *slot = Some(i);
+    // Holders first (rule 1 only), in id order, each up to its cap.
+    if rule == Rule::HoldersFirst {
+        for ((rc, labels), slot) in items.iter().zip(chosen.iter_mut()) {
+            let Some(&i) = held.get(rc).and_then(|h| position.get(h.borrow())) else {
+                continue;
+            };
+            if load[i] < caps[i] && may_serve(&farms[i].rc_selector, labels) {
+                load[i] += 1;
+                *slot = Some(i);
+            }
         }
     }
     // One list for every RC's candidates, not one allocated per RC.

@@ -6,6 +6,7 @@ use super::audit::summarize;
 use super::output::{Table, json, parse_pairs, print_txn};
 use super::{Ctx, RcCommand, consul_failed, parse_id, read_manifest};
 use crate::cli::CliError;
+use crate::farm::claims::Rule;
 use crate::labels::Selector;
 use crate::overview::RcOverview;
 use crate::rc::{AllocationStrategy, Mutation, NewRc, RcStore, RcStoreError, Written};
@@ -519,17 +520,12 @@ pub async fn farms(ctx: &Ctx) -> Result<(), CliError> {
         ]);
     }
     t.print();
-    let rule = ov
-        .farms
-        .iter()
-        .map(|f| f.assignment_rule.max(1))
-        .min()
-        .unwrap_or(1);
-    if rule == 1 {
+    let rule = ov.assignment_rule;
+    if rule == Rule::HoldersFirst.number() {
         let holding: Vec<&str> = ov
             .farms
             .iter()
-            .filter(|f| f.assignment_rule.max(1) == 1)
+            .filter(|f| Rule::from_published(f.assignment_rule) == Rule::HoldersFirst)
             .map(|f| f.farm_id.as_str())
             .collect();
         println!(
