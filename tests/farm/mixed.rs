@@ -216,6 +216,17 @@ async fn a_node_transfer_crosses_releases_both_ways(backend: Backend) {
     }
 }
 
+/// The removals charged to the cluster's window, once its key exists.
+async fn spent(c: &Cluster) -> Option<u64> {
+    let (kv, _) = c
+        .consul
+        .kv_get(rcfarm::budget::BUDGET_KEY, &Default::default())
+        .await
+        .unwrap();
+    let w = rcfarm::budget::Window::parse(kv?.value_bytes()).unwrap();
+    Some(w.buckets.iter().map(|b| b.1).sum())
+}
+
 on_every_backend!(the_clusters_removal_window_beside_a_farm_of_the_previous_release);
 /// Issue 45 across an upgrade: a farm of the previous release keeps its own budget in memory
 /// and does not charge the cluster's window; this release's farm charges it. A bulk edit
@@ -250,9 +261,28 @@ async fn the_clusters_removal_window_beside_a_farm_of_the_previous_release(backe
         },
     )
     .await;
-    for id in &ids {
+    // One of the new farm's RCs first, alone, until the key holds its charge: the bulk edit
+    // written all at once can find the new farm's failsafe holding every removal (its tripwire),
+    // which is as safe, but leaves nothing to show that it charges the cluster's key.
+    let first = *c
+        .owner_farms()
+        .await
+        .iter()
+        .find(|(_, farm)| *farm == "new")
+        .expect("the new farm serves an RC")
+        .0;
+    c.patch_rc(first, "replicas_desired", 0.into()).await;
+    c.wait_for(
+        Duration::from_secs(60),
+        "the new farm charges its first removal to the cluster's key",
+        move || async move { spent(cr).await.is_some_and(|s| s >= 1) },
+    )
+    .await;
+    for id in ids.iter().filter(|id| **id != first) {
         c.patch_rc(*id, "replicas_desired", 0.into()).await;
     }
+    // Time for the farms to remove what they would; the bounds below hold at every moment, so
+    // a slow machine only makes them easier to meet, never fail.
     tokio::time::sleep(Duration::from_secs(15)).await;
     let p = c.placements().await;
     let removed = 24
