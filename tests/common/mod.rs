@@ -15,8 +15,17 @@ pub async fn server() -> EmbeddedServer {
     .await
 }
 
-pub async fn server_with(config: ServerConfig) -> EmbeddedServer {
+/// A server on `config.listen`; where that names port 0, on a free port from below the
+/// ephemeral range instead, so that a test restarting it on its port (the same `listen`) never
+/// finds the port taken by a connection made while it was down.
+pub async fn server_with(mut config: ServerConfig) -> EmbeddedServer {
     init_tracing();
+    if config.listen.port() == 0
+        && let std::net::IpAddr::V4(ip) = config.listen.ip()
+    {
+        let port = rcfarm::chaos::agent::ports_below_ephemeral(ip, 1).expect("a free port")[0];
+        config.listen.set_port(port);
+    }
     EmbeddedServer::start(config)
         .await
         .expect("embedded server starts")

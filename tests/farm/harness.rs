@@ -183,9 +183,14 @@ impl Cluster {
 
     /// What the cluster's server runs with: 1 s TTLs allowed, every commit recorded.
     pub fn server_config() -> ServerConfig {
+        // A restart (`restart_server`) listens on the same port again: one from below the
+        // ephemeral range, which no connection takes while the server is down.
+        let port = rcfarm::chaos::agent::ports_below_ephemeral(std::net::Ipv4Addr::LOCALHOST, 1)
+            .unwrap()[0];
         ServerConfig {
             session_ttl_min: Duration::from_secs(1),
             record_commits: true,
+            listen: std::net::SocketAddr::from(([127, 0, 0, 1], port)),
             ..ServerConfig::ephemeral()
         }
     }

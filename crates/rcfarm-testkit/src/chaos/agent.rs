@@ -20,7 +20,6 @@ pub fn consul_bin() -> Option<PathBuf> {
     p.is_file().then_some(p)
 }
 
-/// A free TCP port on loopback (free when asked: good enough for tests on one machine).
 /// TLS for an agent's HTTPS listener.
 #[derive(Debug, Clone)]
 pub struct AgentTls {
@@ -95,6 +94,46 @@ impl AgentConfig {
     }
 }
 
+/// The first port the kernel hands out for a port-0 listener or an outgoing connection
+/// (`net.ipv4.ip_local_port_range`; Linux's default when it cannot be read).
+fn ephemeral_low() -> u16 {
+    std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse().ok())
+        .unwrap_or(32768)
+}
+
+/// `n` ports free on `ip`, all bound at once until the last is picked (a port given back can be
+/// handed out again at once: two listeners on one port, and Consul refuses to start), for a
+/// server that keeps its ports across a restart. They come from below the ephemeral range, at
+/// random: while the server is stopped, a port of the ephemeral range can be taken by any
+/// outgoing connection or port-0 listener on the machine (seen with eight tests at a time: a
+/// restarted agent's server port held by another, "bind: address already in use"). Port-0
+/// picks where that range leaves too little room below it.
+pub fn ports_below_ephemeral(ip: Ipv4Addr, n: usize) -> Result<Vec<u16>, String> {
+    use rand::Rng;
+    const LOWEST: u16 = 10_000;
+    let high = ephemeral_low();
+    let mut held: Vec<TcpListener> = Vec::with_capacity(n);
+    if high > LOWEST + 2_000 {
+        let mut rng = rand::rng();
+        for _ in 0..2_000 {
+            if held.len() == n {
+                break;
+            }
+            if let Ok(l) = TcpListener::bind((ip, rng.random_range(LOWEST..high))) {
+                held.push(l);
+            }
+        }
+    }
+    while held.len() < n {
+        held.push(TcpListener::bind((ip, 0)).map_err(|e| e.to_string())?);
+    }
+    held.iter()
+        .map(|l| l.local_addr().map(|a| a.port()).map_err(|e| e.to_string()))
+        .collect()
+}
+
 /// The ports an agent listens on.
 #[derive(Debug, Clone, Copy)]
 pub struct AgentPorts {
@@ -137,19 +176,7 @@ impl ConsulAgent {
             .map_err(|e| e.to_string())?;
         let dir = tmp.path().to_path_buf();
         let data_dir = config.data_dir.clone().unwrap_or_else(|| dir.join("data"));
-        // All the ports at once, each listener held until the last is picked: a port given
-        // back can be handed out again at once (two listeners on one port, and Consul refuses
-        // to start).
-        let held: Vec<TcpListener> = (0..6)
-            .map(|_| TcpListener::bind((config.ip, 0)))
-            .collect::<std::io::Result<_>>()
-            .map_err(|e| e.to_string())?;
-        let p: Vec<u16> = held
-            .iter()
-            .map(|l| l.local_addr().map(|a| a.port()))
-            .collect::<std::io::Result<_>>()
-            .map_err(|e| e.to_string())?;
-        drop(held);
+        let p = ports_below_ephemeral(config.ip, 6)?;
         let ports = AgentPorts {
             http: p[0],
             https: config.tls.as_ref().map(|_| p[1]),
