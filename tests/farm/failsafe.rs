@@ -380,7 +380,7 @@ async fn a_bulk_edit_one_put_per_rc_is_limited_for_the_cluster(backend: Backend,
     let removed = 24 - crate::brakes::pods_of(&c, &ids).await;
     // Read before the first assertion, so that a breach shows the limit and the served counts
     // it was charged under (seen once in CI under load: 6 removed on three farms).
-    let w = window(&c).await;
+    let w = c.removal_window().await.expect("the window key exists");
     assert!(
         removed <= 5,
         "{removed} pods removed within 15 s by {farms} farms; the window: {w:?}"
@@ -405,16 +405,6 @@ async fn a_bulk_edit_one_put_per_rc_is_limited_for_the_cluster(backend: Backend,
         assert_eq!(fs["removal_limit"], 5, "f{f}: {fs}");
     }
     c.check_invariants(|_| false);
-}
-
-/// The cluster's removal window as the key holds it.
-async fn window(c: &Cluster) -> rcfarm::budget::Window {
-    let (kv, _) = c
-        .consul
-        .kv_get(rcfarm::budget::BUDGET_KEY, &QueryOptions::default())
-        .await
-        .unwrap();
-    rcfarm::budget::Window::parse(kv.expect("the window key exists").value_bytes()).unwrap()
 }
 
 on_every_backend!(a_bulk_edit_one_put_per_rc_removes_at_most_5_on_one_farm);

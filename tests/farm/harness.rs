@@ -183,24 +183,19 @@ impl Cluster {
 
     /// What the cluster's server runs with: 1 s TTLs allowed, every commit recorded.
     pub fn server_config() -> ServerConfig {
-        // A restart (`restart_server`) listens on the same port again: one from below the
-        // ephemeral range, which no connection takes while the server is down.
-        let port = rcfarm::chaos::agent::ports_below_ephemeral(std::net::Ipv4Addr::LOCALHOST, 1)
-            .unwrap()[0];
         ServerConfig {
             session_ttl_min: Duration::from_secs(1),
             record_commits: true,
-            listen: std::net::SocketAddr::from(([127, 0, 0, 1], port)),
             ..ServerConfig::ephemeral()
         }
     }
 
     /// A cluster around the embedded server run with `config` (the test's own client uses its
-    /// ACL token, if it has one).
+    /// ACL token, if it has one). Started by `common::server_with`, on a port a restart
+    /// (`restart_server`) can listen on again.
     pub async fn start_with(config: ServerConfig) -> Cluster {
-        init_tracing();
         let token = config.acl_token.clone();
-        let server = EmbeddedServer::start(config).await.unwrap();
+        let server = crate::common::server_with(config).await;
         let consul = match token {
             Some(t) => {
                 Consul::new(rcfarm::consul::ConsulConfig::new(server.url()).with_token(Some(t)))
@@ -599,6 +594,16 @@ impl Cluster {
     }
 
     /// RC → farm id owning it.
+    /// The cluster's removal window as its key holds it (`None` until a farm wrote it).
+    pub async fn removal_window(&self) -> Option<rcfarm::budget::Window> {
+        let (kv, _) = self
+            .consul
+            .kv_get(rcfarm::budget::BUDGET_KEY, &QueryOptions::default())
+            .await
+            .unwrap();
+        Some(rcfarm::budget::Window::parse(kv?.value_bytes()).unwrap())
+    }
+
     pub async fn owner_farms(&self) -> BTreeMap<RcId, String> {
         let sessions = self.farm_sessions().await;
         self.owners()
