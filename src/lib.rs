@@ -8,9 +8,12 @@
 //!   types only.
 //! - `rcfarm-core`: the domain ([`labels`], [`audit`], [`rc`], [`health`], [`scheduler`],
 //!   [`failsafe`], [`budget`], [`freshness`], [`task`], [`clock`]) and the farm ([`rctask`], [`roll`], [`farm`]).
-//! - `rcfarm-testkit`: [`chaos`], [`invariants`], [`simulator`]; used by tests and by
-//!   `rcfarm chaos|bench|simulate-nodes`, never by the product.
 //! - `rcfarm-ops`: [`api`], [`overview`], [`cli`].
+//!
+//! The test equipment is apart: `rcfarm-testkit` (chaos, the invariant checker, the model
+//! check, the node simulator), which the tests use directly, and `rcfarm-tools` (its commands:
+//! `rcfarm-tools bench|chaos|model-check|simulate-nodes`). This crate, the binaries `rcfarm`
+//! and `rcctl` and the Debian package depend on neither (`scripts/module-circles`).
 //!
 //! This crate is the facade: it names each module where it always was (`rcfarm::consul`,
 //! `rcfarm::farm`, …) for the binaries, the integration tests and the fuzz targets.
@@ -23,4 +26,3 @@ pub use rcfarm_core::{
 };
 pub use rcfarm_ops::{api, cli, overview};
 pub use rcfarm_server as server;
-pub use rcfarm_testkit::{chaos, fullfs, invariants, postgres, simulator};

@@ -326,9 +326,9 @@ async fn an_outbox_of_odd_keys_is_read_by_prefix_and_drained_on_real_consul() {
     let Some(bin) = crate::common::real_consul_bin() else {
         return;
     };
-    let agent = rcfarm::chaos::agent::ConsulAgent::start(rcfarm::chaos::agent::AgentConfig::dev(
-        &bin, "odd-keys",
-    ))
+    let agent = rcfarm_testkit::chaos::agent::ConsulAgent::start(
+        rcfarm_testkit::chaos::agent::AgentConfig::dev(&bin, "odd-keys"),
+    )
     .await
     .unwrap();
     agent

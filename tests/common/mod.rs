@@ -23,7 +23,8 @@ pub async fn server_with(mut config: ServerConfig) -> EmbeddedServer {
     if config.listen.port() == 0
         && let std::net::IpAddr::V4(ip) = config.listen.ip()
     {
-        let port = rcfarm::chaos::agent::ports_below_ephemeral(ip, 1).expect("a free port")[0];
+        let port =
+            rcfarm_testkit::chaos::agent::ports_below_ephemeral(ip, 1).expect("a free port")[0];
         config.listen.set_port(port);
     }
     EmbeddedServer::start(config)
@@ -42,11 +43,11 @@ pub fn client_for(url: &str) -> Consul {
 /// The real Consul of `RCFARM_TEST_CONSUL_BIN`, or `None` after saying loudly that the test
 /// is skipped on it.
 pub fn real_consul_bin() -> Option<std::path::PathBuf> {
-    let bin = rcfarm::chaos::agent::consul_bin();
+    let bin = rcfarm_testkit::chaos::agent::consul_bin();
     if bin.is_none() {
         eprintln!(
             "SKIPPED on real Consul: set {} to a Consul binary (.ci/run sets it to ../shared/consul/consul)",
-            rcfarm::chaos::agent::CONSUL_BIN_ENV
+            rcfarm_testkit::chaos::agent::CONSUL_BIN_ENV
         );
     }
     bin

@@ -1,10 +1,10 @@
-//! A short chaos run (the long one is `rcfarm chaos --duration 10m`): three farms killed,
+//! A short chaos run (the long one is `rcfarm-tools chaos --duration 10m`): three farms killed,
 //! stopped past their TTL, terminated and restarted, one behind a faulty proxy, while RCs and
 //! node labels change; every promise is checked.
 
 use std::time::Duration;
 
-use rcfarm::chaos::{ChaosConfig, ChaosConsul, ChaosReport, proxy::ProxyFaults, run};
+use rcfarm_testkit::chaos::{ChaosConfig, ChaosConsul, ChaosReport, proxy::ProxyFaults, run};
 
 use crate::harness::{BIN, Backend, TTL};
 use crate::on_both_backends;
@@ -78,13 +78,13 @@ async fn thirty_seconds_of_chaos_on_a_consul_cluster_break_no_promise() {
 /// On a real 3-server cluster whose agents each have an address of their own: the network
 /// between them cut (the leader, one server, a farm's agent, one-way links, bridges,
 /// flapping) among the farm and server faults, while RCs and rolls change; every promise
-/// checked from outside. Needs root and nftables (`rcfarm::chaos::partition`).
+/// checked from outside. Needs root and nftables (`rcfarm_testkit::chaos::partition`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_minute_of_partitions_on_a_consul_cluster_breaks_no_promise() {
     let Some(Backend::Real(bin)) = Backend::real() else {
         return;
     };
-    if let Err(why) = rcfarm::chaos::partition::available() {
+    if let Err(why) = rcfarm_testkit::chaos::partition::available() {
         eprintln!("SKIPPED: no partitions on this machine: {why}");
         return;
     }
@@ -135,13 +135,13 @@ on_both_backends!(thirty_seconds_of_clock_and_audit_database_faults_break_no_pro
 /// and rolls run, on the farms' default failsafe: every promise holds, every audit record
 /// reaches SQL once.
 async fn thirty_seconds_of_clock_and_audit_database_faults_break_no_promise(backend: Backend) {
-    if rcfarm::chaos::clock::libfaketime().is_none() {
+    if rcfarm_testkit::chaos::clock::libfaketime().is_none() {
         eprintln!(
             "SKIPPED: libfaketime not found (Debian's faketime package; .ci/run installs it)"
         );
         return;
     }
-    if let Err(e) = rcfarm::postgres::PrivatePostgres::start() {
+    if let Err(e) = rcfarm_testkit::postgres::PrivatePostgres::start() {
         eprintln!("SKIPPED: no PostgreSQL of the run's own to stop and start: {e}");
         return;
     }

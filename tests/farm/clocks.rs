@@ -17,7 +17,7 @@ use crate::rolls::{ROLL_FLAGS, completed};
 
 /// libfaketime's preload library, or `None` after saying loudly that the test is skipped.
 fn libfaketime() -> Option<PathBuf> {
-    let found = rcfarm::chaos::clock::libfaketime();
+    let found = rcfarm_testkit::chaos::clock::libfaketime();
     if found.is_none() {
         eprintln!(
             "SKIPPED: libfaketime not found (Debian's faketime package; .ci/run installs it)"

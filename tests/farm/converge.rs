@@ -373,8 +373,8 @@ on_both_backends!(a_farm_converging_a_burst_of_rcs_stays_within_its_connection_b
 /// 600 RCs arrive at once: the farm's tasks all want Consul together, and each request used to
 /// open its own connection (hundreds per farm). They now queue for the farm's 32.
 async fn a_farm_converging_a_burst_of_rcs_stays_within_its_connection_bound(b: Backend) {
-    use rcfarm::chaos::procfs::connections_to;
     use rcfarm::consul::TxnOp;
+    use rcfarm_testkit::chaos::procfs::connections_to;
 
     let mut c = Cluster::start_on(&b).await;
     nodes(&c, 20, 2).await;

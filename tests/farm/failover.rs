@@ -482,7 +482,7 @@ async fn a_leader_election_shorter_than_the_ttl_moves_no_rc() {
     let Some(crate::harness::Backend::Real(bin)) = Backend::real() else {
         return;
     };
-    let mut cc = rcfarm::chaos::agent::ConsulCluster::start(&bin, 3, 1)
+    let mut cc = rcfarm_testkit::chaos::agent::ConsulCluster::start(&bin, 3, 1)
         .await
         .unwrap();
     let client = cc.clients.pop().unwrap();

@@ -14,10 +14,10 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use rcfarm::audit::events;
-use rcfarm::chaos::agent::{AgentConfig, consul_bin};
 use rcfarm::consul::{Consul, QueryOptions};
 use rcfarm::rc::{RcId, RcStore};
 use rcfarm::roll::roll_key;
+use rcfarm_testkit::chaos::agent::{AgentConfig, consul_bin};
 
 use crate::harness::Cluster;
 
@@ -102,7 +102,7 @@ fn prerequisites(test: &str) -> Option<(PathBuf, PathBuf)> {
     let Some(consul) = consul_bin() else {
         return skip(format!(
             "{} does not name a Consul binary (.ci/run sets it to ../shared/consul/consul)",
-            rcfarm::chaos::agent::CONSUL_BIN_ENV
+            rcfarm_testkit::chaos::agent::CONSUL_BIN_ENV
         ));
     };
     Some((bundle, consul))

@@ -14,10 +14,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::Mutex;
-use rcfarm::chaos::agent::AgentConfig;
 use rcfarm::consul::QueryOptions;
 use rcfarm::rc::RcId;
 use rcfarm::rctask::IntentState;
+use rcfarm_testkit::chaos::agent::AgentConfig;
 use serde_json::{Value, json};
 use tokio::process::{Child, Command};
 

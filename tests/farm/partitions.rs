@@ -1,14 +1,14 @@
 //! Network partitions between real Consul agents on one machine (issue 37): each agent binds
 //! its own 127.0.0.x and runs as its own user, and `nftables` rules drop what one sends
-//! another (`rcfarm::chaos::partition`). These check the tool against Consul 0.7 itself
+//! another (`rcfarm_testkit::chaos::partition`). These check the tool against Consul 0.7 itself
 //! before farms are put under it: a partition must do to the cluster what it would do on a
 //! network. They need root, `nft` and the Consul binary, and say SKIPPED without them.
 
 use std::time::{Duration, Instant};
 
-use rcfarm::chaos::agent::{ConsulAgent, ConsulCluster};
-use rcfarm::chaos::partition::{self, Partitions};
 use rcfarm::consul::{Consul, ConsulConfig, QueryOptions};
+use rcfarm_testkit::chaos::agent::{ConsulAgent, ConsulCluster};
+use rcfarm_testkit::chaos::partition::{self, Partitions};
 
 use crate::harness::Backend;
 

@@ -11,10 +11,10 @@ use std::path::{Path, PathBuf};
 use std::process::ExitStatus;
 use std::time::Duration;
 
-use rcfarm::chaos::agent::{AgentConfig, AgentTls};
 use rcfarm::consul::{ConsulConfig, ConsulError, QueryOptions};
 use rcfarm::rc::RcId;
 use rcfarm::server::ServerConfig;
+use rcfarm_testkit::chaos::agent::{AgentConfig, AgentTls};
 
 use crate::harness::{Backend, Cluster, Server, nodes, rcs};
 use crate::on_every_backend;

@@ -6,10 +6,10 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use rcfarm::chaos::proxy::{FaultyProxy, ProxyFaults};
-use rcfarm::invariants::Observer;
 use rcfarm::rc::RcId;
 use rcfarm::server::LoggedCommit;
+use rcfarm_testkit::chaos::proxy::{FaultyProxy, ProxyFaults};
+use rcfarm_testkit::invariants::Observer;
 use serde_json::json;
 
 use crate::harness::{Backend, Cluster, TTL, nodes, rcs};

@@ -259,9 +259,9 @@ async fn the_status_page_follows_a_rolling_update_with_a_progress_bar() {
             .await
             .unwrap();
     }
-    let sim = rcfarm::simulator::NodeSimulator::new(
+    let sim = rcfarm_testkit::simulator::NodeSimulator::new(
         consul.clone(),
-        rcfarm::simulator::SimConfig {
+        rcfarm_testkit::simulator::SimConfig {
             nodes: nodes.iter().map(|n| n.to_string()).collect(),
             startup: Duration::from_millis(500),
             ..Default::default()

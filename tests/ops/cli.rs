@@ -422,9 +422,9 @@ async fn rcctl_roll_commands_refuse_mistakes_and_drive_a_roll_to_completion() {
     let s = setup(&["--roll-resync", "300ms"]).await;
     let nodes = ["n1", "n2", "n3"];
     label(&s, &nodes).await;
-    let sim = rcfarm::simulator::NodeSimulator::new(
+    let sim = rcfarm_testkit::simulator::NodeSimulator::new(
         client(&s.server),
-        rcfarm::simulator::SimConfig {
+        rcfarm_testkit::simulator::SimConfig {
             nodes: nodes.iter().map(|n| n.to_string()).collect(),
             startup: Duration::from_millis(200),
             ..Default::default()
@@ -812,7 +812,7 @@ fn the_farm_runs_with_its_built_in_allocator_settings() {
     }
 }
 
-/// `rcfarm chaos --faults` names what is wrong and how to fix it: an unknown kind, and a
+/// `rcfarm-tools chaos --faults` names what is wrong and how to fix it: an unknown kind, and a
 /// restore (which puts every server of a cluster back to a backup) without a cluster.
 #[tokio::test]
 async fn chaos_fault_kinds_are_checked_before_anything_starts() {
@@ -826,14 +826,56 @@ async fn chaos_fault_kinds_are_checked_before_anything_starts() {
             "--faults bogus: no such fault kind",
         ),
     ] {
-        let out = tokio::process::Command::new(RCFARM)
-            .args(&args)
-            .output()
-            .await
-            .unwrap();
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
-        assert!(err.contains(needle), "{args:?}: {err}");
-        assert!(!err.contains("panicked"), "{err}");
+        usage_error(&crate::rcfarm_tools(), &args, needle).await;
+    }
+}
+
+/// `program args` exits 2 (a usage mistake) saying `needle`, without a panic.
+async fn usage_error(program: &std::path::Path, args: &[&str], needle: &str) {
+    let out = tokio::process::Command::new(program)
+        .args(args)
+        .output()
+        .await
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+    assert!(err.contains(needle), "{args:?}: {err}");
+    assert!(!err.contains("panicked"), "{err}");
+}
+
+/// The test equipment's commands left `rcfarm` for `rcfarm-tools`: an operator's old command
+/// line says where each went (exit 2), and `rcfarm-tools` has them.
+#[tokio::test]
+async fn the_test_equipments_commands_say_where_they_went() {
+    for (args, needle) in [
+        (vec!["chaos", "--duration", "1s"], "rcfarm-tools chaos"),
+        (
+            vec!["--log-format", "json", "bench", "farm"],
+            "rcfarm-tools bench",
+        ),
+        (vec!["model-check"], "rcfarm-tools model-check"),
+        (
+            vec!["simulate-nodes", "--nodes", "3"],
+            "rcfarm-tools simulate-nodes",
+        ),
+        (
+            vec!["dev", "--simulate-nodes", "3"],
+            "rcfarm-tools simulate-nodes --nodes N",
+        ),
+    ] {
+        usage_error(std::path::Path::new(RCFARM), &args, needle).await;
+    }
+    let out = tokio::process::Command::new(crate::rcfarm_tools())
+        .arg("--help")
+        .output()
+        .await
+        .unwrap();
+    let help = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{help}");
+    for command in ["bench", "chaos", "model-check", "simulate-nodes"] {
+        assert!(
+            help.contains(command),
+            "rcfarm-tools --help lacks {command}: {help}"
+        );
     }
 }

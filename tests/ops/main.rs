@@ -23,6 +23,20 @@ use tokio::process::{Child, Command};
 pub const RCFARM: &str = env!("CARGO_BIN_EXE_rcfarm");
 pub const RCCTL: &str = env!("CARGO_BIN_EXE_rcctl");
 
+/// The test tools' binary (`rcfarm-tools`, package `rcfarm-tools`): cargo puts it beside
+/// `rcfarm` when it builds the workspace (`scripts/test` does), but a package's tests cannot name
+/// another package's binary, so it is found there.
+pub fn rcfarm_tools() -> std::path::PathBuf {
+    let tools = std::path::Path::new(RCFARM).with_file_name("rcfarm-tools");
+    assert!(
+        tools.is_file(),
+        "{} not built: build the workspace's binaries (cargo build --workspace --bins), or run \
+         the tests with scripts/test",
+        tools.display()
+    );
+    tools
+}
+
 /// An embedded server in this process and one `rcfarm serve` process with its HTTP API on an
 /// ephemeral port.
 pub struct Setup {

@@ -1,6 +1,6 @@
 //! rcfarm's test kit: fault injection ([`chaos`]), the invariant checker ([`invariants`]) and
-//! the node simulator ([`simulator`]). Used by the tests and by `rcfarm chaos|bench|
-//! simulate-nodes`; nothing in the product depends on it.
+//! the node simulator ([`simulator`]). Used by the tests and by `rcfarm-tools`;
+//! nothing in the product depends on it.
 
 use rcfarm_consul as consul;
 use rcfarm_consul::util;

@@ -1,4 +1,4 @@
-//! How `rcfarm serve`, `rcfarm simulate-nodes` and `rcctl` reach Consul: Consul's own CLI
+//! How `rcfarm serve`, `rcctl` and `rcfarm-tools simulate-nodes` reach Consul: Consul's own CLI
 //! variables with their meaning, P2's flag spellings as aliases, and for `rcfarm serve` the same
 //! keys in its TOML file. Precedence: a flag, then the environment, then the file.
 

@@ -1,27 +1,20 @@
 //! Command-line front ends of `rcfarm` and `rcctl`. The binaries in `bin/` only call
 //! [`rcfarm_main`] and [`rcctl_main`].
 
-mod bench_audit;
-mod bench_consul;
-mod bench_farm;
-mod bench_rolls;
-mod bench_selectors;
-mod chaos;
 mod check_config;
 mod config;
 mod connection;
 mod consul_dev;
 mod logging;
-mod model_check;
 mod rcctl;
 mod serve;
-mod simulate;
 
 use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 
+pub use connection::ConsulArgs;
 pub use logging::{LogFormat, init_logging};
 
 /// How a command ended badly: a usage mistake (exit 2) or a failed operation (exit 1).
@@ -97,32 +90,8 @@ enum RcfarmCommand {
     Dev(serve::DevArgs),
     /// Run the embedded Consul-compatible development server alone.
     ConsulDev(consul_dev::ConsulDevArgs),
-    /// Measure; prints figures (not a test).
-    #[command(subcommand)]
-    Bench(BenchCommand),
-    /// Crash, stall and restart farms while RCs change; check every promise (exit 1 if broken).
-    Chaos(chaos::ChaosArgs),
-    /// Explore interleavings of farms, locks and faults over rcfarm's own decision cores;
-    /// check every promise and that every world converges (exit 1 with a counterexample).
-    ModelCheck(model_check::ModelCheckArgs),
-    /// Play P2's preparer for a set of nodes: run their intents (reality/) and report health.
-    SimulateNodes(simulate::SimulateArgs),
     /// Check a `serve --config` TOML file: every mistake with its line, exit 2 if any.
     CheckConfig(check_config::CheckConfigArgs),
-}
-
-#[derive(Debug, Subcommand)]
-enum BenchCommand {
-    /// KV and transaction throughput, blocking-query wake-up latency of the embedded server.
-    Consul(bench_consul::BenchConsulArgs),
-    /// Label selector queries over a watched cache of many nodes.
-    Selectors(bench_selectors::BenchSelectorsArgs),
-    /// Audit log query latency over many records (SQLite or PostgreSQL).
-    Audit(bench_audit::BenchAuditArgs),
-    /// Farms converging many RCs: throughput, latency, failover, idle cost, memory.
-    Farm(bench_farm::BenchFarmArgs),
-    /// Farms carrying out many concurrent rolling updates, with simulated nodes.
-    Rolls(bench_rolls::BenchRollsArgs),
 }
 
 /// `rcfarm`'s main.
@@ -134,47 +103,78 @@ pub fn rcfarm_main() -> ExitCode {
             return e.exit_code();
         }
     };
-    let cli = RcfarmCli::parse_from(args);
+    let cli = match RcfarmCli::try_parse_from(&args) {
+        Ok(cli) => cli,
+        Err(e) => {
+            if let Some(moved) = moved_to_tools(&args) {
+                eprintln!("rcfarm: {moved}");
+                return ExitCode::from(2);
+            }
+            e.exit()
+        }
+    };
     init_logging(cli.log_format);
+    run_command("rcfarm", async {
+        match cli.command {
+            RcfarmCommand::Serve(args) => serve::serve(args).await,
+            RcfarmCommand::Dev(args) => serve::dev(args).await,
+            RcfarmCommand::ConsulDev(args) => consul_dev::run(args).await,
+            RcfarmCommand::CheckConfig(args) => check_config::run(&args),
+        }
+    })
+}
+
+/// Runs a command on a multi-thread runtime and turns its end into the exit status; an error
+/// is printed as `program: error`.
+pub fn run_command(
+    program: &str,
+    command: impl std::future::Future<Output = Result<(), CliError>>,
+) -> ExitCode {
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
     {
         Ok(r) => r,
         Err(e) => {
-            eprintln!("rcfarm: cannot start the async runtime: {e}");
+            eprintln!("{program}: cannot start the async runtime: {e}");
             return ExitCode::from(1);
         }
     };
-    let result = runtime.block_on(async {
-        match cli.command {
-            RcfarmCommand::Serve(args) => serve::serve(args).await,
-            RcfarmCommand::Dev(args) => serve::dev(args).await,
-            RcfarmCommand::ConsulDev(args) => consul_dev::run(args).await,
-            RcfarmCommand::Bench(BenchCommand::Consul(args)) => bench_consul::run(args).await,
-            RcfarmCommand::Bench(BenchCommand::Selectors(args)) => bench_selectors::run(args).await,
-            RcfarmCommand::Bench(BenchCommand::Audit(args)) => bench_audit::run(args).await,
-            RcfarmCommand::Chaos(args) => chaos::run(args).await,
-            RcfarmCommand::ModelCheck(args) => model_check::run(&args),
-            RcfarmCommand::SimulateNodes(args) => simulate::run(args).await,
-            RcfarmCommand::CheckConfig(args) => check_config::run(&args),
-            RcfarmCommand::Bench(BenchCommand::Rolls(args)) => {
-                println!("{}", bench_rolls::header());
-                bench_rolls::run(args).await
-            }
-            RcfarmCommand::Bench(BenchCommand::Farm(args)) => {
-                println!("{}", bench_farm::header());
-                bench_farm::run(args).await
-            }
-        }
-    });
-    match result {
+    match runtime.block_on(command) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("rcfarm: {e}");
+            eprintln!("{program}: {e}");
             e.exit_code()
         }
     }
+}
+
+/// The test equipment's commands, which `rcfarm` no longer has: where they went, for an
+/// operator's script or habit that still calls them here.
+fn moved_to_tools(args: &[std::ffi::OsString]) -> Option<String> {
+    let words: Vec<&str> = args.iter().skip(1).filter_map(|a| a.to_str()).collect();
+    // The first word that is neither a flag nor the value of the one global flag that takes one.
+    let command = words
+        .iter()
+        .enumerate()
+        .find(|(i, w)| !w.starts_with('-') && (*i == 0 || words[i - 1] != "--log-format"))
+        .map(|(_, w)| w)?;
+    let moved = match *command {
+        "bench" | "chaos" | "model-check" | "simulate-nodes" => command.to_string(),
+        "dev" if words.iter().any(|w| w.starts_with("--simulate-nodes")) => {
+            return Some(
+                "`rcfarm dev --simulate-nodes N` moved to the test tools: run `rcfarm dev`, and \
+                 beside it `rcfarm-tools simulate-nodes --nodes N` (its flags, such as \
+                 --fail-manifests and --labels, go there too)"
+                    .into(),
+            );
+        }
+        _ => return None,
+    };
+    Some(format!(
+        "`rcfarm {moved}` moved to the test tools, which the package does not ship: run \
+         `rcfarm-tools {moved} …` (from a checkout: cargo run --release --bin rcfarm-tools -- {moved} …)"
+    ))
 }
 
 /// Signals that end a long-running command gracefully.

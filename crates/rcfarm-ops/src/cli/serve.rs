@@ -6,7 +6,6 @@ use tokio_util::sync::CancellationToken;
 
 use super::connection::ConsulArgs;
 use super::consul_dev::{self, ConsulDevArgs};
-use super::simulate::SimBehaviour;
 use super::{CliError, parse_duration_flag, shutdown_signal};
 use crate::consul::ConsulConfig;
 use crate::consul::WatchConfig;
@@ -456,12 +455,6 @@ pub struct DevArgs {
     pub server: ConsulDevArgs,
     #[command(flatten)]
     pub farm: FarmArgs,
-    /// Also play P2's preparer for this many nodes (node-1 … node-N): they run their intents
-    /// and report health, so pods become ready and rolling updates complete.
-    #[arg(long, default_value_t = 0)]
-    pub simulate_nodes: usize,
-    #[command(flatten)]
-    pub sim: SimBehaviour,
 }
 
 /// The embedded server and one farm in one process: everything on one machine.
@@ -477,13 +470,6 @@ pub async fn dev(args: DevArgs) -> Result<(), CliError> {
         server.url()
     );
     let shutdown = CancellationToken::new();
-    if args.simulate_nodes > 0 {
-        let sim = args.sim.to_config(args.simulate_nodes)?;
-        tracing::info!(nodes = ?sim.nodes, "rcfarm dev: simulating nodes");
-        let consul = crate::consul::Consul::new(config.consul.clone())
-            .map_err(|e| CliError::Usage(e.to_string()))?;
-        super::simulate::spawn(consul, sim, shutdown.clone())?;
-    }
     let s = shutdown.clone();
     tokio::spawn(async move {
         shutdown_signal().await;

@@ -1,5 +1,5 @@
 //! The chaos run: farms killed, stalled, stopped and restarted while RCs and node labels change,
-//! with an observer checking every committed write. Used by `rcfarm chaos` and the tests.
+//! with an observer checking every committed write. Used by `rcfarm-tools chaos` and the tests.
 //!
 //! The embedded server runs in this process and records every commit; farms are real
 //! `rcfarm serve` processes (one optionally behind a [`proxy::FaultyProxy`]). Checked:

@@ -747,7 +747,7 @@ mod tests {
         }
     }
 
-    /// The bounded run of the suite (the long one: `rcfarm model-check`, 1,000,000 schedules).
+    /// The bounded run of the suite (the long one: `rcfarm-tools model-check`, 1,000,000 schedules).
     #[test]
     fn no_schedule_breaks_a_promise_or_deadlocks() {
         let schedules = std::env::var("RCFARM_MODEL_SCHEDULES")

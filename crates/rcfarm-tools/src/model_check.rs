@@ -1,8 +1,8 @@
-//! `rcfarm model-check`: random schedules of two farms, three RCs and four nodes under faults,
+//! `rcfarm-tools model-check`: random schedules of two farms, three RCs and four nodes under faults,
 //! over rcfarm's own decision cores (see `rcfarm_testkit::model`). Prints what it explored;
 //! exits 1 with a shrunk counterexample when a promise breaks or a world does not converge.
 
-use super::CliError;
+use crate::CliError;
 use crate::model::{Config, Mutant, check_parallel};
 
 #[derive(Debug, Clone, clap::Args)]

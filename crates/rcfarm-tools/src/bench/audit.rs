@@ -1,4 +1,4 @@
-//! `rcfarm bench audit`: query latency of the audit log over many records, on SQLite or
+//! `rcfarm-tools bench audit`: query latency of the audit log over many records, on SQLite or
 //! PostgreSQL.
 
 use std::time::{Duration, Instant};
@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use chrono::Utc;
 use serde_json::json;
 
-use super::CliError;
+use crate::CliError;
 use crate::audit::{AuditQuery, AuditRecord, AuditStore, events};
 
 #[derive(Debug, clap::Args)]
@@ -72,7 +72,7 @@ pub async fn run(args: BenchAuditArgs) -> Result<(), CliError> {
     store.analyze().await.map_err(failed)?;
     let total = store.count(&AuditQuery::default()).await.map_err(failed)?;
     println!(
-        "rcfarm bench audit: {} ({:?}), {total} records over {} RCs (loaded in {:.1} s), {} queries per row",
+        "rcfarm-tools bench audit: {} ({:?}), {total} records over {} RCs (loaded in {:.1} s), {} queries per row",
         store.url(),
         store.engine(),
         args.rcs,

@@ -1,15 +1,16 @@
-//! `rcfarm simulate-nodes`: plays P2's preparer for a set of nodes (see [`crate::simulator`]),
-//! alone against a Consul, or inside `rcfarm dev` with `--simulate-nodes N`.
+//! `rcfarm-tools simulate-nodes`: plays P2's preparer for a set of nodes (see
+//! [`crate::simulator`]) against a Consul: beside `rcfarm dev` (its default address), the
+//! walkthrough's nodes.
 
 use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
-use super::{CliError, parse_duration_flag, parse_pairs, shutdown_signal};
 use crate::consul::Consul;
 use crate::simulator::{NodeSimulator, SimConfig};
+use crate::{CliError, parse_duration_flag, parse_pairs, shutdown_signal};
 
-/// How simulated nodes behave (shared by `simulate-nodes` and `dev --simulate-nodes`).
+/// How simulated nodes behave.
 #[derive(Debug, Clone, clap::Args)]
 pub struct SimBehaviour {
     /// Simulated nodes are named <prefix>1 … <prefix>N.
@@ -66,23 +67,12 @@ impl SimBehaviour {
 #[derive(Debug, clap::Args)]
 pub struct SimulateArgs {
     #[command(flatten)]
-    pub connection: super::connection::ConsulArgs,
+    pub connection: rcfarm_ops::cli::ConsulArgs,
     /// How many nodes to play.
     #[arg(long, default_value_t = 3)]
     pub nodes: usize,
     #[command(flatten)]
     pub behaviour: SimBehaviour,
-}
-
-/// Starts a simulator in the background; it stops with `stop`.
-pub fn spawn(consul: Consul, config: SimConfig, stop: CancellationToken) -> Result<(), CliError> {
-    let sim = NodeSimulator::new(consul, config).map_err(|e| CliError::Usage(e.to_string()))?;
-    tokio::spawn(async move {
-        if let Err(e) = sim.run(stop).await {
-            tracing::error!(error = %e, "node simulator stopped");
-        }
-    });
-    Ok(())
 }
 
 pub async fn run(args: SimulateArgs) -> Result<(), CliError> {

@@ -1,9 +1,9 @@
-//! `rcfarm bench selectors`: selector queries answered from the watched label cache, over a
+//! `rcfarm-tools bench selectors`: selector queries answered from the watched label cache, over a
 //! tree of N nodes served by an in-process embedded server.
 
 use std::time::{Duration, Instant};
 
-use super::CliError;
+use crate::CliError;
 use crate::consul::{Consul, ConsulConfig, WatchConfig};
 use crate::labels::{LabelCache, LabelSet, LabelStore, LabelType, Selector};
 use crate::server::{EmbeddedServer, ServerConfig};
@@ -52,7 +52,7 @@ pub async fn run(args: BenchSelectorsArgs) -> Result<(), CliError> {
     }
     let load = started.elapsed();
     println!(
-        "rcfarm bench selectors: {} nodes, cache loaded from Consul in {:.1} ms, {} queries per selector",
+        "rcfarm-tools bench selectors: {} nodes, cache loaded from Consul in {:.1} ms, {} queries per selector",
         args.nodes,
         load.as_secs_f64() * 1e3,
         args.iterations

@@ -1,4 +1,4 @@
-//! `rcfarm bench rolls`: F farm processes carry out N concurrent rolling updates of R replicas
+//! `rcfarm-tools bench rolls`: F farm processes carry out N concurrent rolling updates of R replicas
 //! each, against the embedded server, with the node simulator starting pods in a given time.
 //! Reports the time until every roll completed, the farms' Consul requests per roll step, and
 //! the lowest count of pods up seen per roll (from the commit log) against its minimum.
@@ -8,8 +8,7 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
-use super::bench_farm::{failed, spawn_farms, wait_until};
-use super::{CliError, parse_duration_flag};
+use super::farm::{failed, spawn_farms, wait_until};
 use crate::consul::{Consul, ConsulConfig, TxnOp};
 use crate::invariants::Observer;
 use crate::labels::{LabelSet, LabelStore, LabelType};
@@ -17,6 +16,7 @@ use crate::rc::RcId;
 use crate::roll::{ControlChange, RollControl, RollStore, StartRoll};
 use crate::server::{EmbeddedServer, ServerConfig};
 use crate::simulator::{NodeSimulator, SimConfig};
+use crate::{CliError, parse_duration_flag};
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct BenchRollsArgs {
@@ -239,7 +239,7 @@ pub async fn run(args: BenchRollsArgs) -> Result<(), CliError> {
     let below = lowest.iter().filter(|l| (**l as u64) < minimum).count();
     let rss: Vec<u64> = farms
         .iter()
-        .filter_map(|f| super::bench_farm::rss_kib(f.pid))
+        .filter_map(|f| super::farm::rss_kib(f.pid))
         .collect();
     stop.cancel();
     for f in &mut farms {

@@ -1,11 +1,11 @@
-//! `rcfarm chaos`: three farms crashed, stalled and restarted while RCs and node labels change,
+//! `rcfarm-tools chaos`: three farms crashed, stalled and restarted while RCs and node labels change,
 //! with every committed write checked. Exits 1 when a promise was broken.
 
 use std::path::PathBuf;
 use std::time::Duration;
 
-use super::{CliError, parse_duration_flag};
 use crate::chaos::{ChaosConfig, ChaosConsul, proxy::ProxyFaults};
+use crate::{CliError, parse_duration_flag};
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct ChaosArgs {
@@ -31,7 +31,7 @@ pub struct ChaosArgs {
     /// Farm logs and the audit database go here (default: a new temporary directory, kept).
     #[arg(long)]
     pub log_dir: Option<PathBuf>,
-    /// The binary to run farms with (default: this one).
+    /// The `rcfarm` to run farms with (default: the one beside `rcfarm-tools`).
     #[arg(long)]
     pub farm_binary: Option<PathBuf>,
     /// Run against real Consul started from this binary (e.g. ../shared/consul/consul)
@@ -148,9 +148,7 @@ pub async fn run(args: ChaosArgs) -> Result<(), CliError> {
     };
     let farm_binary = match args.farm_binary {
         Some(p) => p,
-        None => std::env::current_exe().map_err(|e| {
-            CliError::Failed(format!("cannot find this binary: {e}; pass --farm-binary"))
-        })?,
+        None => crate::rcfarm_beside(" or pass --farm-binary PATH")?,
     };
     let log_dir = match args.log_dir {
         Some(d) => {

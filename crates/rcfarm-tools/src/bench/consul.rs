@@ -1,4 +1,4 @@
-//! `rcfarm bench consul`: throughput and wake-up latency of the embedded server, measured from a
+//! `rcfarm-tools bench consul`: throughput and wake-up latency of the embedded server, measured from a
 //! real client against a real `rcfarm consul-dev` process, in memory and with `--data-dir`.
 
 use std::process::Stdio;
@@ -9,8 +9,8 @@ use parking_lot::Mutex;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
-use super::{CliError, parse_duration_flag};
 use crate::consul::{Consul, ConsulConfig, QueryOptions, TxnOp};
+use crate::{CliError, parse_duration_flag};
 
 #[derive(Debug, clap::Args)]
 pub struct BenchConsulArgs {
@@ -63,8 +63,7 @@ fn ms(d: Duration) -> String {
 }
 
 async fn spawn_server(data_dir: Option<&std::path::Path>) -> Result<(Child, String), CliError> {
-    let exe = std::env::current_exe()
-        .map_err(|e| CliError::Failed(format!("cannot find rcfarm's own binary: {e}")))?;
+    let exe = crate::rcfarm_beside("")?;
     let mut cmd = Command::new(exe);
     cmd.args([
         "consul-dev",
@@ -313,7 +312,7 @@ pub async fn run(args: BenchConsulArgs) -> Result<(), CliError> {
         }
     };
     println!(
-        "rcfarm bench consul: {} writers, {}-byte values, {} ops per txn, {} s per phase, {} watchers × {} rounds",
+        "rcfarm-tools bench consul: {} writers, {}-byte values, {} ops per txn, {} s per phase, {} watchers × {} rounds",
         args.concurrency,
         args.value_size,
         args.txn_ops,

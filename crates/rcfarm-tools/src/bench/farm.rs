@@ -1,4 +1,4 @@
-//! `rcfarm bench farm`: F real farm processes against the embedded server, M labelled nodes,
+//! `rcfarm-tools bench farm`: F real farm processes against the embedded server, M labelled nodes,
 //! N RCs × R replicas. Reports convergence time and throughput, Consul requests and
 //! transactions per pod, the latency from an RC change to the farm's write, graceful handover
 //! and kill -9 failover times, idle blocking queries and request rate per farm, and RSS.
@@ -10,13 +10,13 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 use tokio::process::{Child, Command};
 
-use super::{CliError, parse_duration_flag};
 use crate::chaos::agent::{AgentConfig, ConsulAgent};
 use crate::chaos::procfs as bench_probe;
 use crate::consul::{Consul, ConsulConfig, QueryOptions, TxnOp};
 use crate::labels::{LabelSet, LabelStore, LabelType};
 use crate::rc::{RcId, parse_locks};
 use crate::server::{Change, EmbeddedServer, ServerConfig};
+use crate::{CliError, parse_duration_flag};
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct BenchFarmArgs {
@@ -69,8 +69,9 @@ pub struct BenchFarmArgs {
     /// steady (after `--idle`) and at its peak.
     #[arg(long, conflicts_with_all = ["floor", "prewritten"])]
     pub restart: bool,
-    /// The `rcfarm` the farms run (default: this one). `scripts/bench-guard` times two builds'
-    /// farms with one harness: this build's benchmark and each build's `rcfarm serve`.
+    /// The `rcfarm` the farms run (default: the one beside `rcfarm-tools`). `scripts/bench-guard`
+    /// times two builds' farms with one harness: this build's benchmark and each build's
+    /// `rcfarm serve`.
     #[arg(long)]
     pub farm_bin: Option<std::path::PathBuf>,
     /// With `--restart`: run P2's farm (`p2-rctl-server`, for example
@@ -172,7 +173,7 @@ pub(super) async fn spawn_farms(
 ) -> Result<Vec<FarmProc>, CliError> {
     let exe = match farm_bin {
         Some(b) => b.to_path_buf(),
-        None => std::env::current_exe().map_err(failed)?,
+        None => crate::rcfarm_beside(" or pass --farm-bin PATH")?,
     };
     let audit_db = format!("sqlite://{}", dir.join("audit.db").display());
     let ttl = format!("{}ms", ttl.as_millis());
