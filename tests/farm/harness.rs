@@ -9,14 +9,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
-use rcfarm::chaos::agent::{AgentConfig, ConsulAgent};
 use rcfarm::consul::{Consul, QueryOptions};
-use rcfarm::invariants::Observer;
-use rcfarm::invariants::external::ExternalObserver;
 use rcfarm::labels::{LabelSet, LabelStore, LabelType, parse_labels, split_pod_label_id};
 use rcfarm::rc::{RcId, RcStore};
 use rcfarm::server::{Compat, EmbeddedServer, LoggedCommit, ServerConfig};
-use rcfarm::simulator::{NodeSimulator, SimConfig};
+use rcfarm_testkit::chaos::agent::{AgentConfig, ConsulAgent};
+use rcfarm_testkit::invariants::Observer;
+use rcfarm_testkit::invariants::external::ExternalObserver;
+use rcfarm_testkit::simulator::{NodeSimulator, SimConfig};
 use serde_json::Value;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
@@ -379,18 +379,30 @@ impl Cluster {
         self.farms.len() - 1
     }
 
-    /// The HTTP address a live farm registered (`rcfarm/farms/<id>`).
+    /// The HTTP address a live farm registered (`rcfarm/farms/<id>`), waiting (up to 60 s) for
+    /// the registration, which `spawn_farm` does not wait for: on a loaded machine a farm that
+    /// serves no RC had not written it 1.9 s in, when the other farm had placed every pod.
     pub async fn farm_http(&self, farm_id: &str) -> String {
-        let (entries, _) = self
-            .consul
-            .kv_list("rcfarm/farms/", &rcfarm::consul::QueryOptions::default())
-            .await
-            .unwrap();
-        rcfarm::farm::registry::live_farms(&entries)
-            .into_iter()
-            .find(|f| f.farm_id == farm_id)
-            .and_then(|f| f.http)
-            .unwrap_or_else(|| panic!("farm {farm_id} is live with an HTTP address"))
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let (entries, _) = self
+                .consul
+                .kv_list("rcfarm/farms/", &rcfarm::consul::QueryOptions::default())
+                .await
+                .unwrap();
+            if let Some(http) = rcfarm::farm::registry::live_farms(&entries)
+                .into_iter()
+                .find(|f| f.farm_id == farm_id)
+                .and_then(|f| f.http)
+            {
+                return http;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "farm {farm_id} is live with an HTTP address within 60 s"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
     }
 
     /// The farm's `/metrics` page.
@@ -985,7 +997,7 @@ impl Cluster {
 }
 
 /// Fails the test on any broken promise, showing the first ten.
-fn assert_kept(violations: &[rcfarm::invariants::Violation], how: &str) {
+fn assert_kept(violations: &[rcfarm_testkit::invariants::Violation], how: &str) {
     let shown: Vec<String> = violations.iter().take(10).map(|v| v.to_string()).collect();
     assert!(
         violations.is_empty(),

@@ -1,4 +1,4 @@
-//! A sick audit database: PostgreSQL stopped for two minutes (behind a slow link all along),
+//! A sick audit database: PostgreSQL stopped for a minute (behind a slow link all along),
 //! SQLite on a full file system, and an outbox past `--audit-outbox-slow` pacing the farms'
 //! writes. Farms go on serving RCs throughout; records wait in Consul's outbox and drain when
 //! the database is back: every record the farms committed is in SQL, once.
@@ -9,12 +9,12 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use rcfarm::audit::{AuditQuery, AuditRecord, AuditStore};
-use rcfarm::chaos::proxy::{FaultyProxy, ProxyFaults};
 use rcfarm::consul::{Consul, QueryOptions};
-use rcfarm::fullfs::SmallFs;
-use rcfarm::postgres::PrivatePostgres;
 use rcfarm::rc::RcId;
 use rcfarm::server::Change;
+use rcfarm_testkit::chaos::proxy::{FaultyProxy, ProxyFaults};
+use rcfarm_testkit::fullfs::SmallFs;
+use rcfarm_testkit::postgres::PrivatePostgres;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
@@ -177,12 +177,15 @@ async fn assert_all_in_sql_once(
     rows
 }
 
-const OUTAGE: Duration = Duration::from_secs(120);
+/// Long enough for the shipper's retries to reach their 30-s cap (the delays, from 200 ms
+/// doubling with jitter, add up to 26–51 s before it), so that PostgreSQL comes back while the
+/// shipper may wait its longest; a longer outage only repeats that wait.
+const OUTAGE: Duration = Duration::from_secs(60);
 
-/// PostgreSQL, behind a link that delays every chunk up to 300 ms, is stopped for two minutes
+/// PostgreSQL, behind a link that delays every chunk up to 300 ms, is stopped for a minute
 /// while the RCs change every few seconds: the farms keep placing pods, the outbox grows in
 /// Consul, and after PostgreSQL is back it drains with every record in SQL once.
-async fn postgres_stopped_for_two_minutes(backend: Backend) {
+async fn postgres_stopped_for_a_minute(backend: Backend) {
     let Some(pg) = private_postgres() else {
         return;
     };
@@ -250,7 +253,7 @@ async fn postgres_stopped_for_two_minutes(backend: Backend) {
     );
     c.check_invariants(|_| false);
 }
-crate::on_both_backends!(postgres_stopped_for_two_minutes);
+crate::on_both_backends!(postgres_stopped_for_a_minute);
 
 /// Past `--audit-outbox-slow`, each farm commits at most `--audit-outbox-pace` RC writes a
 /// second: the outbox grows at farms × pace, not with the churn (which writes several records
