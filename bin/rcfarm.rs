@@ -4,7 +4,7 @@
 /// its arenas, so RSS stayed near its peak unless trimmed, and two arenas (to bound that) are
 /// two locks for every runtime thread to share. With jemalloc a converged farm at 20,000 RCs × 5
 /// uses 3 % of a core instead of 9–12 %, and ~145 instead of 174–198 MiB before any other saving
-/// (BENCHMARKS.md, fourth session).
+/// (BENCHMARKS.md, "Peak memory and jemalloc's settings").
 #[global_allocator]
 static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
@@ -18,7 +18,8 @@ static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 /// a farm's transients: a watch answer's body, the maps rebuilt over every RC when the listing
 /// or the lock tree changes. Kept for a second, they were most of the gap between a farm's peak
 /// and its steady RSS (six farms at 20,000 RCs: peaks 1.26-1.64x steady, 1.17-1.33x with this),
-/// with no farm CPU the benchmark could tell apart (BENCHMARKS.md, fifth session).
+/// with no farm CPU the benchmark could tell apart (BENCHMARKS.md, "Peak memory and jemalloc's
+/// settings").
 #[unsafe(export_name = "_rjem_malloc_conf")]
 pub static MALLOC_CONF: &[u8] =
     b"background_thread:true,dirty_decay_ms:1000,muzzy_decay_ms:0,oversize_threshold:65536\0";

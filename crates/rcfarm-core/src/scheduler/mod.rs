@@ -24,7 +24,7 @@ pub type NodeName = std::sync::Arc<str>;
 /// A sorted set of node names, shared and searched rather than rebuilt: a farm plans thousands
 /// of RCs against the same few thousand eligible nodes, and copying them into a tree per RC and
 /// observation (4 million string-keyed inserts in the 10× benchmark) took a quarter of its
-/// convergence time (BENCHMARKS.md, `rcfarm bench farm`).
+/// convergence time (BENCHMARKS.md, `rcfarm-tools bench farm`).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct NodeSet(Arc<[NodeName]>);
 
