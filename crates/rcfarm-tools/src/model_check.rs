@@ -23,7 +23,8 @@ pub struct ModelCheckArgs {
     /// causes: finish-needs-lock (a node transfer's end takes the mutation lock), any-takeover
     /// (any RC takes a disabled RC's surplus pods), labels-at-commit (pod labels guarded at
     /// commit, not as planned); or issue 45's: blind-charge (a removal charges the cluster's
-    /// window without checking its room, as if room seen at planning were granted).
+    /// window without checking its room, as if room seen at planning were granted); or a lock
+    /// leak: keeps-transfer-lock (a node transfer's end leaves the mutation lock held).
     #[arg(long, value_parser = parse_mutant)]
     pub mutant: Option<Mutant>,
     /// Keep going after a counterexample (each is shrunk and printed).
@@ -37,8 +38,10 @@ fn parse_mutant(s: &str) -> Result<Mutant, String> {
         "any-takeover" => Ok(Mutant::AnyTakeover),
         "labels-at-commit" => Ok(Mutant::LabelsGuardedAtCommit),
         "blind-charge" => Ok(Mutant::BlindCharge),
+        "keeps-transfer-lock" => Ok(Mutant::KeepsTransferLock),
         other => Err(format!(
-            "{other:?}: one of finish-needs-lock, any-takeover, labels-at-commit, blind-charge"
+            "{other:?}: one of finish-needs-lock, any-takeover, labels-at-commit, blind-charge, \
+             keeps-transfer-lock"
         )),
     }
 }

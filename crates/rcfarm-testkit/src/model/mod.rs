@@ -23,8 +23,9 @@
 //!
 //! Then the faults stop (operators release what they held, nodes heal), and the farms run on,
 //! fairly: every world must converge (the roll done, every RC at its count, nothing in
-//! flight). One that does not is a deadlock: a lock waited for by something that holds what
-//! the holder waits for. The counterexample is shrunk to the faults it needs.
+//! flight, no lock left held). One that does not is a deadlock (a lock waited for by something
+//! that holds what the holder waits for), or a lock leak if the RCs settled with a lock still
+//! held. The counterexample is shrunk to the faults it needs.
 
 pub mod world;
 
@@ -349,8 +350,28 @@ pub fn apply(w: &mut World, e: Event) -> Option<String> {
     }
 }
 
-/// Whether the world is where it should end up.
+/// Whether the world is where it should end up: with no lock left held ([`locks_left`]).
 fn converged(w: &World) -> bool {
+    locks_left(w).is_empty() && settled(w)
+}
+
+/// The locks still held once the faults have stopped and the operators let go: a mutation lock
+/// (a transfer's, a roll's) or a node-transfer freeze. Held at the end, each blocks the next
+/// transfer or roll of its RC for ever, however converged the pods look (a lock leak).
+fn locks_left(w: &World) -> Vec<String> {
+    let mutation =
+        w.kv.mut_lock
+            .iter()
+            .map(|(rc, (s, h))| format!("{rc:?}'s mutation lock ({h:?}, {})", s.name()));
+    let frozen =
+        w.kv.nt_lock
+            .iter()
+            .map(|(rc, s)| format!("{rc:?}'s node_transfer lock ({})", s.name()));
+    mutation.chain(frozen).collect()
+}
+
+/// Whether the RCs and the roll are where they should end up, locks aside.
+fn settled(w: &World) -> bool {
     w.kv.roll.is_none()
         && w.pending.is_empty()
         && (0..FARMS).all(|f| w.farms[f].roll_task.is_none())
@@ -512,17 +533,20 @@ fn run_schedule(
             return (script, Ok(()));
         }
     }
-    (
-        script,
-        Err((
-            format!(
-                "no convergence within {} fair rounds after the faults stopped: a deadlock",
-                cfg.calm_rounds
-            ),
-            trace,
-            w,
-        )),
-    )
+    let what = if settled(&w) {
+        format!(
+            "a lock left held {} fair rounds after the faults stopped, with every RC settled: \
+             {}",
+            cfg.calm_rounds,
+            locks_left(&w).join(", ")
+        )
+    } else {
+        format!(
+            "no convergence within {} fair rounds after the faults stopped: a deadlock",
+            cfg.calm_rounds
+        )
+    };
+    (script, Err((what, trace, w)))
 }
 
 fn count(stats: &mut Report, did: &str) {
@@ -594,6 +618,8 @@ fn shrink(
 fn kind_of(what: &str) -> &'static str {
     if what.starts_with("no convergence") {
         "deadlock"
+    } else if what.starts_with("a lock left held") {
+        "lock leak"
     } else if what.contains("not fenced") {
         "fencing"
     } else if what.contains("minimum") {
@@ -779,6 +805,52 @@ mod tests {
             "{}",
             r.summary()
         );
+    }
+
+    /// A lock left held is not convergence, however settled the RCs: a world that converged
+    /// is no longer converged once a mutation lock is left in it, and the checker finds the
+    /// leak of a transfer's end that keeps its lock (`Mutant::KeepsTransferLock`) as a lock
+    /// leak, not only where the leaked lock then blocks a roll (a deadlock).
+    #[test]
+    fn a_lock_left_held_is_a_lock_leak() {
+        let mut w = World::new(
+            Setup {
+                canary: None,
+                auto_revert: false,
+                x_replicas: 1,
+                bad_deploy: false,
+                roll_later: false,
+                rule: Rule::DEFAULT,
+            },
+            None,
+        );
+        let mut rng = StdRng::seed_from_u64(7);
+        for _ in 0..Config::default().calm_rounds {
+            if converged(&w) {
+                break;
+            }
+            for e in round(&mut rng) {
+                apply(&mut w, e);
+            }
+        }
+        assert!(converged(&w), "{}", w.describe());
+        w.kv.mut_lock
+            .insert(Which::X, (Session(0, 0), Holder::Transfer));
+        assert!(settled(&w) && !converged(&w), "{}", w.describe());
+        assert_eq!(locks_left(&w), vec!["X's mutation lock (Transfer, s0.0)"]);
+
+        let r = check_parallel(
+            &Config {
+                schedules: 300,
+                seed: 1,
+                mutant: Some(Mutant::KeepsTransferLock),
+                stop_at_first: false,
+                ..Config::default()
+            },
+            2,
+        );
+        let kinds: Vec<&str> = r.counterexamples.iter().map(|c| kind_of(&c.what)).collect();
+        assert!(kinds.contains(&"lock leak"), "{kinds:?}: {}", r.summary());
     }
 
     #[test]

@@ -90,7 +90,7 @@ pub struct Session(pub u8, pub u32);
 impl Session {
     pub const OUTSIDE: Session = Session(u8::MAX, 0);
 
-    fn name(self) -> String {
+    pub fn name(self) -> String {
         format!("s{}.{}", self.0, self.1)
     }
 }
@@ -323,6 +323,9 @@ pub enum Mutant {
     /// checked then): removals are capped only by the room the farm saw when it planned, so
     /// farms planning from the same room spend it more than once.
     BlindCharge,
+    /// A node transfer's end leaves the RC's mutation lock held (a lock leak: neither the
+    /// finishing commit nor a later pass releases it).
+    KeepsTransferLock,
 }
 
 /// How a world starts.
@@ -576,7 +579,10 @@ impl World {
             task.transfer_started = self.kv.transfer.get(&w).map(|t| t.started);
         }
         let transfer = self.kv.transfer.get(&w).copied();
-        if transfer.is_none() && self.kv.mut_lock.get(&w) == Some(&(session, Holder::Transfer)) {
+        if transfer.is_none()
+            && self.mutant != Some(Mutant::KeepsTransferLock)
+            && self.kv.mut_lock.get(&w) == Some(&(session, Holder::Transfer))
+        {
             // Left over from a transfer that ended: released (a write of its own).
             self.kv.mut_lock.remove(&w);
             self.kv.next();
@@ -1219,6 +1225,7 @@ impl World {
             }
         }
         if p.release_transfer_lock
+            && self.mutant != Some(Mutant::KeepsTransferLock)
             && let Some(w) = p.writer
             && self.kv.mut_lock.get(&w) == Some(&(p.session, Holder::Transfer))
         {
