@@ -686,6 +686,12 @@ impl Failsafe {
             return Ok(false);
         }
         let Ok(_turn) = tokio::time::timeout(Duration::from_secs(2), self.turn.lock()).await else {
+            tracing::warn!(
+                pods,
+                "removal window: a charge in flight kept this farm from writing its smaller count \
+                 before a release; until its next write the base of the percentage may count the \
+                 released RCs' pods twice"
+            );
             return Ok(false);
         };
         self.write_report(consul, &fence, CHARGE_TRIES, |w, _, _, me, pods| {
