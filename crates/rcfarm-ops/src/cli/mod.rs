@@ -130,10 +130,20 @@ pub fn run_command(
     program: &str,
     command: impl std::future::Future<Output = Result<(), CliError>>,
 ) -> ExitCode {
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    run_on(
+        program,
+        tokio::runtime::Builder::new_multi_thread(),
+        command,
+    )
+}
+
+/// [`run_command`] on the runtime `builder` makes.
+fn run_on(
+    program: &str,
+    mut builder: tokio::runtime::Builder,
+    command: impl std::future::Future<Output = Result<(), CliError>>,
+) -> ExitCode {
+    let runtime = match builder.enable_all().build() {
         Ok(r) => r,
         Err(e) => {
             eprintln!("{program}: cannot start the async runtime: {e}");
@@ -203,21 +213,10 @@ pub async fn shutdown_signal() {
 pub fn rcctl_main() -> ExitCode {
     let cli = rcctl::RcctlCli::parse();
     logging::init_logging_with_default(LogFormat::Text, "warn");
-    let runtime = match tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(r) => r,
-        Err(e) => {
-            eprintln!("rcctl: cannot start the async runtime: {e}");
-            return ExitCode::from(1);
-        }
-    };
-    match runtime.block_on(rcctl::run(cli)) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("rcctl: {e}");
-            e.exit_code()
-        }
-    }
+    // One thread: a command line makes a few requests and exits.
+    run_on(
+        "rcctl",
+        tokio::runtime::Builder::new_current_thread(),
+        rcctl::run(cli),
+    )
 }
