@@ -383,26 +383,22 @@ impl Cluster {
     /// the registration, which `spawn_farm` does not wait for: on a loaded machine a farm that
     /// serves no RC had not written it 1.9 s in, when the other farm had placed every pod.
     pub async fn farm_http(&self, farm_id: &str) -> String {
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            let (entries, _) = self
-                .consul
-                .kv_list("rcfarm/farms/", &rcfarm::consul::QueryOptions::default())
-                .await
-                .unwrap();
-            if let Some(http) = rcfarm::farm::registry::live_farms(&entries)
-                .into_iter()
-                .find(|f| f.farm_id == farm_id)
-                .and_then(|f| f.http)
-            {
-                return http;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "farm {farm_id} is live with an HTTP address within 60 s"
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        crate::common::eventually(
+            Duration::from_secs(60),
+            &format!("farm {farm_id} live with an HTTP address"),
+            || async {
+                let (entries, _) = self
+                    .consul
+                    .kv_list("rcfarm/farms/", &rcfarm::consul::QueryOptions::default())
+                    .await
+                    .unwrap();
+                rcfarm::farm::registry::live_farms(&entries)
+                    .into_iter()
+                    .find(|f| f.farm_id == farm_id)
+                    .and_then(|f| f.http)
+            },
+        )
+        .await
     }
 
     /// The farm's `/metrics` page.

@@ -1,6 +1,6 @@
-//! rcfarm's test kit: fault injection ([`chaos`]), the invariant checker ([`invariants`]) and
-//! the node simulator ([`simulator`]). Used by the tests and by `rcfarm-tools`;
-//! nothing in the product depends on it.
+//! rcfarm's test kit: fault injection ([`chaos`]), the invariant checker ([`invariants`]), the
+//! model check ([`model`]) and the node simulator ([`simulator`]). Used by the tests and by
+//! `rcfarm-tools`; nothing in the product depends on it.
 
 use rcfarm_consul as consul;
 use rcfarm_consul::util;
