@@ -415,6 +415,20 @@ pub enum ChargeError {
     Read(#[from] ConsulError),
 }
 
+/// What became of a farm's count in a report ([`Failsafe::report_before_release`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reported {
+    /// Written into the window key.
+    Written,
+    /// Nothing to write: the key already holds no more than this count, the limit is not a
+    /// percentage, or the key cannot be read (it is written anew, without counts, before
+    /// removals go on).
+    Unneeded,
+    /// Not written now: a charge in flight kept the farm's turn, or other farms wrote first at
+    /// every try.
+    Later,
+}
+
 /// How often a charge that loses its `cas` to another farm reads the key and tries again
 /// before its caller plans again.
 const CHARGE_TRIES: usize = 5;
@@ -652,7 +666,7 @@ impl Failsafe {
 
     /// Writes this farm's count of the pods it serves into the window key when it is due
     /// (see [`Window::report_due`]), fenced by `fence` (the farm's registration): the base of
-    /// a percentage is what the farms report. `Ok(false)`: nothing was due.
+    /// a percentage is what the farms report. `Ok(false)`: nothing was written.
     pub async fn report_served(&self, consul: &Consul, fence: Fence) -> Result<bool, ChargeError> {
         if !matches!(self.config.max_removals, MaxRemovals::Percent(_)) {
             return Ok(false);
@@ -663,36 +677,37 @@ impl Failsafe {
             return Ok(false);
         };
         // One try: when another farm wrote first, the next look reports on the newer version.
-        self.write_report(consul, &fence, 1, |w, st, now, me, pods| {
-            w.report_due(st, now, me, pods)
-        })
-        .await
+        let r = self
+            .write_report(consul, &fence, 1, |w, st, now, me, pods| {
+                w.report_due(st, now, me, pods)
+            })
+            .await?;
+        Ok(r == Reported::Written)
     }
 
     /// Before the farm gives RCs back (handed over, or at shutdown): writes its count without
-    /// them into the window key, whatever its size. The farm that takes them over counts them
-    /// once it holds their locks, which is after this write; written after the release, or
-    /// only when due, the key could hold both counts at once, and the peak would keep that
-    /// sum (a higher limit) for the whole window. Waits a little for a charge in flight, and
-    /// gives up quietly (the release goes on) when Consul does not take the write.
+    /// them (`pods`) into the window key, whatever its size. The farm that takes them over
+    /// counts them once it holds their locks, which is after this write; written after the
+    /// release, or only when due, the key could hold both counts at once, and the peak would
+    /// keep that sum (a higher limit) for the whole window.
+    ///
+    /// Invariant for the caller: RCs are released only after an answer other than
+    /// [`Reported::Later`] (or an error the caller chooses to ride over at shutdown). `Later`
+    /// means the count could not be written now (a charge in flight kept the farm's turn for
+    /// `wait`, or other farms wrote first at every try): keep the RCs and try again.
     pub async fn report_before_release(
         &self,
         consul: &Consul,
         fence: Fence,
         pods: u64,
-    ) -> Result<bool, ChargeError> {
+        wait: Duration,
+    ) -> Result<Reported, ChargeError> {
         self.set_served(pods);
         if !matches!(self.config.max_removals, MaxRemovals::Percent(_)) {
-            return Ok(false);
+            return Ok(Reported::Unneeded);
         }
-        let Ok(_turn) = tokio::time::timeout(Duration::from_secs(2), self.turn.lock()).await else {
-            tracing::warn!(
-                pods,
-                "removal window: a charge in flight kept this farm from writing its smaller count \
-                 before a release; until its next write the base of the percentage may count the \
-                 released RCs' pods twice"
-            );
-            return Ok(false);
+        let Ok(_turn) = tokio::time::timeout(wait, self.turn.lock()).await else {
+            return Ok(Reported::Later);
         };
         self.write_report(consul, &fence, CHARGE_TRIES, |w, _, _, me, pods| {
             w.farms.get(me).is_some_and(|f| f.pods > pods)
@@ -708,7 +723,7 @@ impl Failsafe {
         fence: &Fence,
         tries: usize,
         due: impl Fn(&Window, Settings, i64, &str, u64) -> bool,
-    ) -> Result<bool, ChargeError> {
+    ) -> Result<Reported, ChargeError> {
         for _ in 0..tries {
             if matches!(*self.cluster.lock(), Cached::Unread) {
                 self.read_window(consul).await?;
@@ -717,13 +732,15 @@ impl Failsafe {
             let now = self.now_s();
             let (w, index, pods) = {
                 let s = self.state.lock();
+                // A key that cannot be read holds every removal until an operator writes it
+                // anew (`rcctl farm release-removals`), with no farm's count in it.
                 let Cached::At(Ok(w), index) = self.cluster.lock().clone() else {
-                    return Ok(false);
+                    return Ok(Reported::Unneeded);
                 };
                 (self.pruned(w, &s), index, s.served)
             };
             if !due(&w, st, now, &self.farm_id, pods) {
-                return Ok(false);
+                return Ok(Reported::Unneeded);
             }
             let next = w.report(st, now, &self.farm_id, pods);
             let txn = FencedTxn::fenced(fence.clone()).charge(TxnOp::cas(
@@ -734,13 +751,13 @@ impl Failsafe {
             match txn.commit(consul).await {
                 Ok(at) => {
                     self.wrote(next, at);
-                    return Ok(true);
+                    return Ok(Reported::Written);
                 }
                 Err(FenceError::Uncharged { .. }) => self.read_window(consul).await?,
                 Err(e) => return Err(e.into()),
             }
         }
-        Ok(false)
+        Ok(Reported::Later)
     }
 
     /// Our own write of the window committed at `index`.
@@ -1498,17 +1515,38 @@ mod tests {
         // before the release all the same.
         a.set_served(18);
         assert!(!a.report_served(&consul, fence()).await.unwrap(), "not due");
-        assert!(
-            a.report_before_release(&consul, fence(), 18).await.unwrap(),
+        let wait = Duration::from_secs(2);
+        assert_eq!(
+            a.report_before_release(&consul, fence(), 18, wait)
+                .await
+                .unwrap(),
+            Reported::Written,
             "written before the release"
         );
         assert_eq!(read().await.farms["farm-a"].pods, 18);
         // Nothing smaller to write: nothing written.
-        assert!(!a.report_before_release(&consul, fence(), 18).await.unwrap());
+        assert_eq!(
+            a.report_before_release(&consul, fence(), 18, wait)
+                .await
+                .unwrap(),
+            Reported::Unneeded
+        );
+        // A charge in flight holds the farm's turn: the smaller count waits, and says so.
+        let turn = a.turn.lock().await;
+        assert_eq!(
+            a.report_before_release(&consul, fence(), 16, Duration::from_millis(50))
+                .await
+                .unwrap(),
+            Reported::Later
+        );
+        drop(turn);
+        assert_eq!(read().await.farms["farm-a"].pods, 18, "not written");
         // b takes the RC over and counts it; the sum never held those 2 pods twice.
         b.set_live_farms(["farm-a", "farm-b"].map(String::from).into());
         b.set_served(22);
-        b.report_before_release(&consul, fence(), 22).await.unwrap();
+        b.report_before_release(&consul, fence(), 22, wait)
+            .await
+            .unwrap();
         let send = sender(&consul);
         let txn = FencedTxn::fenced(fence()).op(TxnOp::set("t/x", b"x".to_vec()));
         b.commit_charged(&consul, 1, txn, &send).await.unwrap();

@@ -26,6 +26,8 @@ use crate::task::TaskHandle;
 const RELEASES_IN_FLIGHT: usize = 4;
 /// How soon a farm looks again at handovers it deferred for tasks' first passes.
 const FIRST_PASS_RECHECK: Duration = Duration::from_millis(20);
+/// How soon a handover that had to wait (see [`Kind::before_release`]) is tried again.
+const RELEASE_RECHECK: Duration = Duration::from_millis(250);
 /// Claim transactions in flight at once.
 const CLAIMS_IN_FLIGHT: usize = 4;
 
@@ -47,10 +49,17 @@ pub(crate) trait Kind {
     fn deleted() -> Self::State;
     /// Forgets what the farm reports about an object it stopped serving.
     fn forget(&self, id: RcId);
-    /// Runs after `forget` and before the locks of objects handed over are given back: what
-    /// must be written while they are still this farm's.
-    fn before_release(&self, _farm: &ClaimFarm<'_>) -> impl Future<Output = ()> + Send {
-        async {}
+    /// What must be written while `ids` are still this farm's, before their locks are given
+    /// back. A handover calls it while their tasks still run and goes on only on `true`
+    /// (`false`: not now; they stay this farm's and a later reconcile tries again); a shutdown
+    /// (`last`) calls it after their tasks stopped and releases whatever it answers.
+    fn before_release(
+        &self,
+        _farm: &ClaimFarm<'_>,
+        _ids: &[RcId],
+        _last: bool,
+    ) -> impl Future<Output = bool> + Send {
+        async { true }
     }
 }
 
@@ -381,12 +390,22 @@ impl<K: Kind> Owned<K> {
         }
 
         let handovers = decide::handovers(s, &self.tasks, |t| t.on_first_pass());
-        let excess = handovers.now;
+        let mut excess = handovers.now;
         // Those kept for their first pass are looked at again soon (the pass is a few round
         // trips), not at the next change of a view.
         if handovers.after_first_pass > 0 {
             let soon = Instant::now() + FIRST_PASS_RECHECK;
             self.recheck_at = Some(self.recheck_at.map_or(soon, |r| r.min(soon)));
+        }
+        if !excess.is_empty() && !self.kind.before_release(farm, &excess, false).await {
+            tracing::info!(
+                count = excess.len(),
+                "handing {} over waits: what must be written before their release could not be written now",
+                K::PLURAL
+            );
+            let soon = Instant::now() + RELEASE_RECHECK;
+            self.recheck_at = Some(self.recheck_at.map_or(soon, |r| r.min(soon)));
+            excess.clear();
         }
         if !excess.is_empty() {
             tracing::info!(
@@ -401,7 +420,6 @@ impl<K: Kind> Owned<K> {
                 self.sent.remove(id);
                 self.kind.forget(*id);
             }
-            self.kind.before_release(farm).await;
             farm.release(&self.kind, &excess, "handed over for fair share")
                 .await;
         }
@@ -445,7 +463,7 @@ impl<K: Kind> Owned<K> {
         for id in &ids {
             self.kind.forget(*id);
         }
-        self.kind.before_release(farm).await;
+        self.kind.before_release(farm, &ids, true).await;
         farm.release(&self.kind, &ids, "farm shutting down").await;
         ids
     }
@@ -784,39 +802,72 @@ mod tests {
         }
     }
 
-    /// What a farm handed over is not its own again because its view, read before the
-    /// release, still shows its lock (a regression: every tick started the object's task from
-    /// the stale view and handed it over again, for as long as the tree was not read).
-    #[tokio::test]
-    async fn a_handed_over_object_is_not_restarted_from_a_view_read_before_the_release() {
-        use crate::consul::QueryOptions;
-        let (_server, consul, ours, _) = two_sessions().await;
-        let id = RcId::new();
-        let key = hold(&consul, &ours, id).await;
-        let farm = test_farm(&consul, &ours);
-        let all: BTreeSet<RcId> = [id].into();
-        // Assigned to another farm, `g`; the view (never read again here) shows our lock.
-        let assignment = Assignment {
-            owner: [(id, "g".to_string())].into(),
-            cap: [("f".to_string(), 0), ("g".to_string(), 1)].into(),
-        };
-        let holders: BTreeMap<RcId, String> = [(id, ours.id().to_string())].into();
-        let cancel = tokio_util::sync::CancellationToken::new();
-        let spawned = std::cell::Cell::new(0);
-        let mut owned = Owned::new(TestKind);
-        for _ in 0..3 {
-            let view = ClaimView {
-                all: &all,
-                matching: &all,
-                assignment: &assignment,
-                holders: &holders,
+    /// One object held by our session and assigned to another farm, `g`, seen through a view
+    /// (never read again) that shows our lock.
+    struct AssignedAway {
+        id: RcId,
+        all: BTreeSet<RcId>,
+        assignment: Assignment,
+        holders: BTreeMap<RcId, String>,
+    }
+
+    impl AssignedAway {
+        /// A server, a client, our session, the object's lock key (held by our session).
+        async fn start() -> (
+            crate::server::EmbeddedServer,
+            Consul,
+            Session,
+            String,
+            AssignedAway,
+        ) {
+            let (server, consul, ours, _) = two_sessions().await;
+            let id = RcId::new();
+            let key = hold(&consul, &ours, id).await;
+            let away = AssignedAway::new(id, &ours);
+            (server, consul, ours, key, away)
+        }
+
+        fn new(id: RcId, ours: &Session) -> Self {
+            AssignedAway {
+                id,
+                all: [id].into(),
+                assignment: Assignment {
+                    owner: [(id, "g".to_string())].into(),
+                    cap: [("f".to_string(), 0), ("g".to_string(), 1)].into(),
+                },
+                holders: [(id, ours.id().to_string())].into(),
+            }
+        }
+
+        fn view(&self) -> ClaimView<'_> {
+            ClaimView {
+                all: &self.all,
+                matching: &self.all,
+                assignment: &self.assignment,
+                holders: &self.holders,
                 held: None,
                 lock_index: 5,
                 locks_read_at: Instant::now(),
                 lock_reads: None,
                 listing_index: 1,
                 guard: &|_| None,
-            };
+            }
+        }
+    }
+
+    /// What a farm handed over is not its own again because its view, read before the
+    /// release, still shows its lock (a regression: every tick started the object's task from
+    /// the stale view and handed it over again, for as long as the tree was not read).
+    #[tokio::test]
+    async fn a_handed_over_object_is_not_restarted_from_a_view_read_before_the_release() {
+        use crate::consul::QueryOptions;
+        let (_server, consul, ours, key, away) = AssignedAway::start().await;
+        let farm = test_farm(&consul, &ours);
+        let cancel = tokio_util::sync::CancellationToken::new();
+        let spawned = std::cell::Cell::new(0);
+        let mut owned = Owned::new(TestKind);
+        for _ in 0..3 {
+            let view = away.view();
             owned
                 .reconcile(
                     &farm,
@@ -845,6 +896,104 @@ mod tests {
         assert!(owned.tasks.is_empty());
         let (e, _) = consul.kv_get(&key, &QueryOptions::default()).await.unwrap();
         assert!(e.is_none(), "given back");
+    }
+
+    /// A kind whose pre-release write succeeds only once `ready`: it counts its calls and
+    /// whether the objects' tasks were still running at each.
+    #[derive(Default)]
+    struct Gated {
+        ready: std::sync::atomic::AtomicBool,
+        calls: std::sync::atomic::AtomicUsize,
+        running: std::sync::Arc<std::sync::atomic::AtomicBool>,
+        running_at_calls: std::sync::atomic::AtomicBool,
+    }
+
+    impl Kind for Gated {
+        type State = ();
+        const NOUN: &'static str = "test object";
+        const PLURAL: &'static str = "test objects";
+        fn lock_key(id: RcId) -> String {
+            TestKind::lock_key(id)
+        }
+        fn claimed_record(&self, id: RcId, s: &Session) -> AuditRecord {
+            TestKind.claimed_record(id, s)
+        }
+        fn released_record(&self, id: RcId, s: &Session, r: &str) -> AuditRecord {
+            TestKind.released_record(id, s, r)
+        }
+        fn deleted() {}
+        fn forget(&self, _: RcId) {}
+        fn before_release(
+            &self,
+            _: &ClaimFarm<'_>,
+            _: &[RcId],
+            _: bool,
+        ) -> impl Future<Output = bool> + Send {
+            use std::sync::atomic::Ordering::SeqCst;
+            self.calls.fetch_add(1, SeqCst);
+            self.running_at_calls
+                .fetch_or(self.running.load(SeqCst), SeqCst);
+            let ready = self.ready.load(SeqCst);
+            async move { ready }
+        }
+    }
+
+    /// A handover whose pre-release write cannot be made now (the removal window's smaller
+    /// count: `Failsafe::report_before_release` answering `Later`) keeps the object, its task
+    /// and its lock, and asks to be looked at again soon; once the write goes through, the
+    /// object is handed over. The write is made while the task still runs (a regression: the
+    /// tasks were stopped first and the release went on without the write, so the taker's
+    /// count and ours were both in the window key).
+    #[tokio::test]
+    async fn a_handover_waits_for_the_write_before_its_release() {
+        use crate::consul::QueryOptions;
+        use std::sync::atomic::Ordering::SeqCst;
+        let (_server, consul, ours, key, away) = AssignedAway::start().await;
+        let id = away.id;
+        let farm = test_farm(&consul, &ours);
+        let cancel = tokio_util::sync::CancellationToken::new();
+        let mut owned = Owned::new(Gated::default());
+        let running = owned.kind.running.clone();
+        let holder = async || {
+            let (e, _) = consul.kv_get(&key, &QueryOptions::default()).await.unwrap();
+            e.and_then(|e| e.session)
+        };
+        for round in 0..6 {
+            if round == 3 {
+                assert!(owned.kind.calls.load(SeqCst) > 0, "a handover was tried");
+                assert!(owned.tasks.contains_key(&id), "the task still runs");
+                assert!(running.load(SeqCst));
+                assert!(owned.recheck_at().is_some(), "looked at again soon");
+                assert_eq!(holder().await.as_deref(), Some(ours.id().as_str()));
+                owned.kind.ready.store(true, SeqCst);
+            }
+            let view = away.view();
+            let (running, cancel) = (running.clone(), &cancel);
+            owned
+                .reconcile(
+                    &farm,
+                    &view,
+                    move |id| {
+                        let running = running.clone();
+                        crate::task::spawn(id, (), cancel, |inbox| async move {
+                            running.store(true, SeqCst);
+                            inbox.passed.store(true, SeqCst);
+                            inbox.cancel.cancelled().await;
+                            running.store(false, SeqCst);
+                        })
+                    },
+                    |_| None,
+                )
+                .await;
+            tokio::task::yield_now().await;
+        }
+        assert!(owned.tasks.is_empty(), "handed over once the write went");
+        assert!(!running.load(SeqCst), "its task stopped");
+        assert!(
+            owned.kind.running_at_calls.load(SeqCst),
+            "the write is made while the task runs"
+        );
+        assert_eq!(holder().await, None, "given back");
     }
 
     /// A batched release refused because one lock was taken meanwhile gives the others back

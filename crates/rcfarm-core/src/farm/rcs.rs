@@ -5,6 +5,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::time::Duration;
 
 use tokio::sync::{broadcast, mpsc, watch};
 
@@ -16,6 +17,7 @@ use super::unclaimable::Unclaimable;
 use super::{Farm, Views, sweep};
 use crate::audit::{AuditRecord, events};
 use crate::consul::{Demand, KvPair, Session};
+use crate::failsafe::Reported;
 use crate::labels::{LabelChanges, LabelLookup, LabelSet, Selector};
 use crate::rc::{ListedRc, LockView, RC_ID_LABEL, RcId, RcKeys, RcListing, RcStore};
 use crate::rctask::{RcState, StatusRegistry, TaskContext, TaskEvent, TaskHandle};
@@ -214,16 +216,34 @@ impl Kind for RcKind {
     }
 
     /// The pods of RCs handed over leave this farm's count in the removal window before
-    /// their locks do (`Failsafe::report_before_release`).
-    async fn before_release(&self, farm: &ClaimFarm<'_>) {
+    /// their locks do (`Failsafe::report_before_release`): the farm that takes them over
+    /// counts them as soon as it holds them.
+    async fn before_release(&self, farm: &ClaimFarm<'_>, ids: &[RcId], last: bool) -> bool {
         let fence = registry::registration_fence(farm.session);
-        let pods = self.status.pods_current() as u64;
-        if let Err(e) = self
+        // RCs already forgotten (at shutdown) are out of the count already.
+        let leaving: usize = ids
+            .iter()
+            .filter_map(|id| self.status.rc(*id))
+            .map(|s| s.current)
+            .sum();
+        let pods = self.status.pods_current().saturating_sub(leaving) as u64;
+        // At shutdown the tasks have stopped: only a roll's charge can hold the turn.
+        let wait = if last {
+            Duration::from_secs(10)
+        } else {
+            Duration::from_secs(1)
+        };
+        match self
             .failsafe
-            .report_before_release(farm.consul, fence, pods)
+            .report_before_release(farm.consul, fence, pods, wait)
             .await
         {
-            tracing::debug!(error = %e, "cannot write this farm's smaller count into the removal window before a release");
+            Ok(Reported::Written | Reported::Unneeded) => true,
+            Ok(Reported::Later) => false,
+            Err(e) => {
+                tracing::info!(error = %e, "cannot write this farm's smaller count into the removal window before a release");
+                false
+            }
         }
     }
 }
