@@ -18,7 +18,8 @@
 //!   RC gave up is the one exception), and no RC is raised above its count;
 //! - no farm write takes a started roll's pods that are up below its minimum;
 //! - within any window of `BUDGET_WINDOW` ticks, all farms together (every process of each)
-//!   commit at most `BUDGET_LIMIT` counted removals, as counted from the commits themselves;
+//!   take at most `BUDGET_LIMIT` pods away, as the checker sees them leave the KV at each
+//!   commit (not as charged);
 //! - no roll fails while all its scheduled new pods are up, and no revert is reverted.
 //!
 //! Then the faults stop (operators release what they held, nodes heal), and the farms run on,
@@ -26,7 +27,12 @@
 //! flight, no lock left held). One that does not is a deadlock (a lock waited for by something
 //! that holds what the holder waits for), or a lock leak if the RCs settled with a lock still
 //! held. The counterexample is shrunk to the faults it needs.
+//!
+//! Each promise is shown broken by a [`Mutant`] (the rule it rests on broken in the model, in a
+//! test build only): `tests::each_promise_is_shown_broken`. Beside the random schedules,
+//! [`explore`] walks every interleaving of the smallest world to a depth.
 
+pub mod explore;
 pub mod world;
 
 use std::time::Instant as StdInstant;
@@ -409,8 +415,8 @@ fn calm(w: &mut World) {
     }
 }
 
-/// The process events, in a fair round.
-fn round(rng: &mut StdRng) -> Vec<Event> {
+/// The process events of a world of `nodes` nodes, in a fair round.
+fn round(rng: &mut StdRng, nodes: usize) -> Vec<Event> {
     let mut v = Vec::new();
     for f in 0..FARMS {
         v.push(Event::Farm(f));
@@ -421,7 +427,7 @@ fn round(rng: &mut StdRng) -> Vec<Event> {
             v.push(Event::RcPass(f, rc));
         }
     }
-    for n in 0..NODES {
+    for n in 0..nodes {
         v.push(Event::NodeActs(n));
         v.push(Event::NodePasses(n));
     }
@@ -500,53 +506,92 @@ fn run_schedule(
             return (script, Err((what, trace, w)));
         }
     }
-    calm(&mut w);
     trace.push("--- the faults stop: operators let go, nodes heal ---".into());
-    let mut calm_rng = StdRng::seed_from_u64(7);
-    for _ in 0..cfg.calm_rounds {
-        // A failed roll waits for an operator, who resumes it (another deadline), or aborts a
-        // bad deploy that does not revert itself (`rcctl roll abort`: both RCs left as they
-        // are).
-        if w.kv.roll.as_ref().is_some_and(|r| r.failed) {
-            if w.setup.bad_deploy && w.kv.roll.as_ref().is_some_and(|r| r.new == Which::N) {
-                w.kv.roll = None;
-                w.kv.roll_lock = None;
-                w.kv.index += 1;
-            } else if let Some(r) = w.kv.roll.as_mut() {
-                r.failed = false;
-                w.kv.index += 1;
-                r.control_version = w.kv.index;
-            }
+    match converge(&mut w, 7, cfg.calm_rounds, stats) {
+        Ok(()) => {
+            stats.converged += 1;
+            (script, Ok(()))
         }
-        for e in round(&mut calm_rng) {
+        Err(what) => (script, Err((what, trace, w))),
+    }
+}
+
+/// Stops the faults in `w` and runs the farms fairly (each round shuffled by an RNG seeded
+/// with `seed`) until the world converges: `Err` with what went wrong if a promise breaks or
+/// it does not converge within `rounds` (a deadlock, or a lock leak if the RCs settled with a
+/// lock still held).
+pub fn converge(w: &mut World, seed: u64, rounds: usize, stats: &mut Report) -> Result<(), String> {
+    converge_remembering(w, seed, rounds, stats, None)
+}
+
+/// [`converge`], remembering in `known` the states (as [`explore::fingerprint`]s, at the
+/// start of each fair round) from which a fair schedule converged, and taking a state already
+/// there as converged: the schedule that got there, followed by the one that converged from
+/// there, is a fair schedule that converges.
+pub(crate) fn converge_remembering(
+    w: &mut World,
+    seed: u64,
+    rounds: usize,
+    stats: &mut Report,
+    mut known: Option<&mut std::collections::HashSet<u128>>,
+) -> Result<(), String> {
+    calm(w);
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut passed = Vec::new();
+    let done = |known: &mut Option<&mut std::collections::HashSet<u128>>, passed: Vec<u128>| {
+        if let Some(k) = known.as_deref_mut() {
+            k.extend(passed);
+        }
+    };
+    for _ in 0..rounds {
+        operators_answer_a_failed_roll(w);
+        if let Some(k) = known.as_deref() {
+            let fp = explore::fingerprint(w);
+            if k.contains(&fp) {
+                done(&mut known, passed);
+                return Ok(());
+            }
+            passed.push(fp);
+        }
+        for e in round(&mut rng, w.nodes()) {
             stats.events += 1;
-            if let Some(did) = apply(&mut w, e) {
+            if let Some(did) = apply(w, e) {
                 count(stats, &did);
             }
-            if !w.broken.is_empty() {
-                let what = w.broken[0].0.clone();
-                return (script, Err((what, trace, w)));
+            if let Some(b) = w.broken.first() {
+                return Err(b.0.clone());
             }
         }
-        if converged(&w) {
-            stats.converged += 1;
-            return (script, Ok(()));
+        if converged(w) {
+            done(&mut known, passed);
+            return Ok(());
         }
     }
-    let what = if settled(&w) {
+    Err(if settled(w) {
         format!(
-            "a lock left held {} fair rounds after the faults stopped, with every RC settled: \
-             {}",
-            cfg.calm_rounds,
-            locks_left(&w).join(", ")
+            "a lock left held {rounds} fair rounds after the faults stopped, with every RC \
+             settled: {}",
+            locks_left(w).join(", ")
         )
     } else {
-        format!(
-            "no convergence within {} fair rounds after the faults stopped: a deadlock",
-            cfg.calm_rounds
-        )
-    };
-    (script, Err((what, trace, w)))
+        format!("no convergence within {rounds} fair rounds after the faults stopped: a deadlock")
+    })
+}
+
+/// A failed roll waits for an operator, who resumes it (another deadline), or aborts a bad
+/// deploy that does not revert itself (`rcctl roll abort`: both RCs left as they are).
+fn operators_answer_a_failed_roll(w: &mut World) {
+    if w.kv.roll.as_ref().is_some_and(|r| r.failed) {
+        if w.setup.bad_deploy && w.kv.roll.as_ref().is_some_and(|r| r.new == Which::N) {
+            w.kv.roll = None;
+            w.kv.roll_lock = None;
+            w.kv.index += 1;
+        } else if let Some(r) = w.kv.roll.as_mut() {
+            r.failed = false;
+            w.kv.index += 1;
+            r.control_version = w.kv.index;
+        }
+    }
 }
 
 fn count(stats: &mut Report, did: &str) {
@@ -628,6 +673,10 @@ fn kind_of(what: &str) -> &'static str {
         "budget"
     } else if what.contains("raised") {
         "too many"
+    } else if what.contains("failed with all") {
+        "failed while up"
+    } else if what.contains("revert was reverted") {
+        "revert of a revert"
     } else {
         "other"
     }
@@ -829,7 +878,7 @@ mod tests {
             if converged(&w) {
                 break;
             }
-            for e in round(&mut rng) {
+            for e in round(&mut rng, w.nodes()) {
                 apply(&mut w, e);
             }
         }
@@ -851,6 +900,118 @@ mod tests {
         );
         let kinds: Vec<&str> = r.counterexamples.iter().map(|c| kind_of(&c.what)).collect();
         assert!(kinds.contains(&"lock leak"), "{kinds:?}: {}", r.summary());
+    }
+
+    fn small(x_replicas: u64, bad_deploy: bool, auto_revert: bool, roll_later: bool) -> Setup {
+        Setup {
+            canary: None,
+            auto_revert,
+            x_replicas,
+            bad_deploy,
+            roll_later,
+            rule: Rule::DEFAULT,
+        }
+    }
+
+    /// Runs `rounds` fair rounds (faults not stopped), calling `after` after each event.
+    fn run_rounds(w: &mut World, rounds: usize, mut after: impl FnMut(&mut World)) {
+        let mut rng = StdRng::seed_from_u64(11);
+        for _ in 0..rounds {
+            for e in round(&mut rng, w.nodes()) {
+                apply(w, e);
+                after(w);
+            }
+        }
+    }
+
+    /// Which farm holds `rc`'s lock.
+    fn owner(w: &World, rc: Which) -> usize {
+        (0..FARMS)
+            .find(|f| w.kv.own_lock.get(&rc) == Some(&w.farms[*f].session))
+            .unwrap_or_else(|| panic!("{rc:?} unowned:\n  {}", w.describe()))
+    }
+
+    /// Each promise the checker keeps is shown broken by the mutant that breaks the rule it
+    /// rests on (with the rule kept, the same schedule breaks nothing): an RC's count (a write
+    /// not guarded by the RC's version), a roll's minimum (the planner shown none), no roll
+    /// failed with its new pods up (a deadline that counts while the roll is paused), no revert
+    /// of a revert. (Fencing and the deadlock: `the_checker_finds_the_old_bugs`; the budget:
+    /// `the_cluster_window_refuses_a_second_spend_of_the_same_room`; a lock leak:
+    /// `a_lock_left_held_is_a_lock_leak`.)
+    #[test]
+    fn each_promise_is_shown_broken() {
+        let kinds =
+            |w: &World| -> Vec<&'static str> { w.broken.iter().map(|b| kind_of(&b.0)).collect() };
+        for mutant in [None, Some(Mutant::UnguardedRcWrites)] {
+            // X (one pod) scaled to 2 and, while its task's write is in flight, back to 1.
+            let mut w = World::new(small(1, false, false, true), mutant);
+            run_rounds(&mut w, 3, |_| {});
+            let fx = owner(&w, Which::X);
+            apply(&mut w, Event::EditX(2));
+            assert!(apply(&mut w, Event::RcPass(fx, Which::X)).is_some());
+            apply(&mut w, Event::EditX(1));
+            let did = apply(&mut w, Event::Commit(fx)).unwrap_or_default();
+            match mutant {
+                None => assert!(did.starts_with("refused (stale)"), "{did}"),
+                Some(_) => assert_eq!(kinds(&w), ["too many"], "{did}"),
+            }
+        }
+
+        for mutant in [None, Some(Mutant::IgnoresMinimum)] {
+            let mut w = World::new(small(0, false, false, false), mutant);
+            run_rounds(&mut w, 30, |_| {});
+            match mutant {
+                None => assert!(w.broken.is_empty() && w.kv.roll.is_none(), "{:?}", w.broken),
+                Some(_) => assert!(kinds(&w).contains(&"minimum"), "{:?}", w.broken),
+            }
+        }
+
+        for mutant in [None, Some(Mutant::DeadlineAlwaysCounts)] {
+            // An operator pauses the roll once its new pods are all up.
+            let mut w = World::new(small(0, false, false, false), mutant);
+            let new_up = |w: &World| {
+                let n = w.kv.pods_of(Which::N);
+                !n.is_empty() && n.iter().all(|i| w.kv.up(*i))
+            };
+            run_rounds(&mut w, 30, |w| {
+                if w.kv.roll.as_ref().is_some_and(|r| r.started && !r.paused) && new_up(w) {
+                    apply(w, Event::Pause);
+                }
+            });
+            let paused = w.kv.roll.as_ref().is_some_and(|r| r.paused);
+            match mutant {
+                None => assert!(w.broken.is_empty() && paused, "{:?}", w.broken),
+                Some(_) => assert!(kinds(&w).contains(&"failed while up"), "{:?}", w.broken),
+            }
+        }
+
+        for mutant in [None, Some(Mutant::RevertsARevert)] {
+            // A bad deploy reverts itself; then every node falls sick, and the revert fails.
+            let mut w = World::new(small(0, true, true, false), mutant);
+            run_rounds(&mut w, 60, |w| {
+                if w.kv.roll.as_ref().is_some_and(|r| r.revert_of)
+                    && !w.kv.nodes.iter().all(|n| n.sick)
+                {
+                    for n in 0..w.nodes() {
+                        apply(w, Event::Sick(n));
+                    }
+                }
+            });
+            match mutant {
+                None => assert!(
+                    w.broken.is_empty() && w.kv.roll.as_ref().is_some_and(|r| r.failed),
+                    "{:?}\n  {}",
+                    w.broken,
+                    w.describe()
+                ),
+                Some(_) => assert!(
+                    kinds(&w).contains(&"revert of a revert"),
+                    "{:?}\n  {}",
+                    w.broken,
+                    w.describe()
+                ),
+            }
+        }
     }
 
     #[test]
@@ -887,7 +1048,11 @@ mod tests {
     /// counted pods.
     #[test]
     fn the_cluster_window_refuses_a_second_spend_of_the_same_room() {
-        for mutant in [None, Some(Mutant::BlindCharge)] {
+        for mutant in [
+            None,
+            Some(Mutant::BlindCharge),
+            Some(Mutant::UnchargedScaleDown),
+        ] {
             let setup = Setup {
                 canary: None,
                 auto_revert: false,
@@ -902,11 +1067,6 @@ mod tests {
                 apply(&mut w, Event::Farm(1));
                 apply(&mut w, Event::Tick);
             }
-            let owner = |w: &World, rc: Which| {
-                (0..FARMS)
-                    .find(|f| w.kv.own_lock.get(&rc) == Some(&w.farms[*f].session))
-                    .unwrap_or_else(|| panic!("{rc:?} unowned:\n  {}", w.describe()))
-            };
             let (fo, fx) = (owner(&w, Which::O), owner(&w, Which::X));
             // An operator scales O and X to nothing.
             apply(&mut w, Event::EditX(0));
@@ -919,6 +1079,16 @@ mod tests {
             assert!(apply(&mut w, Event::RcPass(fo, Which::O)).is_some());
             assert!(apply(&mut w, Event::RcPass(fx, Which::X)).is_some());
             let charges: Vec<u64> = w.pending.iter().map(|p| p.charge).collect();
+            if mutant == Some(Mutant::UnchargedScaleDown) {
+                // Charged nothing, so neither is refused: the checker counts the pods that
+                // left the KV, not the charges.
+                assert_eq!(charges, [0, 0]);
+                w.commit(0);
+                w.commit(0);
+                let what = w.broken.first().map(|b| b.0.clone()).unwrap_or_default();
+                assert_eq!(kind_of(&what), "budget", "{what:?}");
+                continue;
+            }
             assert_eq!(charges, [2, 2], "both planned from the same room of 2");
             let first = w.commit(0);
             let second = w.commit(0);

@@ -25,7 +25,8 @@ use crate::roll::{
 };
 use crate::scheduler::{NodeName, NodeSet};
 
-/// Nodes in the world.
+/// Nodes in the world of the random schedules (the exhaustive exploration's is smaller:
+/// [`World::with_nodes`]).
 pub const NODES: usize = 4;
 /// Farms in the world.
 pub const FARMS: usize = 2;
@@ -200,7 +201,7 @@ impl Kv {
     }
 
     pub fn pods_of(&self, w: Which) -> Vec<usize> {
-        (0..NODES)
+        (0..self.nodes.len())
             .filter(|n| self.nodes[*n].pod.is_some_and(|p| p.owner == w))
             .collect()
     }
@@ -326,6 +327,19 @@ pub enum Mutant {
     /// A node transfer's end leaves the RC's mutation lock held (a lock leak: neither the
     /// finishing commit nor a later pass releases it).
     KeepsTransferLock,
+    /// A scale-down's removals counted as free (`rctask::plan::removals` calling an
+    /// `Unschedule` uncounted): never capped by the room, never charged.
+    UnchargedScaleDown,
+    /// The roll planner shown a minimum of 0 whatever the roll's record says.
+    IgnoresMinimum,
+    /// An RC task's writes not guarded by the RC record's version they were planned from.
+    UnguardedRcWrites,
+    /// The roll's progress deadline counts whenever the roll waits (paused, or waiting for
+    /// room), not only while new pods are not up.
+    DeadlineAlwaysCounts,
+    /// A revert that fails is reverted in turn (its record keeps `auto_revert`, and a failure
+    /// reverts whatever rolls back).
+    RevertsARevert,
 }
 
 /// How a world starts.
@@ -362,8 +376,8 @@ pub struct World {
     pub pending: Vec<Pending>,
     pub now: u64,
     pub mutant: Option<Mutant>,
-    /// Counted removals committed, by every farm, as the checker logs them from the commits
-    /// (not from the window): (commit tick, farm, its process, how many).
+    /// Pods taken away, by every farm, as the checker sees them leave the KV at each commit
+    /// (not from the window or the charges): (commit tick, farm, its process, how many).
     pub removed: Vec<(u64, usize, u32, u64)>,
     pub broken: Vec<Broken>,
     /// Whether the roll was ever started.
@@ -395,8 +409,13 @@ fn node_index(name: &str) -> usize {
 
 impl World {
     pub fn new(setup: Setup, mutant: Option<Mutant>) -> World {
+        World::with_nodes(setup, mutant, NODES)
+    }
+
+    /// A world of `nodes` nodes (at least 3: O runs on the first two, X on the next ones).
+    pub fn with_nodes(setup: Setup, mutant: Option<Mutant>, nodes: usize) -> World {
         let mut kv = Kv {
-            nodes: (0..NODES)
+            nodes: (0..nodes)
                 .map(|_| NodeState {
                     eligible: true,
                     ..NodeState::default()
@@ -447,7 +466,7 @@ impl World {
         };
         place(&mut kv, 0, Which::O);
         place(&mut kv, 1, Which::O);
-        for n in 0..setup.x_replicas.min(2) as usize {
+        for n in 0..(setup.x_replicas as usize).min(nodes.saturating_sub(2)) {
             place(&mut kv, 2 + n, Which::X);
         }
         let mut world = World {
@@ -500,6 +519,11 @@ impl World {
             control_version: rv,
         });
         true
+    }
+
+    /// How many nodes the world has.
+    pub fn nodes(&self) -> usize {
+        self.kv.nodes.len()
     }
 
     fn break_(&mut self, what: String) {
@@ -597,7 +621,12 @@ impl World {
             // The cluster's removal window: the action is capped to the room the farm reads in
             // it now; the commit charges what its writes remove, and is refused if another
             // farm spent that room meanwhile.
-            let cost = removals(&action, &o);
+            let mut cost = removals(&action, &o);
+            if self.mutant == Some(Mutant::UnchargedScaleDown)
+                && matches!(action, Action::Unschedule(_))
+            {
+                cost.counted.clear();
+            }
             let granted = (cost.counted.len() as u64).min(self.kv.room(self.now));
             let action = within_grant(action, &cost, granted as usize)?;
             let counted: BTreeSet<NodeName> = cost
@@ -641,13 +670,17 @@ impl World {
                 incarnation: self.farms[f].incarnation,
                 session,
                 fence: Some(w),
-                guards: vec![Guard::RcVersion(w, self.kv.rcs[&w].version)],
+                guards: if self.mutant == Some(Mutant::UnguardedRcWrites) {
+                    Vec::new()
+                } else {
+                    vec![Guard::RcVersion(w, self.kv.rcs[&w].version)]
+                },
                 writes: Vec::new(),
                 charge: 0,
                 writer: Some(w),
                 release_transfer_lock: false,
                 what: format!("f{f} {w:?}: {action:?}"),
-                up_at_plan: (0..NODES).filter(|n| self.kv.up(*n)).collect(),
+                up_at_plan: (0..self.nodes()).filter(|n| self.kv.up(*n)).collect(),
             };
             let mut removed = 0;
             match &action {
@@ -737,12 +770,12 @@ impl World {
             .into_iter()
             .map(|n| (node_name(n), "web".to_string()))
             .collect();
-        let eligible: NodeSet = (0..NODES)
+        let eligible: NodeSet = (0..self.nodes())
             .filter(|n| self.kv.nodes[*n].eligible)
             .map(node_name)
             .collect();
         let transfer = self.kv.transfer.get(&w).copied();
-        let mut health: BTreeMap<NodeName, HealthStatus> = (0..NODES)
+        let mut health: BTreeMap<NodeName, HealthStatus> = (0..self.nodes())
             .filter_map(|n| self.health_of(n).map(|h| (node_name(n), h)))
             .collect();
         let health_in_use = !health.is_empty();
@@ -759,7 +792,7 @@ impl World {
             .map(node_name)
             .collect();
         let mut others: BTreeMap<String, Vec<(bool, NodeName)>> = BTreeMap::new();
-        for n in 0..NODES {
+        for n in 0..self.nodes() {
             if let Some(p) = self.kv.nodes[n].pod
                 && p.owner != w
             {
@@ -895,7 +928,11 @@ impl World {
             old_rc: roll.old.id(),
             new_rc: roll.new.id(),
             desired_replicas: roll.target,
-            minimum_replicas: roll.minimum,
+            minimum_replicas: if self.mutant == Some(Mutant::IgnoresMinimum) {
+                0
+            } else {
+                roll.minimum
+            },
             leave_old: false,
             roll_delay: Duration::ZERO,
         };
@@ -943,7 +980,12 @@ impl World {
         }
         let mut fail = false;
         if planned.action.is_none() {
-            match deadline_clock(planned.waiting.as_ref().map(|w| w.0), new) {
+            let clock = if self.mutant == Some(Mutant::DeadlineAlwaysCounts) {
+                DeadlineClock::Count
+            } else {
+                deadline_clock(planned.waiting.as_ref().map(|w| w.0), new)
+            };
+            match clock {
                 DeadlineClock::Restart => {
                     task.deadline_spent = 0;
                     task.counting_since = None;
@@ -974,7 +1016,7 @@ impl World {
             writer: None,
             release_transfer_lock: false,
             what: String::new(),
-            up_at_plan: (0..NODES).filter(|n| self.kv.up(*n)).collect(),
+            up_at_plan: (0..self.nodes()).filter(|n| self.kv.up(*n)).collect(),
         };
         if fail {
             if new.is_some_and(|c| c.healthy >= c.desired) {
@@ -985,7 +1027,8 @@ impl World {
                 ));
             }
             let mut r = roll.clone();
-            if r.auto_revert && !r.revert_of {
+            let reverts = self.mutant == Some(Mutant::RevertsARevert) || !r.revert_of;
+            if r.auto_revert && reverts {
                 // Replaced by its revert: the roll back to the old RC, under the same minimum.
                 let v = self.kv.index + 1;
                 r = RollRec {
@@ -998,7 +1041,7 @@ impl World {
                     paused: false,
                     canary: None,
                     failed: false,
-                    auto_revert: false,
+                    auto_revert: self.mutant == Some(Mutant::RevertsARevert),
                     revert_of: true,
                     control_version: v,
                 };
@@ -1185,7 +1228,6 @@ impl World {
         if let Some(w) = charged {
             self.kv.window = w;
             self.kv.window_version = index;
-            self.removed.push((self.now, f, p.incarnation, p.charge));
         }
         for wr in &p.writes {
             match wr {
@@ -1231,15 +1273,53 @@ impl World {
         {
             self.kv.mut_lock.remove(&w);
         }
-        self.check_commit(&before, &p);
+        let left = self.pods_that_left(&before, &p);
+        if left > 0 {
+            self.removed.push((self.now, f, p.incarnation, left));
+        }
+        self.check_commit(&before, &p, left);
         format!("committed: {}", p.what)
+    }
+
+    /// The pods a commit took away, from what the KV held before and holds now, not from
+    /// what the farm charged: a pod whose intent went or now asks for another manifest (what
+    /// ran there is stopped), but for a node transfer's end (the RC keeps its count: the
+    /// transfer's other pod stays), a roll's old RC giving up pods the roll retired (its
+    /// retirement paid for the capacity it loses), and a roll's new RC taking its old RC's
+    /// pod over (a roll's steps are never held by the window).
+    fn pods_that_left(&self, before: &Kv, p: &Pending) -> u64 {
+        let mut left = 0;
+        for n in 0..self.nodes() {
+            let Some(b) = before.nodes[n].pod else {
+                continue;
+            };
+            let after = self.kv.nodes[n].pod;
+            if after.is_some_and(|a| a.intent == b.intent) {
+                continue;
+            }
+            let transfer_end = before.transfer.contains_key(&b.owner)
+                && p.writes.contains(&Write::DeleteTransfer(b.owner));
+            let retired = before.rcs.get(&b.owner).is_some_and(|r| {
+                r.retire.is_some_and(|(roll, _)| {
+                    before
+                        .roll
+                        .as_ref()
+                        .is_some_and(|x| x.id() == roll && x.old == b.owner)
+                })
+            });
+            let taken_over = after.is_some_and(|a| before.rolled_onto(b.owner, a.owner));
+            if !(transfer_end || retired || taken_over) {
+                left += 1;
+            }
+        }
+        left
     }
 
     /// The promises a commit keeps: only an RC's own task writes its pods (but for the roll's
     /// takeover of given-up pods), no RC raised above its count, no roll's pods up taken below
     /// its minimum, no more counted removals by all farms together within a window than the
     /// cluster's limit.
-    fn check_commit(&mut self, before: &Kv, p: &Pending) {
+    fn check_commit(&mut self, before: &Kv, p: &Pending, left: u64) {
         if let Some(w) = p.writer {
             for wr in &p.writes {
                 let n = match wr {
@@ -1306,7 +1386,7 @@ impl World {
         // every process of it together, within the window of BUDGET_WINDOW ticks ending now
         // (time only goes forward, so checking the window ending at each commit checks every
         // window).
-        if p.charge > 0 {
+        if left > 0 {
             let recent: Vec<&(u64, usize, u32, u64)> = self
                 .removed
                 .iter()
@@ -1577,7 +1657,7 @@ impl World {
                 r.roll_lock_name(&self.kv),
             ));
         }
-        let nodes: Vec<String> = (0..NODES)
+        let nodes: Vec<String> = (0..self.nodes())
             .map(|n| {
                 let node = &self.kv.nodes[n];
                 format!(
