@@ -41,7 +41,8 @@ impl Explore {
     /// The smallest world: two farms, the roll's two RCs and X with one pod, three nodes; the
     /// farms', the nodes' and time's events, and the faults that start transfers, handovers
     /// and reverts (a session lost, a handover of each kind, a node sick and healed, X scaled
-    /// to nothing, P2's roller and an operator's pause).
+    /// to nothing, P2's roller taking the RCs' mutation locks one at a time and letting go, an
+    /// operator's pause and resume).
     pub fn smallest(setup: Setup, depth: usize) -> Explore {
         let nodes = 3;
         let mut alphabet = vec![Event::Tick];
@@ -59,7 +60,8 @@ impl Explore {
             Event::Sick(2),
             Event::Heal(2),
             Event::EditX(0),
-            Event::P2Holds,
+            Event::P2Takes(Which::O),
+            Event::P2Takes(Which::N),
             Event::P2Releases,
             Event::Pause,
             Event::Resume,

@@ -12,7 +12,8 @@
 //! pending), commits of pending writes (refused when their fence or guards no longer hold),
 //! node agents, time, and faults: session losses and crashes, handovers, nodes made ineligible
 //! or sick, edits of X's replicas, pauses and promotions, P2's roller holding both RCs'
-//! mutation locks, and P2's node-transfer lock. Each commit is checked:
+//! mutation locks (or taking them one at a time), and P2's node-transfer lock. Each commit is
+//! checked:
 //!
 //! - only an RC's own task writes its pods (the roll's new RC taking over what the roll's old
 //!   RC gave up is the one exception), and no RC is raised above its count;
@@ -98,6 +99,9 @@ pub enum Event {
     Promote,
     StartRoll,
     P2Holds,
+    /// P2's roller takes one RC's mutation lock (it takes them one at a time: between the two,
+    /// it holds one and waits for the other).
+    P2Takes(Which),
     P2Releases,
     Freeze(Which),
     Thaw(Which),
@@ -201,7 +205,12 @@ fn events() -> Vec<Event> {
         Event::Promote,
         Event::StartRoll,
     ];
-    v.extend([Event::P2Holds, Event::P2Releases]);
+    v.extend([
+        Event::P2Holds,
+        Event::P2Takes(Which::O),
+        Event::P2Takes(Which::N),
+        Event::P2Releases,
+    ]);
     for f in 0..FARMS {
         v.extend([
             Event::Farm(f),
@@ -335,6 +344,15 @@ pub fn apply(w: &mut World, e: Event) -> Option<String> {
             }
             w.kv.index += 1;
             Some("P2's roller holds O's and N's mutation locks".into())
+        }
+        Event::P2Takes(rc) => {
+            if w.kv.mut_lock.contains_key(&rc) {
+                return None;
+            }
+            w.kv.mut_lock
+                .insert(rc, (Session::OUTSIDE, Holder::P2Roller));
+            w.kv.index += 1;
+            Some(format!("P2's roller takes {rc:?}'s mutation lock"))
         }
         Event::P2Releases => {
             let before = w.kv.mut_lock.len();
