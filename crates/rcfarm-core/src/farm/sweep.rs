@@ -20,6 +20,8 @@ pub async fn sweep(
     all: bool,
 ) -> Result<usize, ConsulError> {
     let keys: Vec<String> = pods.iter().map(|(n, p)| intent_key(n, p)).collect();
+    // Taken before the read: a task's write that commits while it is in flight is kept.
+    let ticket = view.read_ticket();
     // Batched reads cost a request per 64 pods: 500 a minute for a farm with 33,000 pods, most
     // of a farm's idle load. Past a few batches, one listing of the whole intent tree is
     // cheaper in requests (Consul sends more bytes, once).
@@ -37,10 +39,11 @@ pub async fn sweep(
         consul.read_keys(&keys).await?
     };
     for ((node, pod), key) in pods.iter().zip(&keys) {
-        view.set(
+        view.set_read(
             node,
             pod,
             IntentState::from_value(found.get(key).map(|kv| kv.value_bytes())),
+            ticket,
         );
     }
     if all {

@@ -7,6 +7,8 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use parking_lot::RwLock;
 
 use crate::rc::Manifest;
@@ -44,22 +46,73 @@ pub fn intent_key(node: &str, pod_id: &str) -> String {
     format!("{INTENT_PREFIX}{node}/{pod_id}")
 }
 
+/// What the farm knows of one intent: what it was last read as or written as (`None`: the
+/// task removed it), and when (a tick of the view's own clock).
+#[derive(Debug)]
+struct Entry {
+    state: Option<IntentState>,
+    at: u64,
+}
+
+/// Invariant: an entry a task wrote is replaced only by a later write of its own or by a read
+/// that began after it ([`IntentView::read_ticket`]). A sweep's read that began before a
+/// task's write and ended after it would otherwise put the older intent back: the RC then
+/// sees its own new pod's intent as the old manifest, rewrites it (a repair), and counts that
+/// rewrite as a removal, since the node is believed to run another manifest (seen once under
+/// load: a roll's new RC held by the removal window it had no reason to touch).
 #[derive(Debug, Default)]
 pub struct IntentView {
-    entries: RwLock<BTreeMap<(String, String), IntentState>>,
+    entries: RwLock<BTreeMap<(String, String), Entry>>,
+    clock: AtomicU64,
 }
 
 impl IntentView {
-    pub fn set(&self, node: &str, pod_id: &str, state: IntentState) {
-        self.entries
-            .write()
-            .insert((node.to_string(), pod_id.to_string()), state);
+    fn tick(&self) -> u64 {
+        self.clock.fetch_add(1, Ordering::Relaxed) + 1
     }
 
+    /// A task's own write of the intent.
+    pub fn set(&self, node: &str, pod_id: &str, state: IntentState) {
+        let at = self.tick();
+        self.entries.write().insert(
+            (node.to_string(), pod_id.to_string()),
+            Entry {
+                state: Some(state),
+                at,
+            },
+        );
+    }
+
+    /// A task's own removal of the intent.
     pub fn remove(&self, node: &str, pod_id: &str) {
-        self.entries
-            .write()
-            .remove(&(node.to_string(), pod_id.to_string()));
+        let at = self.tick();
+        self.entries.write().insert(
+            (node.to_string(), pod_id.to_string()),
+            Entry { state: None, at },
+        );
+    }
+
+    /// Taken before a read of intents begins: what it read is recorded with it
+    /// ([`IntentView::set_read`]).
+    pub fn read_ticket(&self) -> u64 {
+        self.tick()
+    }
+
+    /// What a read that began at `ticket` found, unless the intent was written (or read by a
+    /// read that began) since.
+    pub fn set_read(&self, node: &str, pod_id: &str, state: IntentState, ticket: u64) {
+        let mut e = self.entries.write();
+        let key = (node.to_string(), pod_id.to_string());
+        if e.get(&key).is_some_and(|old| old.at > ticket) {
+            return;
+        }
+        e.insert(
+            key,
+            Entry {
+                state: Some(state),
+                at: ticket,
+            },
+        );
     }
 
     /// The nodes (of `nodes`) whose intent for `pod_id` was read as missing or different from
@@ -73,10 +126,15 @@ impl IntentView {
         let e = self.entries.read();
         nodes
             .into_iter()
-            .filter(|n| match e.get(&(n.to_string(), pod_id.to_string())) {
-                Some(IntentState::Digest(d)) => d != digest,
-                Some(_) => true,
-                None => false,
+            .filter(|n| {
+                match e
+                    .get(&(n.to_string(), pod_id.to_string()))
+                    .map(|x| &x.state)
+                {
+                    Some(Some(IntentState::Digest(d))) => d != digest,
+                    Some(Some(_)) => true,
+                    Some(None) | None => false,
+                }
             })
             .collect()
     }
@@ -86,7 +144,7 @@ impl IntentView {
     pub fn runs_other(&self, node: &str, pod_id: &str, digest: &str) -> bool {
         matches!(
             self.entries.read().get(&(node.to_string(), pod_id.to_string())),
-            Some(IntentState::Digest(d)) if d != digest
+            Some(Entry { state: Some(IntentState::Digest(d)), .. }) if d != digest
         )
     }
 
@@ -133,5 +191,34 @@ mod tests {
             IntentState::from_value(Some(b"id: web\n# reformatted\n")),
             IntentState::Digest(m.digest().into())
         );
+    }
+
+    /// A read that began before a task's own write does not put the older intent back; one
+    /// that began after it does (an operator may have changed it since).
+    #[test]
+    fn a_read_older_than_a_write_does_not_undo_it() {
+        let v = IntentView::default();
+        let (old, new) = (
+            Manifest::parse("id: web\nversion: old\n").unwrap(),
+            Manifest::parse("id: web\nversion: new\n").unwrap(),
+        );
+        let before = v.read_ticket();
+        v.set("a", "web", IntentState::Digest(new.digest().into()));
+        v.remove("b", "web");
+        v.set_read("a", "web", IntentState::Digest(old.digest().into()), before);
+        v.set_read("b", "web", IntentState::Digest(old.digest().into()), before);
+        assert!(v.bad("web", new.digest(), [NodeName::from("a")]).is_empty());
+        assert!(!v.runs_other("a", "web", new.digest()));
+        assert!(
+            !v.runs_other("b", "web", new.digest()),
+            "removed, not read since"
+        );
+
+        let after = v.read_ticket();
+        v.set_read("a", "web", IntentState::Digest(old.digest().into()), after);
+        assert!(v.runs_other("a", "web", new.digest()));
+        // An older read finishing last does not undo a newer read either.
+        v.set_read("a", "web", IntentState::Missing, before);
+        assert!(v.runs_other("a", "web", new.digest()));
     }
 }
