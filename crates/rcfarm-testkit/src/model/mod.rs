@@ -814,7 +814,7 @@ mod tests {
         // Seeds that reach each bug within a bounded run (the schedules of a seed are fixed).
         for (mutant, kind, seed, schedules) in [
             (Mutant::FinishNeedsLock, "deadlock", 1, 5_000),
-            (Mutant::AnyTakeover, "fencing", 3, 25_000),
+            (Mutant::AnyTakeover, "fencing", 1, 5_000),
             (Mutant::LabelsGuardedAtCommit, "fencing", 3, 5_000),
         ] {
             let r = check_parallel(
