@@ -206,7 +206,12 @@ const FARM_FLAGS: [&str; 2] = ["--max-removals", "1000"];
 
 async fn node_reads(c: &Cluster, g: &Group) -> bool {
     let owner = c.owner_farms().await[&g.id].clone();
-    c.metrics(&owner)
+    read_node_labels(c, &owner).await
+}
+
+/// Whether farm `farm` read the node tree for a decision.
+async fn read_node_labels(c: &Cluster, farm: &str) -> bool {
+    c.metrics(farm)
         .await
         .contains("rcfarm_decision_reads_total{view=\"node labels\"}")
 }
@@ -278,11 +283,8 @@ async fn right_after_a_handover_too(b: Backend) {
         // the RC over again since (seen in a loaded run), and only the removal of `moved`
         // reads node labels in this run's farms.
         let mut read = false;
-        for f in [&first, &format!("b{run}"), &format!("c{run}")] {
-            read |= c
-                .metrics(f)
-                .await
-                .contains("rcfarm_decision_reads_total{view=\"node labels\"}");
+        for f in [first.clone(), format!("b{run}"), format!("c{run}")] {
+            read |= read_node_labels(&c, &f).await;
         }
         assert!(read, "run {run}: the removal read the node tree first");
         // The next run starts from one farm again, with RCs of its own.

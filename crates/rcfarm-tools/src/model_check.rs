@@ -3,7 +3,6 @@
 //! exits 1 with a shrunk counterexample when a promise breaks or a world does not converge.
 
 use crate::CliError;
-use crate::farm::claims::Rule;
 use crate::model::explore::{Explore, explore};
 use crate::model::{Config, Mutant, Setup, check_parallel};
 
@@ -70,14 +69,7 @@ fn parse_mutant(s: &str) -> Result<Mutant, String> {
 fn run_explore(args: &ModelCheckArgs, depth: usize) -> Result<(), CliError> {
     let mut found = false;
     for (roll_later, bad_deploy) in [(false, false), (false, true), (true, false), (true, true)] {
-        let setup = Setup {
-            canary: None,
-            auto_revert: true,
-            x_replicas: 1,
-            bad_deploy,
-            roll_later,
-            rule: Rule::DEFAULT,
-        };
+        let setup = Setup::plain(1, bad_deploy, true, roll_later);
         let mut cfg = Explore::smallest(setup, depth);
         cfg.mutant = args.mutant;
         cfg.fair_schedules = args.fair_schedules;

@@ -221,12 +221,7 @@ impl Kind for RcKind {
     async fn before_release(&self, farm: &ClaimFarm<'_>, ids: &[RcId], last: bool) -> bool {
         let fence = registry::registration_fence(farm.session);
         // RCs already forgotten (at shutdown) are out of the count already.
-        let leaving: usize = ids
-            .iter()
-            .filter_map(|id| self.status.rc(*id))
-            .map(|s| s.current)
-            .sum();
-        let pods = self.status.pods_current().saturating_sub(leaving) as u64;
+        let pods = self.status.pods_current_without(ids) as u64;
         // At shutdown the tasks have stopped: only a roll's charge can hold the turn.
         let wait = if last {
             Duration::from_secs(10)

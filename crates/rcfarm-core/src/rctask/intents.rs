@@ -129,11 +129,11 @@ impl IntentView {
             .filter(|n| {
                 match e
                     .get(&(n.to_string(), pod_id.to_string()))
-                    .map(|x| &x.state)
+                    .and_then(|x| x.state.as_ref())
                 {
-                    Some(Some(IntentState::Digest(d))) => d != digest,
-                    Some(Some(_)) => true,
-                    Some(None) | None => false,
+                    Some(IntentState::Digest(d)) => d != digest,
+                    Some(_) => true,
+                    None => false,
                 }
             })
             .collect()

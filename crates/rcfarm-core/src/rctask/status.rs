@@ -160,6 +160,17 @@ impl StatusRegistry {
         self.rcs.read().current
     }
 
+    /// [`StatusRegistry::pods_current`] without the pods of `ids`, read at one instant.
+    pub fn pods_current_without(&self, ids: &[RcId]) -> usize {
+        let rcs = self.rcs.read();
+        let leaving: usize = ids
+            .iter()
+            .filter_map(|id| rcs.by_id.get(id))
+            .map(|s| s.current)
+            .sum();
+        rcs.current.saturating_sub(leaving)
+    }
+
     pub fn rcs(&self) -> Vec<RcStatus> {
         self.rcs.read().by_id.values().cloned().collect()
     }

@@ -132,7 +132,6 @@ pub fn explore(cfg: &Explore) -> Explored {
     // Each state's parent and the event that reached it, to rebuild a counterexample's path.
     let mut parents: Vec<(usize, Event)> = vec![(usize::MAX, Event::Tick)];
     let mut seen: HashSet<u128> = HashSet::from([fingerprint(&start)]);
-    let mut frontier: Vec<(usize, World)> = vec![(0, start.clone())];
     let path_to = |parents: &[(usize, Event)], mut i: usize| {
         let mut path = Vec::new();
         while i != 0 {
@@ -145,7 +144,11 @@ pub fn explore(cfg: &Explore) -> Explored {
     };
     // The calm states (faults stopped) from which each seed's fair schedule converged.
     let mut known: Vec<HashSet<u128>> = vec![HashSet::new(); cfg.fair_schedules as usize];
+    // `true` when every seed's fair schedule converges from `w` (none: nothing checked).
     let mut check_live = |w: &World, i: usize, parents: &[(usize, Event)], out: &mut Explored| {
+        if known.is_empty() {
+            return true;
+        }
         out.liveness_checked += 1;
         for (seed, known) in known.iter_mut().enumerate() {
             let mut w = w.clone();
@@ -164,12 +167,16 @@ pub fn explore(cfg: &Explore) -> Explored {
         }
         true
     };
-    if cfg.fair_schedules > 0 && !check_live(&start, 0, &parents, &mut out) {
-        out.states = seen.len();
-        out.seconds = started.elapsed().as_secs_f64();
-        return out;
-    }
+    let live_at_start = check_live(&start, 0, &parents, &mut out);
+    let mut frontier: Vec<(usize, World)> = if live_at_start {
+        vec![(0, start)]
+    } else {
+        Vec::new()
+    };
     'levels: for depth in 1..=cfg.depth {
+        if frontier.is_empty() {
+            break;
+        }
         let mut next = Vec::new();
         for (i, w) in &frontier {
             for e in &cfg.alphabet {
@@ -185,7 +192,7 @@ pub fn explore(cfg: &Explore) -> Explored {
                     out.counterexample = Some((b.0.clone(), path_to(&parents, j), state_of(&w2)));
                     break 'levels;
                 }
-                if cfg.fair_schedules > 0 && !check_live(&w2, j, &parents, &mut out) {
+                if !check_live(&w2, j, &parents, &mut out) {
                     break 'levels;
                 }
                 if seen.len() >= cfg.max_states {
@@ -197,9 +204,6 @@ pub fn explore(cfg: &Explore) -> Explored {
         }
         out.depth = depth;
         frontier = next;
-        if frontier.is_empty() {
-            break;
-        }
     }
     out.states = seen.len();
     out.seconds = started.elapsed().as_secs_f64();
@@ -420,17 +424,10 @@ impl Hasher for Fingerprint {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::farm::claims::Rule;
 
+    /// X with one pod.
     fn setup(roll_later: bool, bad_deploy: bool, auto_revert: bool) -> Setup {
-        Setup {
-            canary: None,
-            auto_revert,
-            x_replicas: 1,
-            bad_deploy,
-            roll_later,
-            rule: Rule::DEFAULT,
-        }
+        Setup::plain(1, bad_deploy, auto_revert, roll_later)
     }
 
     /// Two states that differ only in how far the index and the clock ran are one state; a

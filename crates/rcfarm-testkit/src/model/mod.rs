@@ -551,39 +551,41 @@ pub(crate) fn converge_remembering(
     seed: u64,
     rounds: usize,
     stats: &mut Report,
-    mut known: Option<&mut std::collections::HashSet<u128>>,
+    known: Option<&mut std::collections::HashSet<u128>>,
 ) -> Result<(), String> {
     calm(w);
     let mut rng = StdRng::seed_from_u64(seed);
     let mut passed = Vec::new();
-    let done = |known: &mut Option<&mut std::collections::HashSet<u128>>, passed: Vec<u128>| {
-        if let Some(k) = known.as_deref_mut() {
+    let converges = 'rounds: {
+        for _ in 0..rounds {
+            operators_answer_a_failed_roll(w);
+            if let Some(k) = known.as_deref() {
+                let fp = explore::fingerprint(w);
+                if k.contains(&fp) {
+                    break 'rounds true;
+                }
+                passed.push(fp);
+            }
+            for e in round(&mut rng, w.nodes()) {
+                stats.events += 1;
+                if let Some(did) = apply(w, e) {
+                    count(stats, &did);
+                }
+                if let Some(b) = w.broken.first() {
+                    return Err(b.0.clone());
+                }
+            }
+            if converged(w) {
+                break 'rounds true;
+            }
+        }
+        false
+    };
+    if converges {
+        if let Some(k) = known {
             k.extend(passed);
         }
-    };
-    for _ in 0..rounds {
-        operators_answer_a_failed_roll(w);
-        if let Some(k) = known.as_deref() {
-            let fp = explore::fingerprint(w);
-            if k.contains(&fp) {
-                done(&mut known, passed);
-                return Ok(());
-            }
-            passed.push(fp);
-        }
-        for e in round(&mut rng, w.nodes()) {
-            stats.events += 1;
-            if let Some(did) = apply(w, e) {
-                count(stats, &did);
-            }
-            if let Some(b) = w.broken.first() {
-                return Err(b.0.clone());
-            }
-        }
-        if converged(w) {
-            done(&mut known, passed);
-            return Ok(());
-        }
+        return Ok(());
     }
     Err(if settled(w) {
         format!(
@@ -880,17 +882,7 @@ mod tests {
     /// leak, not only where the leaked lock then blocks a roll (a deadlock).
     #[test]
     fn a_lock_left_held_is_a_lock_leak() {
-        let mut w = World::new(
-            Setup {
-                canary: None,
-                auto_revert: false,
-                x_replicas: 1,
-                bad_deploy: false,
-                roll_later: false,
-                rule: Rule::DEFAULT,
-            },
-            None,
-        );
+        let mut w = World::new(Setup::plain(1, false, false, false), None);
         let mut rng = StdRng::seed_from_u64(7);
         for _ in 0..Config::default().calm_rounds {
             if converged(&w) {
@@ -918,17 +910,6 @@ mod tests {
         );
         let kinds: Vec<&str> = r.counterexamples.iter().map(|c| kind_of(&c.what)).collect();
         assert!(kinds.contains(&"lock leak"), "{kinds:?}: {}", r.summary());
-    }
-
-    fn small(x_replicas: u64, bad_deploy: bool, auto_revert: bool, roll_later: bool) -> Setup {
-        Setup {
-            canary: None,
-            auto_revert,
-            x_replicas,
-            bad_deploy,
-            roll_later,
-            rule: Rule::DEFAULT,
-        }
     }
 
     /// Runs `rounds` fair rounds (faults not stopped), calling `after` after each event.
@@ -962,7 +943,7 @@ mod tests {
             |w: &World| -> Vec<&'static str> { w.broken.iter().map(|b| kind_of(&b.0)).collect() };
         for mutant in [None, Some(Mutant::UnguardedRcWrites)] {
             // X (one pod) scaled to 2 and, while its task's write is in flight, back to 1.
-            let mut w = World::new(small(1, false, false, true), mutant);
+            let mut w = World::new(Setup::plain(1, false, false, true), mutant);
             run_rounds(&mut w, 3, |_| {});
             let fx = owner(&w, Which::X);
             apply(&mut w, Event::EditX(2));
@@ -976,7 +957,7 @@ mod tests {
         }
 
         for mutant in [None, Some(Mutant::IgnoresMinimum)] {
-            let mut w = World::new(small(0, false, false, false), mutant);
+            let mut w = World::new(Setup::plain(0, false, false, false), mutant);
             run_rounds(&mut w, 30, |_| {});
             match mutant {
                 None => assert!(w.broken.is_empty() && w.kv.roll.is_none(), "{:?}", w.broken),
@@ -986,7 +967,7 @@ mod tests {
 
         for mutant in [None, Some(Mutant::DeadlineAlwaysCounts)] {
             // An operator pauses the roll once its new pods are all up.
-            let mut w = World::new(small(0, false, false, false), mutant);
+            let mut w = World::new(Setup::plain(0, false, false, false), mutant);
             let new_up = |w: &World| {
                 let n = w.kv.pods_of(Which::N);
                 !n.is_empty() && n.iter().all(|i| w.kv.up(*i))
@@ -1005,7 +986,7 @@ mod tests {
 
         for mutant in [None, Some(Mutant::RevertsARevert)] {
             // A bad deploy reverts itself; then every node falls sick, and the revert fails.
-            let mut w = World::new(small(0, true, true, false), mutant);
+            let mut w = World::new(Setup::plain(0, true, true, false), mutant);
             run_rounds(&mut w, 60, |w| {
                 if w.kv.roll.as_ref().is_some_and(|r| r.revert_of)
                     && !w.kv.nodes.iter().all(|n| n.sick)
@@ -1037,14 +1018,7 @@ mod tests {
         let mut stats = Report::default();
         let mut rng = StdRng::seed_from_u64(1);
         for x in 0..=2 {
-            let setup = Setup {
-                canary: None,
-                auto_revert: false,
-                x_replicas: x,
-                bad_deploy: false,
-                roll_later: false,
-                rule: Rule::DEFAULT,
-            };
+            let setup = Setup::plain(x, false, false, false);
             let (_, r) = run_schedule(
                 setup,
                 None,
@@ -1071,14 +1045,7 @@ mod tests {
             Some(Mutant::BlindCharge),
             Some(Mutant::UnchargedScaleDown),
         ] {
-            let setup = Setup {
-                canary: None,
-                auto_revert: false,
-                x_replicas: 2,
-                bad_deploy: false,
-                roll_later: true,
-                rule: Rule::DEFAULT,
-            };
+            let setup = Setup::plain(2, false, false, true);
             let mut w = World::new(setup, mutant);
             for _ in 0..4 {
                 apply(&mut w, Event::Farm(0));

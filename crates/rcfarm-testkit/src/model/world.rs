@@ -357,6 +357,20 @@ pub struct Setup {
     pub rule: Rule,
 }
 
+impl Setup {
+    /// A setup without a canary, under the default assignment rule.
+    pub fn plain(x_replicas: u64, bad_deploy: bool, auto_revert: bool, roll_later: bool) -> Setup {
+        Setup {
+            canary: None,
+            auto_revert,
+            x_replicas,
+            bad_deploy,
+            roll_later,
+            rule: Rule::DEFAULT,
+        }
+    }
+}
+
 /// A broken promise, with where.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Broken(pub String);
