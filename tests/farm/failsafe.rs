@@ -389,6 +389,9 @@ async fn a_bulk_edit_one_put_per_rc_is_limited_for_the_cluster(backend: Backend,
     // giving RCs back wrote its smaller count first, a handover could count them twice, and
     // the peak kept that sum: a limit of 6 on 24 pods, seen once in CI).
     println!("removed {removed}; the window: {w:?}");
+    if w.peak > 24 && !c.is_real() {
+        println!("{}", window_history(&c));
+    }
     assert!(w.peak <= 24, "a peak above the 24 pods: {w:?}");
     let now = chrono::Utc::now().timestamp();
     let st = w.recorded_settings().expect("the farms wrote the window");
@@ -405,6 +408,71 @@ async fn a_bulk_edit_one_put_per_rc_is_limited_for_the_cluster(backend: Backend,
         assert_eq!(fs["removal_limit"], 5, "f{f}: {fs}");
     }
     c.check_invariants(|_| false);
+}
+
+/// The embedded server's commits that tell how the window's counts came to be (to read after
+/// a failure): every write of the window key with its counts, every RC lock taken or given
+/// back, and every session that ended, by farm.
+fn window_history(c: &Cluster) -> String {
+    use rcfarm::server::Change;
+    let log = c.server.commit_log();
+    let mut farm_of: std::collections::HashMap<String, String> = Default::default();
+    let mut out = String::from("the window's history (index: what changed):\n");
+    let Some(t0) = log.first().map(|c| c.at) else {
+        return out;
+    };
+    for commit in &log {
+        let mut lines = Vec::new();
+        for ch in &commit.changes {
+            match ch {
+                Change::Put(k, e) if k.starts_with("rcfarm/farms/") => {
+                    if let (Some(s), Ok(v)) =
+                        (&e.session, serde_json::from_slice::<Value>(&e.value))
+                    {
+                        let f = v["farm_id"].as_str().unwrap_or("?").to_string();
+                        farm_of.insert(s.clone(), f.clone());
+                        lines.push(format!("{f} registered (session {s:.8})"));
+                    }
+                }
+                Change::Put(k, e) if k == rcfarm::budget::BUDGET_KEY => {
+                    let w = rcfarm::budget::Window::parse(&e.value);
+                    lines.push(match w {
+                        Ok(w) => format!(
+                            "window: farms {:?}, peak {}, limit {:?}, spent {:?}",
+                            w.farms
+                                .iter()
+                                .map(|(f, s)| (f.as_str(), s.pods))
+                                .collect::<Vec<_>>(),
+                            w.peak,
+                            w.limit,
+                            w.buckets
+                        ),
+                        Err(e) => format!("window unreadable: {e}"),
+                    });
+                }
+                Change::Put(k, e) if k.starts_with("lock/") && !k.contains("mutation") => {
+                    let who = e.session.as_ref().map_or("released".to_string(), |s| {
+                        farm_of.get(s).cloned().unwrap_or_else(|| format!("{s:.8}"))
+                    });
+                    lines.push(format!("{k}: {who}"));
+                }
+                Change::SessionDestroy(s) => {
+                    let f = farm_of.get(s).cloned().unwrap_or_else(|| format!("{s:.8}"));
+                    lines.push(format!("session of {f} ended"));
+                }
+                _ => {}
+            }
+        }
+        if !lines.is_empty() {
+            let ms = commit.at.duration_since(t0).as_millis();
+            out.push_str(&format!(
+                "{} (+{ms} ms): {}\n",
+                commit.index,
+                lines.join("; ")
+            ));
+        }
+    }
+    out
 }
 
 on_every_backend!(a_bulk_edit_one_put_per_rc_removes_at_most_5_on_one_farm);

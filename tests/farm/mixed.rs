@@ -217,11 +217,13 @@ async fn a_node_transfer_crosses_releases_both_ways(backend: Backend) {
 }
 
 on_every_backend!(the_clusters_removal_window_beside_a_farm_of_the_previous_release);
-/// Issue 45 across an upgrade: a farm of the previous release keeps its own budget in memory
-/// and does not charge the cluster's window; this release's farm charges it. A bulk edit
-/// written one PUT per RC on the mix removes at most the new farm's cluster limit plus the old
-/// farm's own (5 + 5 on the defaults), the key holds the new farm's removals within its limit,
-/// and the old farm never writes it.
+/// Issue 45 across an upgrade. A farm of a release before the cluster's window (e5f34ad) keeps
+/// its own budget in memory and never writes the key: a bulk edit written one PUT per RC on
+/// the mix removes at most the new farm's cluster limit plus the old farm's own (5 + 5 on the
+/// defaults), and the key holds the new farm's removals within its limit. A farm of a release
+/// with the window (9b6bfac) charges the same key: the mix removes at most the cluster's 5, and
+/// its count, written without the session this release records with each count, and the new
+/// farm's are both kept.
 async fn the_clusters_removal_window_beside_a_farm_of_the_previous_release(backend: Backend) {
     let Some(previous) = previous_bin() else {
         return;
@@ -296,10 +298,22 @@ async fn the_clusters_removal_window_beside_a_farm_of_the_previous_release(backe
         (1..=5).contains(&spent),
         "the new farm's removals, within the cluster's limit: {w:?}"
     );
-    assert!(
-        !w.farms.contains_key("old"),
-        "the previous release never writes the key: {w:?}"
-    );
+    match w.farms.get("old") {
+        None => assert!(
+            w.buckets.iter().map(|b| b.1).sum::<u64>() <= 5,
+            "the new farm's removals alone: {w:?}"
+        ),
+        Some(old) => {
+            assert!(
+                removed <= 5,
+                "{removed} removed under one cluster limit: {w:?}"
+            );
+            // Each release keeps the other's count (the old one drops the new one's session
+            // when it rewrites the key: the count is then kept while its farm is live).
+            assert_eq!(old.session, None, "{w:?}");
+            assert!(w.farms.contains_key("new"), "{w:?}");
+        }
+    }
 }
 
 on_both_backends!(a_farm_of_the_previous_release_holds_every_farm_to_rule_1);

@@ -121,11 +121,36 @@ pub struct Released {
 }
 
 /// A farm's count of the pods it serves, as the key records it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Served {
     pub pods: u64,
     /// Unix seconds.
     pub at: i64,
+    /// The session the farm held when it wrote the count. A farm whose session ended lost its
+    /// RCs with it, and registers again under the same farm id with a new session: its count
+    /// from before is then dropped by whoever writes next ([`Window::without_stale`]), not
+    /// kept until the farm itself writes again. Absent in counts written by farms of releases
+    /// before it (kept while their farm id is live, as those releases did).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session: Option<String>,
+}
+
+/// A farm's count as it writes it: its id, its session, the pods it serves now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Count<'a> {
+    pub farm: &'a str,
+    pub session: Option<&'a str>,
+    pub pods: u64,
+}
+
+impl Count<'_> {
+    fn served(self, now: i64) -> Served {
+        Served {
+            pods: self.pods,
+            at: now,
+            session: self.session.map(str::to_string),
+        }
+    }
 }
 
 /// The key's value.
@@ -274,11 +299,11 @@ impl Window {
         s: Settings,
         now: i64,
         n: u64,
-        farm: Option<(&str, u64)>,
+        farm: Option<Count<'_>>,
     ) -> Result<Window, u64> {
         let mut w = self.refreshed(s, now);
-        if let Some((id, pods)) = farm {
-            w.farms.insert(id.to_string(), Served { pods, at: now });
+        if let Some(c) = farm {
+            w.farms.insert(c.farm.to_string(), c.served(now));
             w = w.refreshed(s, now);
         }
         let room = w.room(s, now);
@@ -298,11 +323,28 @@ impl Window {
         Ok(w)
     }
 
-    /// The record after `farm` reports that it serves `pods` now.
-    pub fn report(&self, s: Settings, now: i64, farm: &str, pods: u64) -> Window {
+    /// The record after a farm reports the pods it serves now.
+    pub fn report(&self, s: Settings, now: i64, c: Count<'_>) -> Window {
         let mut w = self.clone();
-        w.farms.insert(farm.to_string(), Served { pods, at: now });
+        w.farms.insert(c.farm.to_string(), c.served(now));
         w.refreshed(s, now)
+    }
+
+    /// The record without the counts of farms that are not live (`live`: farm id → the
+    /// session its registration holds), nor those written under another session than the one
+    /// the farm's registration holds now: a farm whose session ended serves nothing (its locks
+    /// went with the session, and the farms that take its RCs over count them), whether or
+    /// not it registered again since. Counts without a session (farms of an older release)
+    /// are kept while their farm is live. `me`'s own count is kept: its write replaces it.
+    pub fn without_stale(&self, me: &str, live: &BTreeMap<String, String>) -> Window {
+        let mut w = self.clone();
+        w.farms.retain(|id, f| {
+            id == me
+                || live
+                    .get(id)
+                    .is_some_and(|s| f.session.as_ref().is_none_or(|fs| fs == s))
+        });
+        w
     }
 
     /// Whether `farm`'s count in the record is due to be written again: absent, off by more
@@ -385,6 +427,48 @@ impl Window {
 mod tests {
     use super::*;
 
+    fn count(farm: &str, pods: u64) -> Count<'_> {
+        Count {
+            farm,
+            session: None,
+            pods,
+        }
+    }
+
+    #[test]
+    fn a_count_written_under_an_ended_session_is_dropped_by_the_next_writer() {
+        let st = s(MaxRemovals::Percent(20), 300);
+        let at = |farm, session, pods| Count {
+            farm,
+            session: Some(session),
+            pods,
+        };
+        let w = Window::default()
+            .report(st, 0, at("a", "s-a1", 60))
+            .report(st, 0, at("b", "s-b", 40))
+            .report(st, 0, count("old", 10));
+        let live: BTreeMap<String, String> = [("a", "s-a2"), ("b", "s-b"), ("old", "s-o")]
+            .map(|(f, s)| (f.to_string(), s.to_string()))
+            .into();
+        // Farm a lost its session (and its RCs) and registered again: b drops its old count,
+        // keeps its own, and keeps the count without a session while its farm is live.
+        let pruned = w.without_stale("b", &live);
+        assert_eq!(pruned.farms.keys().collect::<Vec<_>>(), ["b", "old"]);
+        // Farm a's new count, written under its new session, is kept by the others.
+        let w = pruned.report(st, 1, at("a", "s-a2", 5));
+        assert_eq!(w.without_stale("b", &live).served(st, 1), 55);
+        // A farm no longer live is dropped whatever its session; the writer's own never is.
+        let gone = BTreeMap::from([("b".to_string(), "s-b".to_string())]);
+        assert_eq!(
+            w.without_stale("a", &gone).farms.keys().collect::<Vec<_>>(),
+            ["a", "b"]
+        );
+        // The session field round-trips, and a record without it (an older release's) reads.
+        assert_eq!(Window::parse(&w.to_bytes()).unwrap(), w);
+        let old = br#"{"farms":{"x":{"pods":3,"at":7}}}"#;
+        assert_eq!(Window::parse(old).unwrap().farms["x"].session, None);
+    }
+
     fn s(m: MaxRemovals, secs: u64) -> Settings {
         Settings {
             max_removals: m,
@@ -435,20 +519,24 @@ mod tests {
         let st = s(MaxRemovals::Percent(20), 300);
         let t = 5_000;
         let w = Window::default()
-            .report(st, t, "a", 60)
-            .report(st, t, "b", 40);
+            .report(st, t, count("a", 60))
+            .report(st, t, count("b", 40));
         assert_eq!(w.limit(st, t), Some(20));
         // Farm a scales down: the base stays the peak within the window.
-        let w = w.report(st, t + 10, "a", 10);
+        let w = w.report(st, t + 10, count("a", 10));
         assert_eq!(w.limit(st, t + 10), Some(20));
         // A window later, the base is what the farms serve now.
-        let w = w.report(st, t + 400, "a", 10).report(st, t + 400, "b", 40);
+        let w = w
+            .report(st, t + 400, count("a", 10))
+            .report(st, t + 400, count("b", 40));
         assert_eq!(w.limit(st, t + 400), Some(10));
         // Never under the floor.
-        let w = w.report(st, t + 800, "a", 1).report(st, t + 800, "b", 1);
+        let w = w
+            .report(st, t + 800, count("a", 1))
+            .report(st, t + 800, count("b", 1));
         assert_eq!(w.limit(st, t + 800), Some(MIN_REMOVALS));
         // A farm gone for a window no longer counts.
-        let w = Window::default().report(st, t, "gone", 1000);
+        let w = Window::default().report(st, t, count("gone", 1000));
         assert_eq!(w.served(st, t + 300), 0);
     }
 
@@ -458,7 +546,7 @@ mod tests {
         let mut w = Window::default();
         for i in 0..10_000 {
             w = w
-                .charge(st, 1_000 + i / 10, 7, Some(("farm-a", 500_000)))
+                .charge(st, 1_000 + i / 10, 7, Some(count("farm-a", 500_000)))
                 .unwrap();
         }
         // One bucket per 10 s at most, whatever was removed.
@@ -480,7 +568,7 @@ mod tests {
     #[test]
     fn a_report_is_due_when_absent_off_by_a_tenth_or_old() {
         let st = s(MaxRemovals::Percent(20), 300);
-        let w = Window::default().report(st, 0, "a", 100);
+        let w = Window::default().report(st, 0, count("a", 100));
         assert!(!w.report_due(st, 10, "a", 105));
         assert!(w.report_due(st, 10, "a", 111));
         assert!(w.report_due(st, 150, "a", 100));

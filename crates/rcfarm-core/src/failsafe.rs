@@ -17,7 +17,7 @@
 //! window and the tripwire are pure (time is an input) and unit-tested; [`Failsafe`] shares
 //! them in a farm.
 
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
@@ -25,7 +25,7 @@ use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
-use crate::budget::{BUDGET_KEY, Settings, Window};
+use crate::budget::{BUDGET_KEY, Count, Settings, Window};
 pub use crate::budget::{MIN_REMOVALS, MaxRemovals};
 use crate::clock::Clock;
 use crate::consul::{
@@ -369,9 +369,12 @@ pub struct FailsafeStatus {
 struct State {
     /// The pods this farm serves now (what it reports into the window key).
     served: u64,
-    /// The farms the registry holds, as this farm last saw it (`None`: not seen yet). A
-    /// farm's count of the pods it serves is kept in the window key only while it is live.
-    live: Option<BTreeSet<String>>,
+    /// The farms the registry holds, as this farm last saw it: farm id → the session its
+    /// registration holds (`None`: not seen yet). A farm's count of the pods it serves is kept
+    /// in the window key only while it is live under the session it wrote it with.
+    live: Option<BTreeMap<String, String>>,
+    /// The session this farm serves under now: written with its count.
+    session: Option<String>,
     tripwire: Tripwire,
     /// RCs and rolls held now (`rc:<id>`, `roll:<id>`).
     held: BTreeSet<String>,
@@ -494,22 +497,37 @@ impl Failsafe {
         self.state.lock().served = pods;
     }
 
-    /// The farms the registry holds now (their ids). Every write of the window key drops the
-    /// counts of the others: a farm whose session ended serves nothing, and the farms that
-    /// take its RCs over count them once they hold their locks, which is after its session
-    /// (and with it its registration) ended. Kept, its count would add those pods twice to
-    /// the base of a percentage, and the peak would keep them for the whole window.
-    pub fn set_live_farms(&self, live: BTreeSet<String>) {
+    /// The farms the registry holds now: farm id → the session its registration holds. Every
+    /// write of the window key drops the counts of the others, and those written under a
+    /// session that ended ([`Window::without_stale`]): a farm whose session ended serves
+    /// nothing, and the farms that take its RCs over count them once they hold their locks,
+    /// which is after its session ended. Kept, its count would add those pods twice to the
+    /// base of a percentage, and the peak would keep them for the whole window.
+    pub fn set_live_farms(&self, live: BTreeMap<String, String>) {
         self.state.lock().live = Some(live);
     }
 
-    /// `w` as this farm writes it: without the counts of farms it does not see live.
-    fn pruned(&self, mut w: Window, s: &State) -> Window {
-        if let Some(live) = &s.live {
-            w.farms
-                .retain(|id, _| *id == self.farm_id || live.contains(id));
+    /// The session this farm serves under from now on (written with its count).
+    pub fn set_session(&self, session: &str) {
+        self.state.lock().session = Some(session.to_string());
+    }
+
+    /// `w` as this farm writes it: without the counts of farms it does not see live under the
+    /// session they wrote them with.
+    fn pruned(&self, w: Window, s: &State) -> Window {
+        match &s.live {
+            Some(live) => w.without_stale(&self.farm_id, live),
+            None => w,
         }
-        w
+    }
+
+    /// This farm's count as it writes it now.
+    fn count<'a>(&'a self, s: &'a State) -> Count<'a> {
+        Count {
+            farm: &self.farm_id,
+            session: s.session.as_deref(),
+            pods: s.served,
+        }
     }
 
     /// A read of the window key (a watch's answer, or a read after a lost `cas`): kept unless
@@ -628,7 +646,7 @@ impl Failsafe {
                 let Cached::At(Ok(w), index) = c else {
                     return Err(ChargeError::Held(self.held_reason(&s)));
                 };
-                let farm = Some((self.farm_id.as_str(), s.served));
+                let farm = Some(self.count(&s));
                 let w = self.pruned(w, &s);
                 match w.charge(self.settings(), self.now_s(), n, farm) {
                     Ok(next) => (next, index),
@@ -730,19 +748,19 @@ impl Failsafe {
             }
             let st = self.settings();
             let now = self.now_s();
-            let (w, index, pods) = {
+            let (next, index) = {
                 let s = self.state.lock();
                 // A key that cannot be read holds every removal until an operator writes it
                 // anew (`rcctl farm release-removals`), with no farm's count in it.
                 let Cached::At(Ok(w), index) = self.cluster.lock().clone() else {
                     return Ok(Reported::Unneeded);
                 };
-                (self.pruned(w, &s), index, s.served)
+                let w = self.pruned(w, &s);
+                if !due(&w, st, now, &self.farm_id, s.served) {
+                    return Ok(Reported::Unneeded);
+                }
+                (w.report(st, now, self.count(&s)), index)
             };
-            if !due(&w, st, now, &self.farm_id, pods) {
-                return Ok(Reported::Unneeded);
-            }
-            let next = w.report(st, now, &self.farm_id, pods);
             let txn = FencedTxn::fenced(fence.clone()).charge(TxnOp::cas(
                 BUDGET_KEY,
                 next.to_bytes(),
@@ -923,6 +941,14 @@ mod tests {
 
     const W: Duration = Duration::from_secs(300);
 
+    fn farm_a(pods: u64) -> Count<'static> {
+        Count {
+            farm: "farm-a",
+            session: None,
+            pods,
+        }
+    }
+
     #[test]
     fn max_removals_parses_counts_percentages_and_off() {
         assert_eq!("20%".parse(), Ok(MaxRemovals::Percent(20)));
@@ -948,14 +974,14 @@ mod tests {
         };
         let t0 = 1_000_000;
         // The farms serve 1,000 pods: 200 per window.
-        let mut w = Window::default().report(st, t0, "farm-a", 1000);
+        let mut w = Window::default().report(st, t0, farm_a(1000));
         let (mut left, mut now, mut windows) = (500u64, t0, 0);
         while left > 0 {
             // The farm writes its count again at least every half window.
-            w = w.report(st, now, "farm-a", 1000);
+            w = w.report(st, now, farm_a(1000));
             let got = w.room(st, now).min(left);
             assert!(got <= 200, "{got}");
-            w = w.charge(st, now, got, Some(("farm-a", 1000))).unwrap();
+            w = w.charge(st, now, got, Some(farm_a(1000))).unwrap();
             left -= got;
             if left > 0 {
                 now = w.room_at(st, now).unwrap();
@@ -1507,6 +1533,13 @@ mod tests {
             Failsafe::new("farm-b", cfg),
             Failsafe::new("farm-gone", cfg),
         );
+        a.set_session("s-a1");
+        b.set_session("s-b");
+        let live = |a_session: &str| {
+            [("farm-a", a_session), ("farm-b", "s-b")]
+                .map(|(f, s)| (f.to_string(), s.to_string()))
+                .into()
+        };
         for (f, pods) in [(&a, 20), (&b, 20), (&gone, 60)] {
             f.set_served(pods);
             assert!(f.report_served(&consul, fence()).await.unwrap());
@@ -1542,7 +1575,7 @@ mod tests {
         drop(turn);
         assert_eq!(read().await.farms["farm-a"].pods, 18, "not written");
         // b takes the RC over and counts it; the sum never held those 2 pods twice.
-        b.set_live_farms(["farm-a", "farm-b"].map(String::from).into());
+        b.set_live_farms(live("s-a1"));
         b.set_served(22);
         b.report_before_release(&consul, fence(), 22, wait)
             .await
@@ -1556,6 +1589,17 @@ mod tests {
             "a farm not in the registry drops out: {w:?}"
         );
         assert_eq!(w.served(b.settings(), b.now_s()), 18 + 22, "{w:?}");
+        // a's session ends (its locks with it: b takes its RCs over, 18 pods) and a registers
+        // again under a new session before it has written anything: b's next write drops the
+        // count a wrote under the session that ended, or those 18 pods would count twice.
+        b.set_live_farms(live("s-a2"));
+        b.set_served(40);
+        let txn = FencedTxn::fenced(fence()).op(TxnOp::set("t/y", b"y".to_vec()));
+        b.commit_charged(&consul, 1, txn, &send).await.unwrap();
+        let w = read().await;
+        assert!(!w.farms.contains_key("farm-a"), "{w:?}");
+        assert_eq!(w.farms["farm-b"].session.as_deref(), Some("s-b"));
+        assert_eq!(w.served(b.settings(), b.now_s()), 40, "{w:?}");
         server.shutdown().await;
     }
 }

@@ -466,6 +466,7 @@ impl Farm {
             };
             backoff.reset();
             started = true;
+            self.failsafe.set_session(session.id());
             let (locks_tx, locks_rx) = watch::channel(Arc::new(LockView::default()));
             let roll_ctx = Arc::new(RollContext {
                 consul: self.consul.clone(),
@@ -999,8 +1000,12 @@ impl Farm {
             };
         };
         let farms = registry::live_farms(&snap.value);
-        self.failsafe
-            .set_live_farms(farms.iter().map(|f| f.farm_id.clone()).collect());
+        self.failsafe.set_live_farms(
+            farms
+                .iter()
+                .map(|f| (f.farm_id.clone(), f.session.to_string()))
+                .collect(),
+        );
         let live: BTreeSet<String> = farms.into_iter().map(|f| f.session.into()).collect();
         self.readers
             .store(live.len().max(1), std::sync::atomic::Ordering::Relaxed);
