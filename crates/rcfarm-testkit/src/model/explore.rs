@@ -42,7 +42,7 @@ impl Explore {
     /// farms', the nodes' and time's events, and the faults that start transfers, handovers
     /// and reverts (a session lost, a handover of each kind, a node sick and healed, X scaled
     /// to nothing, P2's roller taking the RCs' mutation locks one at a time and letting go, an
-    /// operator's pause and resume).
+    /// operator's pause and resume, and an operator disabling or enabling O or N by hand).
     pub fn smallest(setup: Setup, depth: usize) -> Explore {
         let nodes = 3;
         let mut alphabet = vec![Event::Tick];
@@ -65,6 +65,8 @@ impl Explore {
             Event::P2Releases,
             Event::Pause,
             Event::Resume,
+            Event::Flip(Which::O),
+            Event::Flip(Which::N),
         ]);
         if setup.roll_later {
             alphabet.push(Event::StartRoll);
@@ -376,6 +378,7 @@ pub fn fingerprint(w: &World) -> u128 {
         }
     }
     w.rolled.hash(&mut h);
+    w.flipped.hash(&mut h);
     h.finish128()
 }
 

@@ -396,6 +396,10 @@ pub struct World {
     pub broken: Vec<Broken>,
     /// Whether the roll was ever started.
     pub rolled: bool,
+    /// RCs an operator enabled or disabled by hand (`rcctl rc enable|disable`): the flag as it
+    /// was before, and as the operator left it. Once the faults stop the operator undoes it
+    /// (`calm`), unless a write since made the flag what it is.
+    pub flipped: BTreeMap<Which, (bool, bool)>,
     next_transfer: u64,
     rc_cache: HashMap<RcShape, Arc<Rc>>,
 }
@@ -502,6 +506,7 @@ impl World {
             removed: Vec::new(),
             broken: Vec::new(),
             rolled: false,
+            flipped: BTreeMap::new(),
             next_transfer: 0,
             rc_cache: HashMap::new(),
         };
