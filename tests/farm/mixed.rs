@@ -75,17 +75,6 @@ async fn an_operators_day_across_an_upgrade(backend: Backend) {
     let Some(previous) = previous_bin() else {
         return;
     };
-    if matches!(backend, Backend::Embedded(rcfarm::server::Compat::V1)) {
-        // The previous release caches a label it rewrote unchanged at the transaction's index;
-        // Consul 1.x keeps the key's (0.7 moves it), so that farm's next write guarded by the
-        // label fails for ever (`behind_the_back::a_pod_repaired_under_an_unchanged_label_…`
-        // pins the fix). Its repair after a handover makes that likely here: on 1.x a mixed
-        // cluster can jam on the previous release's own bug, which upgrading it removes.
-        eprintln!(
-            "SKIPPED on Consul 1.x semantics: the previous release's stale-label bug (fixed in this one) jams it there"
-        );
-        return;
-    }
     let mut c = Cluster::start_on(&backend).await;
     nodes(&c, 6, 2).await;
     let _sim = c.simulate_failing(6, "broken");
