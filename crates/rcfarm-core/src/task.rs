@@ -271,6 +271,20 @@ mod tests {
         let seen = run.await.unwrap();
         assert_eq!(seen[1], (7, t0 + Duration::from_secs(5)));
 
+        // Requeued for a minute (an RC whose removals are held): a wake 5 s in (room came
+        // back, an operator released them) passes at once.
+        let t0 = Instant::now();
+        let (mut s, _tx, _) = script(vec![Next::Requeue(MIN)]);
+        let wake = s.inbox.wake.clone();
+        let run = tokio::spawn(async move {
+            drive(&mut s).await;
+            s.seen
+        });
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        wake.notify_one();
+        let seen = run.await.unwrap();
+        assert_eq!(seen[1], (0, t0 + Duration::from_secs(5)));
+
         // Held for 30 s (an error's backoff): a change or a wake waits for the hold.
         let hold = |change_lifts| Next::Hold {
             after: MIN,

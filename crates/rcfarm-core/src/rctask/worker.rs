@@ -43,8 +43,12 @@ pub struct TaskConfig {
 pub(super) enum Pass {
     /// Nothing left to do.
     Settled,
-    /// The desires cannot be met now (or removals are held): looked at again within seconds.
+    /// The desires cannot be met now: looked at again within seconds.
     Unmet,
+    /// Removals are held (the cluster's window has no room, or the tripwire holds them): looked
+    /// at again within seconds, and at once when woken (room came back, an operator released
+    /// them, the tripwire let go).
+    Held,
     /// The cap on actions was reached with more to do.
     Again,
 }
@@ -236,9 +240,14 @@ pub(super) enum Policy {
     Fenced,
     /// Settled: look again at the resync, at once on a change.
     Resync,
-    /// Desires unmet or removals held: at the resync, and not sooner than the unmet pacing
-    /// unless the RC itself changes.
+    /// Desires unmet: at the resync, and not sooner than the unmet pacing unless the RC itself
+    /// changes.
     PacedUnmet,
+    /// Removals held: within the unmet pacing, sooner when the RC changes or the farm wakes the
+    /// task. A hold would keep a woken task waiting out its pacing while the tasks that were
+    /// not held take the room that came back (seen in a chaos run: an RC scaled to 0 held for
+    /// 20 s across two operator releases).
+    Held,
     /// The cap on actions per pass, with more to do: soon, a little later each time in a row.
     Again,
     /// The RC changed during the pass: plan again with the new version, shortly.
@@ -256,6 +265,7 @@ pub(super) fn policy(result: Option<&Result<Pass, TaskError>>) -> Policy {
         None => Policy::Deleted,
         Some(Ok(Pass::Settled)) => Policy::Resync,
         Some(Ok(Pass::Unmet)) => Policy::PacedUnmet,
+        Some(Ok(Pass::Held)) => Policy::Held,
         Some(Ok(Pass::Again)) => Policy::Again,
         Some(Err(TaskError::Stale)) => Policy::Stale,
         Some(Err(TaskError::Fenced)) => Policy::Fenced,
@@ -317,6 +327,10 @@ impl crate::task::Reconciler for Worker {
                     at: now + self.unmet_backoff.next_delay(),
                     change_lifts: true,
                 }
+            }
+            Policy::Held => {
+                self.backoff.reset();
+                Next::Requeue(self.unmet_backoff.next_delay())
             }
             // Nothing is settled (its conditions stay as they are) and the next pass comes
             // soon, a little later each time in a row, so a plan that never settles cannot
@@ -486,9 +500,9 @@ impl Worker {
             }
         }
         if held.is_some() {
-            // Paced like unmet desires: looked at again within seconds (the window slides,
-            // or an operator releases), and at once when the RC changes.
-            result = Ok(Pass::Unmet);
+            // Looked at again within seconds (the window slides), and at once when the RC
+            // changes or the farm wakes the task (room came back, an operator released).
+            result = Ok(Pass::Held);
         }
         metrics::counter!("rcfarm_converge_passes_total").increment(1);
         metrics::histogram!("rcfarm_converge_pass_seconds").record(started.elapsed().as_secs_f64());
@@ -854,6 +868,11 @@ mod tests {
                 "unmet: paced, a change of the RC lifts the pacing",
                 Some(Ok(Pass::Unmet)),
                 Policy::PacedUnmet,
+            ),
+            (
+                "removals held: paced, but a wake (room back, a release) passes at once",
+                Some(Ok(Pass::Held)),
+                Policy::Held,
             ),
             (
                 "the cap on actions with more to do: soon, backing off (bug 23a)",
