@@ -46,8 +46,7 @@ pub(super) enum Pass {
     /// The desires cannot be met now: looked at again within seconds.
     Unmet,
     /// Removals are held (the cluster's window has no room, or the tripwire holds them): looked
-    /// at again within seconds, and at once when woken (room came back, an operator released
-    /// them, the tripwire let go).
+    /// at again when woken (room came back, an operator released them, the tripwire let go).
     Held,
     /// The cap on actions was reached with more to do.
     Again,
@@ -243,10 +242,11 @@ pub(super) enum Policy {
     /// Desires unmet: at the resync, and not sooner than the unmet pacing unless the RC itself
     /// changes.
     PacedUnmet,
-    /// Removals held: within the unmet pacing, sooner when the RC changes or the farm wakes the
-    /// task. A hold would keep a woken task waiting out its pacing while the tasks that were
-    /// not held take the room that came back (seen in a chaos run: an RC scaled to 0 held for
-    /// 20 s across two operator releases).
+    /// Removals held: at the resync, and at once when the RC changes or the farm wakes the task
+    /// (its failsafe look, every half second, wakes the tasks when room comes back). Not held
+    /// like unmet desires: a hold would keep a woken task waiting out its pacing while the
+    /// tasks that were not held take the room that came back (seen in a chaos run: an RC
+    /// scaled to 0 held for 20 s across two operator releases).
     Held,
     /// The cap on actions per pass, with more to do: soon, a little later each time in a row.
     Again,
@@ -330,7 +330,7 @@ impl crate::task::Reconciler for Worker {
             }
             Policy::Held => {
                 self.backoff.reset();
-                Next::Requeue(self.unmet_backoff.next_delay())
+                Next::Requeue(resync)
             }
             // Nothing is settled (its conditions stay as they are) and the next pass comes
             // soon, a little later each time in a row, so a plan that never settles cannot
@@ -500,8 +500,8 @@ impl Worker {
             }
         }
         if held.is_some() {
-            // Looked at again within seconds (the window slides), and at once when the RC
-            // changes or the farm wakes the task (room came back, an operator released).
+            // Looked at again when the RC changes or the farm wakes the task (the window slid,
+            // an operator released), and at the resync.
             result = Ok(Pass::Held);
         }
         metrics::counter!("rcfarm_converge_passes_total").increment(1);
@@ -870,7 +870,7 @@ mod tests {
                 Policy::PacedUnmet,
             ),
             (
-                "removals held: paced, but a wake (room back, a release) passes at once",
+                "removals held: at the resync, at once on a wake (room back, a release)",
                 Some(Ok(Pass::Held)),
                 Policy::Held,
             ),
