@@ -948,7 +948,9 @@ impl Farm {
                     owned.recheck_due();
                     dirty = true;
                 }
-                _ = tokio::time::sleep_until(next_sweep) => {}
+                // Only while a sweep can run: in doubt (or not synced) a sweep past due would
+                // answer at once, every time, and the loop would spin until the doubt ends.
+                _ = tokio::time::sleep_until(next_sweep), if ready && !in_doubt => {}
             }
         }
     }
