@@ -237,6 +237,8 @@ pub(crate) struct Inner {
     /// What Consul asked for in TLS handshakes, to explain a refused one.
     pub(crate) tls_seen: Arc<HandshakeSeen>,
     pub(crate) stats: ClientStats,
+    /// Where requests go instead of the network ([`Consul::over`]).
+    pub(crate) port: Option<Arc<dyn super::port::Port>>,
 }
 
 impl std::fmt::Debug for Consul {
@@ -249,6 +251,20 @@ impl std::fmt::Debug for Consul {
 
 impl Consul {
     pub fn new(cfg: ConsulConfig) -> Result<Self> {
+        Self::build(cfg, None)
+    }
+
+    /// A client whose every request goes to `port` rather than to `cfg.address` (the address
+    /// still names Consul in errors and logs). The timeouts, retries and connection bounds of
+    /// `cfg` apply as over the network.
+    pub fn over(cfg: ConsulConfig, port: Arc<dyn super::port::Port>) -> Result<Self> {
+        Self::build(cfg, Some(port))
+    }
+
+    pub(crate) fn build(
+        cfg: ConsulConfig,
+        port: Option<Arc<dyn super::port::Port>>,
+    ) -> Result<Self> {
         init_tls();
         let base = normalize_address(&cfg.address)?;
         let max_conns = cfg.max_conns.max(2);
@@ -295,6 +311,7 @@ impl Consul {
                 token,
                 tls_seen: tls.seen,
                 stats: ClientStats::default(),
+                port,
             }),
         })
     }

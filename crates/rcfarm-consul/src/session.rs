@@ -251,8 +251,22 @@ impl RenewLoop {
 /// claimed again (a million pods on the embedded server: every farm lost its session, each
 /// renewal "no answer within 2.5 s"). On its own thread the renewal waits only for the
 /// kernel's scheduler, which wakes a thread that mostly sleeps promptly.
+///
+/// Over a [`crate::Port`] (an in-memory Consul, in the caller's runtime and on its clock) the
+/// renewer is a task of the caller's runtime instead, on the same client: a thread of its own
+/// would renew on the wall clock, past the port.
 fn start_renewer(mut r: RenewLoop) -> tokio::sync::oneshot::Receiver<()> {
     let (done_tx, done_rx) = tokio::sync::oneshot::channel();
+    if r.consul.inner.port.is_some() {
+        tokio::spawn(
+            async move {
+                renew_loop(r).await;
+                let _ = done_tx.send(());
+            }
+            .instrument(tracing::Span::current()),
+        );
+        return done_rx;
+    }
     let (id, lost, reason) = (r.id.clone(), r.lost.clone(), r.reason.clone());
     let span = tracing::Span::current();
     let spawned = std::thread::Builder::new()

@@ -159,44 +159,30 @@ impl Consul {
             // A blocking query's time is how long nothing changed, not latency: not timed.
             let started = (!blocking).then(std::time::Instant::now);
             let mut http_status = None;
-            let (err, may_retry) = match request.send().await {
-                Ok(resp) => {
-                    let status = resp.status();
+            let (err, may_retry) = match self.send(request, reading.size_hint).await {
+                Ok((status, headers, body)) => {
                     http_status = Some(status.as_u16());
-                    let headers = resp.headers().clone();
-                    match read_body(resp, reading.size_hint).await {
-                        Ok(body) => {
-                            // hyper puts the connection back in the pool from a task of its
-                            // own once the body is done; let it run before the permit goes,
-                            // or the next request finds no idle connection and opens one more.
-                            tokio::task::yield_now().await;
-                            if let Some(t) = started {
-                                metrics::histogram!("rcfarm_consul_request_duration_seconds", "endpoint" => endpoint)
-                                    .record(t.elapsed().as_secs_f64());
-                            }
-                            let raw = Raw {
-                                status,
-                                headers,
-                                body,
-                            };
-                            match self.generic_error(&raw) {
-                                None => return Ok(raw),
-                                Some(e) => {
-                                    let retry_ok = e.is_retryable() && retry == Retry::Idempotent;
-                                    (e, retry_ok)
-                                }
-                            }
+                    if let Some(t) = started {
+                        metrics::histogram!("rcfarm_consul_request_duration_seconds", "endpoint" => endpoint)
+                            .record(t.elapsed().as_secs_f64());
+                    }
+                    let raw = Raw {
+                        status,
+                        headers,
+                        body,
+                    };
+                    match self.generic_error(&raw) {
+                        None => return Ok(raw),
+                        Some(e) => {
+                            let retry_ok = e.is_retryable() && retry == Retry::Idempotent;
+                            (e, retry_ok)
                         }
-                        Err(e) => (self.unavailable(e.to_string()), retry == Retry::Idempotent),
                     }
                 }
-                Err(e) => {
-                    let never_sent = e.is_connect();
-                    (
-                        self.unavailable(self.describe_transport(&e)),
-                        retry == Retry::Idempotent || never_sent,
-                    )
-                }
+                Err(Unsent { reason, never_sent }) => (
+                    self.unavailable(reason),
+                    retry == Retry::Idempotent || never_sent,
+                ),
             };
             self.inner.stats.errors.fetch_add(1, Ordering::Relaxed);
             // Consul's rate limiter answers 429: told apart from other unavailability, since
@@ -213,6 +199,91 @@ impl Consul {
             }
             tracing::debug!(endpoint, attempt, error = %err, "retrying Consul request");
             tokio::time::sleep(backoff.next_delay()).await;
+        }
+    }
+
+    /// Sends one request: over the network, or to the client's [`super::port::Port`].
+    async fn send(
+        &self,
+        request: reqwest::RequestBuilder,
+        size_hint: usize,
+    ) -> std::result::Result<(StatusCode, reqwest::header::HeaderMap, Bytes), Unsent> {
+        let Some(port) = &self.inner.port else {
+            return match request.send().await {
+                Ok(resp) => {
+                    let status = resp.status();
+                    let headers = resp.headers().clone();
+                    match read_body(resp, size_hint).await {
+                        Ok(body) => {
+                            // hyper puts the connection back in the pool from a task of its
+                            // own once the body is done; let it run before the permit goes,
+                            // or the next request finds no idle connection and opens one more.
+                            tokio::task::yield_now().await;
+                            Ok((status, headers, body))
+                        }
+                        // The request went: a write's outcome is unknown.
+                        Err(e) => Err(Unsent {
+                            reason: e.to_string(),
+                            never_sent: false,
+                        }),
+                    }
+                }
+                Err(e) => Err(Unsent {
+                    never_sent: e.is_connect(),
+                    reason: self.describe_transport(&e),
+                }),
+            };
+        };
+        let request = request.build().map_err(|e| Unsent {
+            reason: format!("cannot build the request: {e}"),
+            never_sent: true,
+        })?;
+        let url = request.url();
+        let path_and_query = match url.query() {
+            Some(q) => format!("{}?{q}", url.path()),
+            None => url.path().to_string(),
+        };
+        let mut headers = request.headers().clone();
+        for (name, value) in &self.inner.cfg.headers {
+            if let (Ok(n), Ok(v)) = (
+                reqwest::header::HeaderName::from_bytes(name.as_bytes()),
+                reqwest::header::HeaderValue::from_str(value),
+            ) {
+                headers.append(n, v);
+            }
+        }
+        let body = request
+            .body()
+            .and_then(|b| b.as_bytes())
+            .map(Bytes::copy_from_slice)
+            .unwrap_or_default();
+        // As hyper sends it: Consul decodes a body only when it has a length.
+        if !body.is_empty() {
+            headers.insert(reqwest::header::CONTENT_LENGTH, body.len().into());
+        }
+        let exchange = super::port::Exchange {
+            method: request.method().clone(),
+            path_and_query,
+            headers,
+            body,
+        };
+        // The request's timeout, as reqwest applies it over the network.
+        let timeout = request.timeout().copied();
+        let answer = match timeout {
+            Some(t) => match tokio::time::timeout(t, port.call(exchange)).await {
+                Ok(a) => a,
+                Err(_) => Err(super::port::PortFailure::Lost(format!(
+                    "operation timed out after {t:?}"
+                ))),
+            },
+            None => port.call(exchange).await,
+        };
+        match answer {
+            Ok(a) => Ok((a.status, a.headers, a.body)),
+            Err(f) => Err(Unsent {
+                never_sent: matches!(f, super::port::PortFailure::NotSent(_)),
+                reason: f.to_string(),
+            }),
         }
     }
 
@@ -339,6 +410,13 @@ impl Consul {
         )
         .await
     }
+}
+
+/// Why a request got no answer.
+struct Unsent {
+    reason: String,
+    /// It never left, so it cannot have been applied.
+    never_sent: bool,
 }
 
 /// What kind of answer a request expects.

@@ -205,6 +205,30 @@ impl Shared {
     }
 }
 
+impl Shared {
+    fn commit_log(&self) -> Vec<LoggedCommit> {
+        self.commit_log
+            .as_ref()
+            .map(|l| l.lock().clone())
+            .unwrap_or_default()
+    }
+
+    fn checkpoint(&self) -> StaleCheckpoint {
+        StaleCheckpoint(self.state.lock().store.snapshot())
+    }
+
+    fn serve_stale(&self, checkpoint: StaleCheckpoint, answers: usize) -> Result<(), ServerError> {
+        if !self.config.compat.is_0_7() {
+            return Err(ServerError::NotUnderCompat(self.config.compat));
+        }
+        self.stale
+            .start(Store::restore(checkpoint.0, Instant::now()), answers);
+        // Queries blocked now ask again (as clients whose old leader went away do).
+        self.state.lock().waiters.wake_all();
+        Ok(())
+    }
+}
+
 /// Figures about a running server.
 #[derive(Debug, Clone, Copy, serde::Serialize)]
 pub struct ServerStats {
@@ -254,8 +278,9 @@ impl Shared {
     }
 }
 
-/// The server's request handling without a socket or background tasks (no session expiry),
-/// in memory: for fuzzing the HTTP surface and for embedding.
+/// The server's request handling without a socket, in memory: for fuzzing the HTTP surface,
+/// and as the in-memory Consul a client reaches through its [`consul::Port`]
+/// ([`consul::Consul::over`]). Sessions expire only once [`InProcess::spawn_reaper`] runs.
 #[derive(Clone)]
 pub struct InProcess {
     shared: Arc<Shared>,
@@ -276,6 +301,62 @@ impl InProcess {
         req: axum::http::Request<axum::body::Body>,
     ) -> axum::response::Response {
         http::handle(self.shared.clone(), req).await
+    }
+
+    /// Expires sessions and reaps tombstones and lock-delays as the listening server does,
+    /// until [`InProcess::shutdown`].
+    pub fn spawn_reaper(&self) -> JoinHandle<()> {
+        tokio::spawn(reap_loop(self.shared.clone()))
+    }
+
+    /// Ends blocking queries and the reaper.
+    pub fn shutdown(&self) {
+        self.shared.shutdown.cancel();
+    }
+
+    /// Every committed write so far, if the server records them.
+    pub fn commit_log(&self) -> Vec<LoggedCommit> {
+        self.shared.commit_log()
+    }
+
+    /// `key` now, read without a request.
+    pub fn get(&self, key: &str) -> Option<consul::KvPair> {
+        self.shared.state.lock().store.read_key(key).0
+    }
+
+    /// Every entry under `prefix` now, read without a request.
+    pub fn list(&self, prefix: &str) -> Vec<consul::KvPair> {
+        self.shared.state.lock().store.read_prefix(prefix).0
+    }
+
+    /// The store's index now.
+    pub fn index(&self) -> u64 {
+        self.shared.state.lock().store.index()
+    }
+}
+
+impl consul::Port for InProcess {
+    fn call(&self, request: consul::Exchange) -> consul::PortFuture {
+        let shared = self.shared.clone();
+        Box::pin(async move {
+            let mut req = axum::http::Request::new(axum::body::Body::from(request.body));
+            *req.method_mut() = request.method;
+            *req.uri_mut() = request
+                .path_and_query
+                .parse()
+                .map_err(|e| consul::PortFailure::NotSent(format!("bad request path: {e}")))?;
+            *req.headers_mut() = request.headers;
+            let resp = http::handle(shared, req).await;
+            let (parts, body) = resp.into_parts();
+            let body = axum::body::to_bytes(body, usize::MAX)
+                .await
+                .map_err(|e| consul::PortFailure::Lost(e.to_string()))?;
+            Ok(consul::Answer {
+                status: parts.status,
+                headers: parts.headers,
+                body,
+            })
+        })
     }
 }
 
@@ -355,11 +436,7 @@ impl EmbeddedServer {
 
     /// Every committed write so far, if the server records them.
     pub fn commit_log(&self) -> Vec<LoggedCommit> {
-        self.shared
-            .commit_log
-            .as_ref()
-            .map(|l| l.lock().clone())
-            .unwrap_or_default()
+        self.shared.commit_log()
     }
 
     pub fn stats(&self) -> ServerStats {
@@ -387,7 +464,7 @@ impl EmbeddedServer {
 
     /// The state as it is now, to be answered from later by [`EmbeddedServer::serve_stale`].
     pub fn checkpoint(&self) -> StaleCheckpoint {
-        StaleCheckpoint(self.shared.state.lock().store.snapshot())
+        self.shared.checkpoint()
     }
 
     /// Test control, Consul 0.7 only: the next `answers` reads (KV and session queries, blocking
@@ -400,15 +477,7 @@ impl EmbeddedServer {
         checkpoint: StaleCheckpoint,
         answers: usize,
     ) -> Result<(), ServerError> {
-        if !self.shared.config.compat.is_0_7() {
-            return Err(ServerError::NotUnderCompat(self.shared.config.compat));
-        }
-        self.shared
-            .stale
-            .start(Store::restore(checkpoint.0, Instant::now()), answers);
-        // Queries blocked now ask again (as clients whose old leader went away do).
-        self.shared.state.lock().waiters.wake_all();
-        Ok(())
+        self.shared.serve_stale(checkpoint, answers)
     }
 
     /// How many answers [`EmbeddedServer::serve_stale`] still has to give.
@@ -450,5 +519,63 @@ async fn reap_loop(shared: Arc<Shared>) {
             st.store.reap(now);
             last_reap = now;
         }
+    }
+}
+
+#[cfg(test)]
+mod port_tests {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use super::{InProcess, ServerConfig};
+    use crate::consul::{Consul, ConsulConfig, QueryOptions, Session, SessionConfig};
+
+    /// The client over the in-process port speaks Consul as over HTTP: a session's body (name,
+    /// TTL, lock-delay) arrives, a lock is exclusive and its lock-delay holds after the
+    /// session ends, and a blocking read answers when its key changes.
+    #[tokio::test]
+    async fn a_client_over_the_in_process_port_speaks_consul() {
+        let server = InProcess::new(ServerConfig::ephemeral());
+        let c = Consul::over(
+            ConsulConfig::new("http://in-memory:8500"),
+            Arc::new(server.clone()),
+        )
+        .unwrap();
+        let config = |name: &str| SessionConfig {
+            name: name.into(),
+            ttl: Duration::from_secs(10),
+            lock_delay: Duration::from_secs(30),
+            behavior: Default::default(),
+        };
+        let a = Session::create(&c, &config("a")).await.unwrap();
+        let b = Session::create(&c, &config("b")).await.unwrap();
+        let (listed, _) = c.session_list(&QueryOptions::default()).await.unwrap();
+        let entry = listed.iter().find(|s| s.name == "a").unwrap();
+        assert_eq!(entry.ttl, "10s");
+        assert_eq!(entry.lock_delay, 30_000_000_000);
+
+        let (a_id, b_id) = (a.id().to_string(), b.id().to_string());
+        assert!(c.kv_acquire("lock/x", b"a", &a_id, None).await.unwrap());
+        assert!(!c.kv_acquire("lock/x", b"b", &b_id, None).await.unwrap());
+        let (_, index) = c.kv_get("k", &QueryOptions::default()).await.unwrap();
+        let blocked = {
+            let c = c.clone();
+            tokio::spawn(async move {
+                c.kv_get(
+                    "k",
+                    &QueryOptions::blocking(index.index, Duration::from_secs(60)),
+                )
+                .await
+            })
+        };
+        tokio::task::yield_now().await;
+        assert!(c.kv_put("k", b"v", None).await.unwrap());
+        let (kv, _) = blocked.await.unwrap().unwrap();
+        assert_eq!(kv.unwrap().value_bytes(), b"v");
+
+        // The holder ends: the lock is free, but not for the other session within lock-delay.
+        a.destroy().await.unwrap();
+        assert!(!c.kv_acquire("lock/x", b"b", &b_id, None).await.unwrap());
+        b.destroy().await.unwrap();
     }
 }

@@ -43,6 +43,16 @@ pub struct ModelCheckArgs {
     /// (each shuffled differently; 0: no liveness check).
     #[arg(long, default_value_t = 1)]
     pub fair_schedules: u64,
+    /// Instead of the decision cores: the real farms (farm loop, RC and roll workers, the
+    /// Consul client) over an in-memory Consul under a paused clock, one seed per world
+    /// (`--schedules` seeds from `--seed`), with late and lost answers, farms cut off, slowed
+    /// and restarted, and P2's roller (see `rcfarm_testkit::model::real`). `--mutant` does not
+    /// apply: the code run is the product's.
+    #[arg(long, conflicts_with_all = ["explore", "mutant"])]
+    pub real: bool,
+    /// With --real: the most real time one world may take before it counts as stuck.
+    #[arg(long, default_value = "120s", value_parser = crate::parse_duration_flag)]
+    pub world_timeout: std::time::Duration,
 }
 
 fn parse_mutant(s: &str) -> Result<Mutant, String> {
@@ -107,6 +117,82 @@ fn run_explore(args: &ModelCheckArgs, depth: usize) -> Result<(), CliError> {
     }
 }
 
+/// `--real` in a build without the real model.
+#[cfg(not(feature = "real-model"))]
+fn run_real(_: &ModelCheckArgs, _: usize) -> Result<(), CliError> {
+    Err(CliError::Usage(
+        "--real runs the farms under tokio's paused clock, which this build leaves out (it \
+         would turn tokio's test-util on in the product's binaries built beside it); build the \
+         tools with it: cargo run --release -p rcfarm-tools --features real-model -- \
+         model-check --real"
+            .into(),
+    ))
+}
+
+/// `--real`: seeds run on `threads` threads, each world on a thread of its own.
+#[cfg(feature = "real-model")]
+fn run_real(args: &ModelCheckArgs, threads: usize) -> Result<(), CliError> {
+    use crate::model::real::{RealConfig, run_guarded};
+    let started = std::time::Instant::now();
+    println!(
+        "model check on the real farms: {} seeds from {}, {threads} thread(s)",
+        args.schedules, args.seed
+    );
+    let next = std::sync::atomic::AtomicU64::new(args.seed);
+    let end = args.seed.saturating_add(args.schedules);
+    let results = parking_lot::Mutex::new(Vec::new());
+    std::thread::scope(|scope| {
+        for _ in 0..threads.max(1) {
+            scope.spawn(|| {
+                loop {
+                    let seed = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    if seed >= end {
+                        return;
+                    }
+                    let cfg = RealConfig {
+                        seed,
+                        ..RealConfig::default()
+                    };
+                    let out = run_guarded(&cfg, args.world_timeout);
+                    if !out.ok() {
+                        println!(
+                            "seed {seed}: NOT OK\n{}\n  unsettled: {}\n  violations: {:?}",
+                            out.events.join("\n"),
+                            out.unsettled.as_deref().unwrap_or("-"),
+                            out.violations
+                        );
+                    }
+                    results.lock().push(out);
+                }
+            });
+        }
+    });
+    let results = results.into_inner();
+    let failed: Vec<u64> = results.iter().filter(|o| !o.ok()).map(|o| o.seed).collect();
+    let simulated: f64 = results.iter().map(|o| o.simulated.as_secs_f64()).sum();
+    let requests: u64 = results.iter().map(|o| o.requests).sum();
+    let commits: usize = results.iter().map(|o| o.commits).sum();
+    println!(
+        "{} worlds, {simulated:.0} s simulated, {requests} requests, {commits} commits checked, in {:.1} s; {} failed{}",
+        results.len(),
+        started.elapsed().as_secs_f64(),
+        failed.len(),
+        if failed.is_empty() {
+            String::new()
+        } else {
+            format!(": seeds {failed:?}")
+        }
+    );
+    if failed.is_empty() {
+        println!("result: OK");
+        Ok(())
+    } else {
+        Err(CliError::Failed(
+            "a world broke a promise or did not converge (above)".into(),
+        ))
+    }
+}
+
 pub fn run(args: &ModelCheckArgs) -> Result<(), CliError> {
     if let Some(depth) = args.explore {
         return run_explore(args, depth);
@@ -117,6 +203,9 @@ pub fn run(args: &ModelCheckArgs) -> Result<(), CliError> {
     let threads = args
         .threads
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    if args.real {
+        return run_real(args, threads);
+    }
     let cfg = Config {
         schedules: args.schedules,
         seed: args.seed,

@@ -286,6 +286,12 @@ const HANDOVER_FAST: Duration = Duration::from_secs(15);
 impl Farm {
     pub fn new(config: FarmConfig) -> Result<Farm, FarmError> {
         let consul = Consul::new(config.consul.clone())?;
+        Ok(Farm::with_consul(config, consul))
+    }
+
+    /// A farm whose every request goes through `consul` (one built with [`Consul::over`]
+    /// reaches an in-memory Consul); `config.consul` then only names it.
+    pub fn with_consul(config: FarmConfig, consul: Consul) -> Farm {
         let status = Arc::new(StatusRegistry::default());
         status.update_farm(|f| {
             f.farm_id = config.farm_id.clone();
@@ -301,7 +307,7 @@ impl Farm {
         );
         let readers = Arc::new(std::sync::atomic::AtomicUsize::new(1));
         let pace = Arc::new(crate::audit::AuditPace::new(config.audit_pace));
-        Ok(Farm {
+        Farm {
             failsafe,
             failsafe_seen: parking_lot::Mutex::default(),
             pod_freshness: parking_lot::Mutex::default(),
@@ -322,7 +328,7 @@ impl Farm {
             pace,
             unclaimable_reported: parking_lot::Mutex::default(),
             garbage_locks_reported: parking_lot::Mutex::default(),
-        })
+        }
     }
 
     /// The audit database, once connected.

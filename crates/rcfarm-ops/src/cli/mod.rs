@@ -15,7 +15,7 @@ use std::time::Duration;
 use clap::{Parser, Subcommand};
 
 pub use connection::ConsulArgs;
-pub use logging::{LogFormat, init_logging};
+pub use logging::{LogFormat, init_logging, init_logging_with_default};
 
 /// How a command ended badly: a usage mistake (exit 2) or a failed operation (exit 1).
 #[derive(Debug, thiserror::Error)]

@@ -35,6 +35,8 @@
 //! [`explore`] walks every interleaving of the smallest world to a depth.
 
 pub mod explore;
+#[cfg(any(test, feature = "paused-clock"))]
+pub mod real;
 pub mod world;
 
 use std::time::Instant as StdInstant;
