@@ -402,7 +402,7 @@ async fn stale_post_election_answers_are_0_7s_only() {
         let s = server_as(compat).await;
         let c = client(&s);
         c.kv_put("rc/a", b"old", None).await.unwrap();
-        let checkpoint = s.checkpoint();
+        let checkpoint = s.in_process().checkpoint();
         c.txn(&[
             TxnOp::set("rc/a", b"new".to_vec()),
             TxnOp::set("rc/b", b"x".to_vec()),
@@ -412,7 +412,7 @@ async fn stale_post_election_answers_are_0_7s_only() {
         let (now, meta) = c.kv_list("rc/", &QueryOptions::default()).await.unwrap();
         let index = meta.index;
         assert_eq!(now.len(), 2);
-        match s.serve_stale(checkpoint, 2) {
+        match s.in_process().serve_stale(checkpoint, 2) {
             Err(ServerError::NotUnderCompat(Compat::V1)) => {
                 assert_eq!(compat, Compat::V1);
                 s.shutdown().await;

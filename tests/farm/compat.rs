@@ -100,7 +100,7 @@ async fn stale_answers_after_an_election_move_nothing_on_consul_0_7() {
     let ids = c.farms_sharing(3, 9, 2).await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     // What a replaying leader will show: three farms, each with its RCs.
-    let checkpoint = c.server.embedded().checkpoint();
+    let checkpoint = c.server.embedded().in_process().checkpoint();
     crate::harness::signal(c.farms[2].pid, "TERM");
     let cr = &c;
     let idr = &ids;
@@ -119,7 +119,7 @@ async fn stale_answers_after_an_election_move_nothing_on_consul_0_7() {
 
     // Every farm's watches ask again at once and get the old state, until 300 answers are
     // given (about a second of the farms' asking: well inside the 5-s grace).
-    let server = c.server.embedded();
+    let server = c.server.embedded().in_process();
     server.serve_stale(checkpoint, 300).unwrap();
     let started = std::time::Instant::now();
     while server.stale_answers_left() > 0 {

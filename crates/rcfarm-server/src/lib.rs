@@ -212,21 +212,6 @@ impl Shared {
             .map(|l| l.lock().clone())
             .unwrap_or_default()
     }
-
-    fn checkpoint(&self) -> StaleCheckpoint {
-        StaleCheckpoint(self.state.lock().store.snapshot())
-    }
-
-    fn serve_stale(&self, checkpoint: StaleCheckpoint, answers: usize) -> Result<(), ServerError> {
-        if !self.config.compat.is_0_7() {
-            return Err(ServerError::NotUnderCompat(self.config.compat));
-        }
-        self.stale
-            .start(Store::restore(checkpoint.0, Instant::now()), answers);
-        // Queries blocked now ask again (as clients whose old leader went away do).
-        self.state.lock().waiters.wake_all();
-        Ok(())
-    }
 }
 
 /// Figures about a running server.
@@ -317,6 +302,37 @@ impl InProcess {
     /// Every committed write so far, if the server records them.
     pub fn commit_log(&self) -> Vec<LoggedCommit> {
         self.shared.commit_log()
+    }
+
+    /// The state as it is now, to be answered from later by [`InProcess::serve_stale`].
+    pub fn checkpoint(&self) -> StaleCheckpoint {
+        StaleCheckpoint(self.shared.state.lock().store.snapshot())
+    }
+
+    /// Test control, Consul 0.7 only: the next `answers` reads (KV and session queries, blocking
+    /// or not, including those blocked now; not transactions) are answered at once from
+    /// `checkpoint`'s state and index, as a Consul < 0.8.5 leader still replaying its log after
+    /// an election answers them (hashicorp/consul#2644). Writes still apply to the real state.
+    pub fn serve_stale(
+        &self,
+        checkpoint: StaleCheckpoint,
+        answers: usize,
+    ) -> Result<(), ServerError> {
+        let shared = &self.shared;
+        if !shared.config.compat.is_0_7() {
+            return Err(ServerError::NotUnderCompat(shared.config.compat));
+        }
+        shared
+            .stale
+            .start(Store::restore(checkpoint.0, Instant::now()), answers);
+        // Queries blocked now ask again (as clients whose old leader went away do).
+        shared.state.lock().waiters.wake_all();
+        Ok(())
+    }
+
+    /// How many answers [`InProcess::serve_stale`] still has to give.
+    pub fn stale_answers_left(&self) -> usize {
+        self.shared.stale.left()
     }
 
     /// `key` now, read without a request.
@@ -462,27 +478,12 @@ impl EmbeddedServer {
         self.shared.state.lock().store.count_prefix(prefix)
     }
 
-    /// The state as it is now, to be answered from later by [`EmbeddedServer::serve_stale`].
-    pub fn checkpoint(&self) -> StaleCheckpoint {
-        self.shared.checkpoint()
-    }
-
-    /// Test control, Consul 0.7 only: the next `answers` reads (KV and session queries, blocking
-    /// or not, including those blocked now; not transactions) are answered at once from
-    /// `checkpoint`'s state and index, as a Consul < 0.8.5
-    /// leader still replaying its log after an election answers them (hashicorp/consul#2644).
-    /// Writes still apply to the real state.
-    pub fn serve_stale(
-        &self,
-        checkpoint: StaleCheckpoint,
-        answers: usize,
-    ) -> Result<(), ServerError> {
-        self.shared.serve_stale(checkpoint, answers)
-    }
-
-    /// How many answers [`EmbeddedServer::serve_stale`] still has to give.
-    pub fn stale_answers_left(&self) -> usize {
-        self.shared.stale.left()
+    /// A handle on this server's state without its socket: the same store, sessions and
+    /// waiters ([`InProcess::checkpoint`], [`InProcess::serve_stale`]).
+    pub fn in_process(&self) -> InProcess {
+        InProcess {
+            shared: self.shared.clone(),
+        }
     }
 
     /// Ends blocking queries, stops serving and flushes the log.

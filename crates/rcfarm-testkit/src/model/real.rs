@@ -9,7 +9,9 @@
 //!   and a read's answer can describe a state older than a watch's answer that arrived first);
 //! - a write may be applied and its answer lost (an unknown outcome);
 //! - a farm may be cut off for a while (its requests are refused; past twice its session's
-//!   TTL the server ends its session and the farm must start again), or restarted.
+//!   TTL the server ends its session and the farm must start again), or restarted;
+//! - under Consul 0.7 (half the worlds), a newly elected leader answers a run of reads from an
+//!   older state than the farms have seen (hashicorp/consul#2644).
 //!
 //! The script is an operator's day in miniature on the smallest world that holds a roll and a
 //! transfer together: three nodes, two farms, an RC `O` of two pods beside an RC `X` of one,
@@ -196,15 +198,21 @@ struct World {
     started: tokio::time::Instant,
     /// The farms' `consistency_interval`, when not the default.
     consistency: Option<Duration>,
+    /// The state a replaying leader will answer from ([`Step::ServeStale`]).
+    checkpoint: Option<crate::server::StaleCheckpoint>,
 }
 
 const ADDRESS: &str = "http://in-memory-consul:8500";
 
 impl World {
     /// A world on a fresh in-memory Consul (its reaper running), no farm yet.
-    fn new(cfg: &RealConfig) -> (World, InProcess, tokio::task::JoinHandle<()>) {
+    fn new(
+        cfg: &RealConfig,
+        compat: crate::server::Compat,
+    ) -> (World, InProcess, tokio::task::JoinHandle<()>) {
         let server = InProcess::new(ServerConfig {
             record_commits: true,
+            compat,
             ..ServerConfig::ephemeral()
         });
         let reaper = server.spawn_reaper();
@@ -234,6 +242,7 @@ impl World {
             events: Vec::new(),
             started: tokio::time::Instant::now(),
             consistency: None,
+            checkpoint: None,
         };
         (w, server, reaper)
     }
@@ -541,9 +550,17 @@ async fn run_on(cfg: &RealConfig) -> RealOutcome {
 }
 
 async fn day(cfg: &RealConfig) -> RealOutcome {
-    let (mut w, server, reaper) = World::new(cfg);
-    let net = w.net.clone();
     let mut dice = StdRng::seed_from_u64(cfg.seed ^ 0x5eed);
+    // Half the worlds answer as Consul 0.7, whose leader may answer from an older state
+    // after an election (the stale-answer fault below).
+    let compat = if dice.random_bool(0.5) {
+        crate::server::Compat::V0_7
+    } else {
+        crate::server::Compat::V1
+    };
+    let (mut w, server, reaper) = World::new(cfg, compat);
+    w.note(format!("the server answers as Consul {compat}"));
+    let net = w.net.clone();
     // The deploy: rcfarm's roll of O to N, or (half the seeds) P2's roller's, started while
     // O's transfer is in flight (its new pod slow to start) and the farm serving O restarts.
     let by_p2 = dice.random_bool(0.5);
@@ -650,6 +667,16 @@ async fn day(cfg: &RealConfig) -> RealOutcome {
             };
             scheduled.push((at, step));
         }
+        // A Consul 0.7 leader elected anew answers reads from the state it has replayed so
+        // far (hashicorp/consul#2644): reads older than what the farms saw, for a while.
+        if compat.is_0_7() && dice.random_bool(0.5) {
+            let at = Duration::from_millis(dice.random_range(0..8000));
+            scheduled.push((at, Step::Checkpoint));
+            scheduled.push((
+                at + Duration::from_millis(dice.random_range(1000..10_000)),
+                Step::ServeStale(dice.random_range(5..60)),
+            ));
+        }
     }
     scheduled.sort_by_key(|(at, _)| *at);
     let mut t0 = tokio::time::Instant::now();
@@ -749,6 +776,20 @@ async fn day(cfg: &RealConfig) -> RealOutcome {
                     Err(e) => return failed(cfg, &w, format!("creating N: {e}")),
                 }
             }
+            Step::Checkpoint => {
+                w.checkpoint = Some(server.checkpoint());
+                w.note("the state as it is now kept for a replaying leader");
+            }
+            Step::ServeStale(answers) => {
+                if let Some(cp) = w.checkpoint.take() {
+                    match server.serve_stale(cp, answers) {
+                        Ok(()) => w.note(format!(
+                            "a new leader answers the next {answers} reads from the kept state"
+                        )),
+                        Err(e) => return failed(cfg, &w, format!("serve_stale: {e}")),
+                    }
+                }
+            }
             Step::RestartServing(rc) => {
                 if let Some(f) = w.serving(rc) {
                     w.stop_farm(f).await;
@@ -829,7 +870,7 @@ async fn day(cfg: &RealConfig) -> RealOutcome {
 }
 
 async fn cut_off(cfg: &RealConfig, cut: Duration) -> RealOutcome {
-    let (mut w, server, reaper) = World::new(cfg);
+    let (mut w, server, reaper) = World::new(cfg, crate::server::Compat::V1);
     // A sweep due every second or two, so that one is past due when the session goes in doubt.
     w.consistency = Some(Duration::from_secs(1));
     let nodes = SimConfig::named("n", 2);
@@ -946,6 +987,11 @@ enum Step {
     Slow(&'static str, u8, Duration),
     /// Restarts the farm serving the RC.
     RestartServing(RcId),
+    /// Keeps the state as it is now, for [`Step::ServeStale`].
+    Checkpoint,
+    /// The next this many reads (KV and sessions, not transactions) answered from the kept
+    /// state, as by a Consul 0.7 leader still replaying its log.
+    ServeStale(usize),
 }
 
 fn failed(cfg: &RealConfig, w: &World, why: String) -> RealOutcome {
