@@ -237,6 +237,9 @@ pub(crate) struct Inner {
     /// What Consul asked for in TLS handshakes, to explain a refused one.
     pub(crate) tls_seen: Arc<HandshakeSeen>,
     pub(crate) stats: ClientStats,
+    /// `cfg.headers` as parsed: `reqwest` sends them as its clients' default headers; a
+    /// request to [`Inner::port`] carries them itself.
+    pub(crate) headers: reqwest::header::HeaderMap,
     /// Where requests go instead of the network ([`Consul::over`]).
     pub(crate) port: Option<Arc<dyn super::port::Port>>,
 }
@@ -311,6 +314,7 @@ impl Consul {
                 token,
                 tls_seen: tls.seen,
                 stats: ClientStats::default(),
+                headers,
                 port,
             }),
         })

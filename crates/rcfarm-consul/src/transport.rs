@@ -243,15 +243,9 @@ impl Consul {
             Some(q) => format!("{}?{q}", url.path()),
             None => url.path().to_string(),
         };
-        let mut headers = request.headers().clone();
-        for (name, value) in &self.inner.cfg.headers {
-            if let (Ok(n), Ok(v)) = (
-                reqwest::header::HeaderName::from_bytes(name.as_bytes()),
-                reqwest::header::HeaderValue::from_str(value),
-            ) {
-                headers.append(n, v);
-            }
-        }
+        // The client's default headers, as reqwest adds them over the network.
+        let mut headers = self.inner.headers.clone();
+        headers.extend(request.headers().clone());
         let body = request
             .body()
             .and_then(|b| b.as_bytes())

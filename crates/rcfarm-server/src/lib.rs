@@ -193,6 +193,14 @@ impl Shared {
         }
     }
 
+    /// Every committed write so far, if the server records them.
+    fn commit_log(&self) -> Vec<LoggedCommit> {
+        self.commit_log
+            .as_ref()
+            .map(|l| l.lock().clone())
+            .unwrap_or_default()
+    }
+
     /// Refuses writes once the log has failed: an acknowledged write must be durable.
     pub fn check_writable(&self) -> Result<(), http::ApiError> {
         match &self.wal {
@@ -202,15 +210,6 @@ impl Shared {
             )),
             _ => Ok(()),
         }
-    }
-}
-
-impl Shared {
-    fn commit_log(&self) -> Vec<LoggedCommit> {
-        self.commit_log
-            .as_ref()
-            .map(|l| l.lock().clone())
-            .unwrap_or_default()
     }
 }
 
@@ -343,11 +342,6 @@ impl InProcess {
     /// Every entry under `prefix` now, read without a request.
     pub fn list(&self, prefix: &str) -> Vec<consul::KvPair> {
         self.shared.state.lock().store.read_prefix(prefix).0
-    }
-
-    /// The store's index now.
-    pub fn index(&self) -> u64 {
-        self.shared.state.lock().store.index()
     }
 }
 

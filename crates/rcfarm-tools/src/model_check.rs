@@ -107,13 +107,16 @@ fn run_explore(args: &ModelCheckArgs, depth: usize) -> Result<(), CliError> {
             println!("  state:\n    {}", state.replace("\n  ", "\n    "));
         }
     }
-    if found {
-        Err(CliError::Failed(
-            "the exploration found a counterexample (above)".into(),
-        ))
-    } else {
+    verdict(!found, "the exploration found a counterexample (above)")
+}
+
+/// Every mode's last line: `result: OK`, or a failure naming what was found above it.
+fn verdict(ok: bool, failure: &str) -> Result<(), CliError> {
+    if ok {
         println!("result: OK");
         Ok(())
+    } else {
+        Err(CliError::Failed(failure.into()))
     }
 }
 
@@ -183,14 +186,10 @@ fn run_real(args: &ModelCheckArgs, threads: usize) -> Result<(), CliError> {
             format!(": seeds {failed:?}")
         }
     );
-    if failed.is_empty() {
-        println!("result: OK");
-        Ok(())
-    } else {
-        Err(CliError::Failed(
-            "a world broke a promise or did not converge (above)".into(),
-        ))
-    }
+    verdict(
+        failed.is_empty(),
+        "a world broke a promise or did not converge (above)",
+    )
 }
 
 pub fn run(args: &ModelCheckArgs) -> Result<(), CliError> {
@@ -228,12 +227,8 @@ pub fn run(args: &ModelCheckArgs) -> Result<(), CliError> {
     for c in &report.counterexamples {
         println!("{c}");
     }
-    if report.ok() {
-        println!("result: OK");
-        Ok(())
-    } else {
-        Err(CliError::Failed(
-            "the model check found a counterexample (above)".into(),
-        ))
-    }
+    verdict(
+        report.ok(),
+        "the model check found a counterexample (above)",
+    )
 }

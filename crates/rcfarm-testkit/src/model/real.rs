@@ -23,7 +23,8 @@
 //! minimum.
 //!
 //! Under a paused clock on one thread the runtime only moves time when every task waits, so a
-//! seed replays the same interleaving but for what the server draws at random (session ids).
+//! seed replays the same interleaving but for what is drawn at random outside the seed
+//! (session and RC ids, and the assignment of RCs to farms that follows from them).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -99,6 +100,19 @@ impl RealOutcome {
     pub fn ok(&self) -> bool {
         self.unsettled.is_none() && self.violations.is_empty()
     }
+
+    /// A world that ended before its checks, and why.
+    fn cut_short(seed: u64, why: String, simulated: Duration) -> RealOutcome {
+        RealOutcome {
+            seed,
+            unsettled: Some(why),
+            violations: Vec::new(),
+            events: Vec::new(),
+            simulated,
+            commits: 0,
+            requests: 0,
+        }
+    }
 }
 
 /// The network between the farms and the in-memory Consul: one per client, sharing the
@@ -109,7 +123,7 @@ struct Net {
     /// Most delay of a request or its answer, each way.
     max_delay: Duration,
     /// Per mille of writes whose answer is lost after they applied.
-    lose: Arc<std::sync::atomic::AtomicU32>,
+    lose: std::sync::atomic::AtomicU32,
     requests: std::sync::atomic::AtomicU64,
 }
 
@@ -204,6 +218,16 @@ struct World {
 
 const ADDRESS: &str = "http://in-memory-consul:8500";
 
+/// A client whose requests go through `link`, each timing out after `timeout`.
+fn connect(link: Link, timeout: Duration) -> Consul {
+    let cfg = ConsulConfig {
+        timeout,
+        ..ConsulConfig::new(ADDRESS)
+    };
+    // The address is a constant that parses, and no TLS file is named: building cannot fail.
+    Consul::over(cfg, Arc::new(link)).expect("an in-memory client builds")
+}
+
 impl World {
     /// A world on a fresh in-memory Consul (its reaper running), no farm yet.
     fn new(
@@ -224,19 +248,19 @@ impl World {
             } else {
                 Duration::ZERO
             },
-            lose: Arc::default(),
+            lose: Default::default(),
             requests: Default::default(),
         });
-        let link = Link {
-            net: net.clone(),
-            cut: Arc::default(),
-            slow: Arc::default(),
-            faulted: false,
-        };
         let w = World {
-            // The address is a constant that parses; no TLS file is read.
-            operator: Consul::over(ConsulConfig::new(ADDRESS), Arc::new(link))
-                .expect("an in-memory client builds"),
+            operator: connect(
+                Link {
+                    net: net.clone(),
+                    cut: Arc::default(),
+                    slow: Arc::default(),
+                    faulted: false,
+                },
+                ConsulConfig::default().timeout,
+            ),
             net,
             farms: BTreeMap::new(),
             events: Vec::new(),
@@ -269,21 +293,6 @@ impl World {
         Ok(tokio::spawn(sim.run(stop.clone())))
     }
 
-    fn client(&self, cut: Arc<AtomicBool>, slow: Arc<AtomicU8>) -> Consul {
-        let link = Link {
-            net: self.net.clone(),
-            cut,
-            slow,
-            faulted: true,
-        };
-        let cfg = ConsulConfig {
-            timeout: Duration::from_secs(5),
-            ..ConsulConfig::new(ADDRESS)
-        };
-        // The address is a constant that parses; no TLS file is read.
-        Consul::over(cfg, Arc::new(link)).expect("an in-memory client builds")
-    }
-
     fn note(&mut self, what: impl Into<String>) {
         let at = self.started.elapsed();
         let what = what.into();
@@ -302,7 +311,13 @@ impl World {
         if let Some(every) = self.consistency {
             config.consistency_interval = every;
         }
-        let farm = Farm::with_consul(config, self.client(cut.clone(), slow.clone()));
+        let link = Link {
+            net: self.net.clone(),
+            cut: cut.clone(),
+            slow: slow.clone(),
+            faulted: true,
+        };
+        let farm = Farm::with_consul(config, connect(link, Duration::from_secs(5)));
         let cancel = CancellationToken::new();
         let stop = cancel.clone();
         let name = id.to_string();
@@ -349,7 +364,7 @@ impl World {
         let info = self
             .net
             .server
-            .get(&format!("rcfarm/farms/{session}"))?
+            .get(&format!("{}{session}", crate::farm::registry::FARMS_PREFIX))?
             .value?;
         let info: serde_json::Value = serde_json::from_slice(&info).ok()?;
         ["f1", "f2"]
@@ -389,7 +404,7 @@ impl World {
         if !self.net.server.list(ROLL_PREFIX).is_empty() {
             why.push("a roll is still recorded".into());
         }
-        for kv in self.net.server.list("status/replication_controllers/") {
+        for kv in self.net.server.list(crate::rctask::STATUS_PREFIX) {
             why.push(format!("a transfer is still recorded: {}", kv.key));
         }
         for kv in self.net.server.list(crate::rc::RC_LOCK_PREFIX) {
@@ -432,6 +447,29 @@ impl World {
         }
     }
 
+    /// Creates a dynamic RC on the `pool=a` nodes, as `actor`.
+    async fn create_rc(&self, manifest: &str, replicas: u64, actor: &str) -> Result<RcId, String> {
+        let new = NewRc {
+            manifest: manifest.into(),
+            node_selector: "pool=a".into(),
+            pod_labels: LabelSet::new(),
+            replicas_desired: replicas,
+            strategy: AllocationStrategy::Dynamic,
+            rc_labels: LabelSet::new(),
+            disabled: false,
+        };
+        match RcStore::new(self.operator.clone())
+            .create(new, actor, false)
+            .await
+        {
+            Ok(written) => written
+                .rc
+                .map(|r| r.id)
+                .ok_or_else(|| format!("{manifest:?} was not created")),
+            Err(e) => Err(format!("creating {manifest:?}: {e}")),
+        }
+    }
+
     async fn wait_until(&self, within: Duration, done: impl Fn(&World) -> bool) -> bool {
         let end = tokio::time::Instant::now() + within;
         while tokio::time::Instant::now() < end {
@@ -451,18 +489,6 @@ fn labels(pairs: &[(&str, &str)]) -> LabelSet {
         .collect()
 }
 
-fn rc(manifest: &str, replicas: u64, strategy: AllocationStrategy) -> NewRc {
-    NewRc {
-        manifest: manifest.into(),
-        node_selector: "pool=a".into(),
-        pod_labels: LabelSet::new(),
-        replicas_desired: replicas,
-        strategy,
-        rc_labels: LabelSet::new(),
-        disabled: false,
-    }
-}
-
 /// Runs one seed on a thread and runtime of its own (paused clock), for at most `wall` of real
 /// time. A world whose clock stops is a task that never waits (a loop that spins: under a
 /// paused clock time moves only when every task waits), reported with the simulated time it
@@ -475,17 +501,12 @@ pub fn run_guarded(cfg: &RealConfig, wall: Duration) -> RealOutcome {
         std::thread::Builder::new()
             .name(format!("model-seed-{}", cfg.seed))
             .spawn(move || {
-                let _ = tx.send(run_with(&cfg, Some(clock)));
+                let _ = tx.send(run_with(&cfg, clock));
             })
     };
-    let stuck = |why: String| RealOutcome {
-        seed: cfg.seed,
-        unsettled: Some(why),
-        violations: Vec::new(),
-        events: Vec::new(),
-        simulated: Duration::from_millis(clock.load(Ordering::Relaxed)),
-        commits: 0,
-        requests: 0,
+    let stuck = |why: String| {
+        let simulated = Duration::from_millis(clock.load(Ordering::Relaxed));
+        RealOutcome::cut_short(cfg.seed, why, simulated)
     };
     if let Err(e) = spawned {
         return stuck(format!("cannot start a thread: {e}"));
@@ -500,12 +521,9 @@ pub fn run_guarded(cfg: &RealConfig, wall: Duration) -> RealOutcome {
     }
 }
 
-/// Runs one seed on a runtime of its own (one thread, paused clock).
-pub fn run(cfg: &RealConfig) -> RealOutcome {
-    run_with(cfg, None)
-}
-
-fn run_with(cfg: &RealConfig, clock: Option<Arc<std::sync::atomic::AtomicU64>>) -> RealOutcome {
+/// Runs one seed on a runtime of its own (one thread, paused clock), keeping `clock` at the
+/// world's simulated time for the watchdog.
+fn run_with(cfg: &RealConfig, clock: Arc<std::sync::atomic::AtomicU64>) -> RealOutcome {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .start_paused(true)
@@ -515,30 +533,22 @@ fn run_with(cfg: &RealConfig, clock: Option<Arc<std::sync::atomic::AtomicU64>>) 
         Ok(rt) => tokio::task::LocalSet::new().block_on(&rt, async {
             // The simulated time, for a watchdog on another thread (it stops when the world
             // stops waiting).
-            let ticker = clock.map(|clock| {
-                tokio::spawn(async move {
-                    let start = tokio::time::Instant::now();
-                    loop {
-                        clock.store(start.elapsed().as_millis() as u64, Ordering::Relaxed);
-                        tokio::time::sleep(Duration::from_secs(1)).await;
-                    }
-                })
+            let ticker = tokio::spawn(async move {
+                let start = tokio::time::Instant::now();
+                loop {
+                    clock.store(start.elapsed().as_millis() as u64, Ordering::Relaxed);
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
             });
             let out = run_on(cfg).await;
-            if let Some(t) = ticker {
-                t.abort();
-            }
+            ticker.abort();
             out
         }),
-        Err(e) => RealOutcome {
-            seed: cfg.seed,
-            unsettled: Some(format!("cannot build a runtime: {e}")),
-            violations: Vec::new(),
-            events: Vec::new(),
-            simulated: Duration::ZERO,
-            commits: 0,
-            requests: 0,
-        },
+        Err(e) => RealOutcome::cut_short(
+            cfg.seed,
+            format!("cannot build a runtime: {e}"),
+            Duration::ZERO,
+        ),
     }
 }
 
@@ -578,30 +588,19 @@ async fn day(cfg: &RealConfig) -> RealOutcome {
     for f in ["f1", "f2"] {
         w.start_farm(f);
     }
-    let rcs = RcStore::new(w.operator.clone());
-    let strategy = AllocationStrategy::Dynamic;
     let created = async {
-        let o = rcs
-            .create(
-                rc("id: svc\nlaunchables: {}\n", 2, strategy),
-                "model",
-                false,
-            )
+        let o = w
+            .create_rc("id: svc\nlaunchables: {}\n", 2, "model")
             .await?;
-        let x = rcs
-            .create(
-                rc("id: other\nlaunchables: {}\n", 1, strategy),
-                "model",
-                false,
-            )
+        let x = w
+            .create_rc("id: other\nlaunchables: {}\n", 1, "model")
             .await?;
-        Ok::<_, crate::rc::RcStoreError>((o.rc.map(|r| r.id), x.rc.map(|r| r.id)))
+        Ok::<_, String>((o, x))
     }
     .await;
     let (o, x) = match created {
-        Ok((Some(o), Some(x))) => (o, x),
-        Ok(_) => return failed(cfg, &w, "an RC was not created".into()),
-        Err(e) => return failed(cfg, &w, format!("creating the RCs: {e}")),
+        Ok(ids) => ids,
+        Err(e) => return failed(cfg, &w, e),
     };
     w.note(format!("created O = {o} (2 pods), X = {x} (1 pod)"));
     let all: BTreeSet<String> = nodes.iter().cloned().collect();
@@ -754,26 +753,21 @@ async fn day(cfg: &RealConfig) -> RealOutcome {
                 t0 = tokio::time::Instant::now();
             }
             Step::P2Roll => {
-                let created = rcs
-                    .create(
-                        rc("id: svc\nlaunchables: {}\nconfig: {v: 2}\n", 0, strategy),
-                        "p2-rctl",
-                        false,
-                    )
+                let created = w
+                    .create_rc("id: svc\nlaunchables: {}\nconfig: {v: 2}\n", 0, "p2-rctl")
                     .await;
                 match created {
-                    Ok(crate::rc::store::Written { rc: Some(new), .. }) => {
-                        w.note(format!("P2's roller rolls O to N = {}", new.id));
-                        n = Some(new.id);
+                    Ok(new) => {
+                        w.note(format!("P2's roller rolls O to N = {new}"));
+                        n = Some(new);
                         p2 = Some(tokio::task::spawn_local(p2_roll(
                             w.operator.clone(),
                             server.clone(),
                             o,
-                            new.id,
+                            new,
                         )));
                     }
-                    Ok(_) => return failed(cfg, &w, "N was not created".into()),
-                    Err(e) => return failed(cfg, &w, format!("creating N: {e}")),
+                    Err(e) => return failed(cfg, &w, e),
                 }
             }
             Step::Checkpoint => {
@@ -880,17 +874,9 @@ async fn cut_off(cfg: &RealConfig, cut: Duration) -> RealOutcome {
         Err(e) => return failed(cfg, &w, e),
     };
     w.start_farm("f1");
-    let created = RcStore::new(w.operator.clone())
-        .create(
-            rc("id: svc\nlaunchables: {}\n", 1, AllocationStrategy::Dynamic),
-            "model",
-            false,
-        )
-        .await;
-    let id = match created {
-        Ok(crate::rc::store::Written { rc: Some(r), .. }) => r.id,
-        Ok(_) => return failed(cfg, &w, "the RC was not created".into()),
-        Err(e) => return failed(cfg, &w, format!("creating the RC: {e}")),
+    let id = match w.create_rc("id: svc\nlaunchables: {}\n", 1, "model").await {
+        Ok(id) => id,
+        Err(e) => return failed(cfg, &w, e),
     };
     let all: BTreeSet<String> = nodes.iter().cloned().collect();
     let want = [(id, 1)];
@@ -996,13 +982,9 @@ enum Step {
 
 fn failed(cfg: &RealConfig, w: &World, why: String) -> RealOutcome {
     RealOutcome {
-        seed: cfg.seed,
-        unsettled: Some(why),
-        violations: Vec::new(),
         events: w.events.clone(),
-        simulated: w.started.elapsed(),
-        commits: 0,
         requests: w.net.requests.load(Ordering::Relaxed),
+        ..RealOutcome::cut_short(cfg.seed, why, w.started.elapsed())
     }
 }
 
