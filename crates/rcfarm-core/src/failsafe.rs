@@ -373,6 +373,8 @@ struct State {
     /// registration holds (`None`: not seen yet). A farm's count of the pods it serves is kept
     /// in the window key only while it is live under the session it wrote it with.
     live: Option<BTreeMap<String, String>>,
+    /// The registry's index `live` was read at: an older read never replaces it.
+    live_index: u64,
     /// The session this farm serves under now: written with its count.
     session: Option<String>,
     tripwire: Tripwire,
@@ -503,8 +505,32 @@ impl Failsafe {
     /// nothing, and the farms that take its RCs over count them once they hold their locks,
     /// which is after its session ended. Kept, its count would add those pods twice to the
     /// base of a percentage, and the peak would keep them for the whole window.
-    pub fn set_live_farms(&self, live: BTreeMap<String, String>) {
-        self.state.lock().live = Some(live);
+    ///
+    /// `index` is the registry's index as read (`rcfarm/farms/`): a read older than the one
+    /// kept changes nothing, so the farm loop's watch cannot take back what a fresh read before
+    /// a growing count ([`Failsafe::served`]) taught.
+    pub fn set_live_farms(&self, live: BTreeMap<String, String>, index: u64) {
+        let mut s = self.state.lock();
+        if s.live.is_none() || index >= s.live_index {
+            s.live = Some(live);
+            s.live_index = index;
+        }
+    }
+
+    /// Whether the pods a farm serves are the base of its limit (a percentage
+    /// `--max-removals`): otherwise the count written into the window key is for operators
+    /// only.
+    pub fn counts_served(&self) -> bool {
+        matches!(self.config.max_removals, MaxRemovals::Percent(_))
+    }
+
+    /// The pods this farm serves, as it last set them: what its next write of the window key
+    /// reports. The farm raises it only after a read of the registry sent once the claims
+    /// that grew it had committed: the farms whose sessions ended before those claims (so
+    /// that they could be made) are then known gone, and their counts are dropped by the
+    /// write that adds the same pods to this farm's.
+    pub fn served(&self) -> u64 {
+        self.state.lock().served
     }
 
     /// The session this farm serves under from now on (written with its count).
@@ -1575,7 +1601,7 @@ mod tests {
         drop(turn);
         assert_eq!(read().await.farms["farm-a"].pods, 18, "not written");
         // b takes the RC over and counts it; the sum never held those 2 pods twice.
-        b.set_live_farms(live("s-a1"));
+        b.set_live_farms(live("s-a1"), 1);
         b.set_served(22);
         b.report_before_release(&consul, fence(), 22, wait)
             .await
@@ -1592,10 +1618,12 @@ mod tests {
         // a's session ends (its locks with it: b takes its RCs over, 18 pods) and a registers
         // again under a new session before it has written anything: b's next write drops the
         // count a wrote under the session that ended, or those 18 pods would count twice.
-        b.set_live_farms(live("s-a2"));
+        b.set_live_farms(live("s-a2"), 3);
         b.set_served(40);
         let txn = FencedTxn::fenced(fence()).op(TxnOp::set("t/y", b"y".to_vec()));
         b.commit_charged(&consul, 1, txn, &send).await.unwrap();
+        // A watch's answer older than that read changes nothing.
+        b.set_live_farms(live("s-a1"), 2);
         let w = read().await;
         assert!(!w.farms.contains_key("farm-a"), "{w:?}");
         assert_eq!(w.farms["farm-b"].session.as_deref(), Some("s-b"));

@@ -9,8 +9,9 @@ use serde_json::json;
 
 use super::rcs::OwnedRcs;
 use super::rolls::OwnedRolls;
-use super::{Farm, Serving, Views};
+use super::{Farm, Serving, Views, registry};
 use crate::audit::{AuditRecord, events};
+use crate::consul::QueryOptions;
 use crate::failsafe::{Release, Tree, TreeShape, TripEvent};
 use crate::labels::Selector;
 use crate::rc::{RC_ID_LABEL, RcId};
@@ -57,6 +58,40 @@ fn removable(views: &Views, rcs: &HashSet<RcId>) -> bool {
 }
 
 impl Farm {
+    /// Sets the pods this farm serves (the base of a percentage limit) into its failsafe: at
+    /// once when fewer; when more, only after a read of the registry sent now. The pods it
+    /// gained came with RCs it claimed, and an RC can be claimed only once its lock is free:
+    /// when the farm that held it lost its session, Consul released that farm's registration
+    /// in the same commit, so a read sent after the claims shows it gone, and the write that
+    /// adds those pods to this farm's count drops that farm's count of them
+    /// ([`crate::budget::Window::without_stale`]). The registry view the loop watches may be
+    /// older than the lock tree the claims were made from: taken as it is, the key held both
+    /// counts, and the peak kept the sum for the window. The read is a few keys, made only on
+    /// the turns of the loop that find the count grown; until it answers the count stays where
+    /// it was (low for a moment, never high).
+    async fn count_served(&self) {
+        let fs = &self.failsafe;
+        let pods = self.status.pods_current() as u64;
+        if pods <= fs.served() || !fs.counts_served() {
+            fs.set_served(pods);
+            return;
+        }
+        let opts = QueryOptions {
+            consistent: true,
+            ..QueryOptions::default()
+        };
+        match self.consul.kv_list(registry::FARMS_PREFIX, &opts).await {
+            Ok((entries, meta)) => {
+                let farms = registry::live_farms(&entries);
+                fs.set_live_farms(registry::sessions_by_farm(&farms), meta.index);
+                fs.set_served(pods);
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "cannot read the registry before this farm's count of its pods grows; it grows at a later look")
+            }
+        }
+    }
+
     /// Looks at the RC tree and the release key; reports and wakes tasks when the failsafe
     /// lets go.
     pub(super) async fn watch_failsafe(
@@ -67,7 +102,7 @@ impl Farm {
         rolls: &OwnedRolls,
     ) {
         let fs = &self.failsafe;
-        fs.set_served(self.status.pods_current() as u64);
+        self.count_served().await;
         self.record_trips(sv).await;
         let mut wake = false;
         // The cluster's window: room that came back (the window slid, another farm's charge

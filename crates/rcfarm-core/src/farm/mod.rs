@@ -1008,12 +1008,8 @@ impl Farm {
             };
         };
         let farms = registry::live_farms(&snap.value);
-        self.failsafe.set_live_farms(
-            farms
-                .iter()
-                .map(|f| (f.farm_id.clone(), f.session.to_string()))
-                .collect(),
-        );
+        self.failsafe
+            .set_live_farms(registry::sessions_by_farm(&farms), snap.index);
         let live: BTreeSet<String> = farms.into_iter().map(|f| f.session.into()).collect();
         self.readers
             .store(live.len().max(1), std::sync::atomic::Ordering::Relaxed);

@@ -1,6 +1,8 @@
 //! How farms see each other: each registers `rcfarm/farms/<session-id>`, acquired with its
 //! session (behavior delete), so the key lives exactly as long as the farm's session.
 
+use std::collections::BTreeMap;
+
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
@@ -70,6 +72,14 @@ pub fn live_farms(entries: &[KvPair]) -> Vec<FarmInfo> {
             .then_with(|| a.session.cmp(&b.session))
     });
     out
+}
+
+/// Farm id → the session its registration holds, of `farms`.
+pub fn sessions_by_farm(farms: &[FarmInfo]) -> BTreeMap<String, String> {
+    farms
+        .iter()
+        .map(|f| (f.farm_id.clone(), f.session.to_string()))
+        .collect()
 }
 
 /// Live farms, counting `me` even before its own registration shows in the view.

@@ -97,9 +97,7 @@ impl Worker {
                 }
             }
         }
-        self.ctx.status.update_rc(self.id, &self.ctx.farm_id, |s| {
-            s.set_condition("RemovalsHeld", held)
-        });
+        self.set_status(|s| s.set_condition("RemovalsHeld", held));
         Ok(())
     }
 }

@@ -25,7 +25,7 @@ impl Worker {
 
     /// Reports an invalid record once per version: log, metric, status, audit event.
     pub(super) async fn report_invalid(&mut self, inv: &InvalidRc) -> Result<(), TaskError> {
-        self.ctx.status.update_rc(self.id, &self.ctx.farm_id, |s| {
+        self.set_status(|s| {
             s.set_condition("Invalid", Some(inv.problem.to_string()));
         });
         if self.invalid_reported == Some(inv.modify_index) {
@@ -63,7 +63,7 @@ impl Worker {
              txn_max_req_len and kv_max_value_size",
             body.trim()
         );
-        self.ctx.status.update_rc(self.id, &self.ctx.farm_id, |s| {
+        self.set_status(|s| {
             s.set_condition("Invalid", Some(problem.clone()));
             s.last_error = Some(problem.clone());
         });
@@ -162,9 +162,7 @@ impl Worker {
             _ => {}
         }
         self.unmet = now.clone();
-        self.ctx.status.update_rc(self.id, &self.ctx.farm_id, |s| {
-            s.set_condition("Unmet", now)
-        });
+        self.set_status(|s| s.set_condition("Unmet", now));
         Ok(())
     }
 }

@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use chrono::{DateTime, Utc};
 use parking_lot::RwLock;
 use serde::Serialize;
+use tokio_util::sync::CancellationToken;
 
 use super::plan::Transfer;
 use crate::rc::RcId;
@@ -131,8 +132,23 @@ struct RcStatuses {
 }
 
 impl StatusRegistry {
-    pub fn update_rc(&self, id: RcId, owner: &str, f: impl FnOnce(&mut RcStatus)) {
+    /// Updates the status of `id` on behalf of its task, unless the task was stopped
+    /// (`stopped` cancelled). Checked under the registry's lock: the farm cancels a task before
+    /// it forgets its status (`remove_rc`, `clear_rcs`), so a task stopped without being awaited
+    /// (a session lost, a write fenced) cannot bring its RC back afterwards. Such a status would
+    /// keep the RC's pods in this farm's count of the pods it serves (the base of the cluster's
+    /// removal limit) while the farm that took the RC over counts them too.
+    pub fn update_rc(
+        &self,
+        id: RcId,
+        owner: &str,
+        stopped: &CancellationToken,
+        f: impl FnOnce(&mut RcStatus),
+    ) {
         let mut rcs = self.rcs.write();
+        if stopped.is_cancelled() {
+            return;
+        }
         let RcStatuses { by_id, current } = &mut *rcs;
         let status = by_id.entry(id).or_insert_with(|| RcStatus::new(id, owner));
         let before = status.current;
@@ -181,5 +197,36 @@ impl StatusRegistry {
 
     pub fn update_farm(&self, f: impl FnOnce(&mut FarmStatus)) {
         f(&mut self.farm.write());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_stopped_task_cannot_bring_its_rc_back_into_the_count() {
+        let reg = StatusRegistry::default();
+        let (a, b) = (RcId::new(), RcId::new());
+        let (live_a, live_b) = (CancellationToken::new(), CancellationToken::new());
+        reg.update_rc(a, "f", &live_a, |s| s.current = 3);
+        reg.update_rc(b, "f", &live_b, |s| s.current = 2);
+        assert_eq!(reg.pods_current(), 5);
+        assert_eq!(reg.pods_current_without(&[a]), 2);
+        // The session is lost: every task is cancelled (not awaited), then the statuses go.
+        live_a.cancel();
+        live_b.cancel();
+        reg.clear_rcs();
+        // A task still finishing its pass reports after that: nothing comes back.
+        reg.update_rc(a, "f", &live_a, |s| s.current = 3);
+        assert_eq!(reg.pods_current(), 0);
+        assert!(reg.rc(a).is_none());
+        // A task handed over (cancelled, then forgotten) likewise.
+        let live_c = CancellationToken::new();
+        reg.update_rc(b, "f", &live_c, |s| s.current = 2);
+        live_c.cancel();
+        reg.remove_rc(b);
+        reg.update_rc(b, "f", &live_c, |s| s.current = 4);
+        assert_eq!(reg.pods_current(), 0);
     }
 }

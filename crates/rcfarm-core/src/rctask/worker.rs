@@ -381,9 +381,7 @@ impl crate::task::Reconciler for Worker {
                 let wait = self.backoff.next_delay().min(backoff_max);
                 tracing::warn!(error = %e, retry_in = ?wait, "RC pass failed");
                 metrics::counter!("rcfarm_rc_pass_errors_total").increment(1);
-                self.ctx
-                    .status
-                    .update_rc(self.id, &self.ctx.farm_id, |s| s.last_error = Some(e));
+                self.set_status(|s| s.last_error = Some(e));
                 Next::Hold {
                     after: wait,
                     at: now + wait,
@@ -410,13 +408,19 @@ impl Worker {
         tracing::info!("RC task stopped");
     }
 
+    /// Updates this RC's status, unless this task was stopped (see
+    /// [`StatusRegistry::update_rc`]).
+    pub(super) fn set_status(&self, f: impl FnOnce(&mut super::status::RcStatus)) {
+        self.ctx
+            .status
+            .update_rc(self.id, &self.ctx.farm_id, &self.inbox.cancel, f);
+    }
+
     /// One convergence pass: plan and apply until there is nothing left to do. Returns whether
     /// the desires are unmet.
     pub(super) async fn pass(&mut self, rc: &Rc) -> Result<Pass, TaskError> {
         let started = self.ctx.clock.now();
-        self.ctx.status.update_rc(self.id, &self.ctx.farm_id, |s| {
-            s.set_condition("Invalid", None)
-        });
+        self.set_status(|s| s.set_condition("Invalid", None));
         self.invalid_reported = None;
         self.warn_unusual(rc);
         self.notice_changes(rc).await?;
@@ -506,7 +510,7 @@ impl Worker {
         }
         metrics::counter!("rcfarm_converge_passes_total").increment(1);
         metrics::histogram!("rcfarm_converge_pass_seconds").record(started.elapsed().as_secs_f64());
-        self.ctx.status.update_rc(self.id, &self.ctx.farm_id, |s| {
+        self.set_status(|s| {
             s.last_pass = Some(self.ctx.clock.wall());
             s.passes += 1;
             if result.is_ok() {
@@ -662,7 +666,7 @@ impl Worker {
             .keys()
             .filter(|n| o.health.get(*n).is_some_and(|h| h.is_passing()))
             .count();
-        self.ctx.status.update_rc(self.id, &self.ctx.farm_id, |s| {
+        self.set_status(|s| {
             s.pod_id = Some(rc.pod_id().to_string());
             s.selector = Some(rc.node_selector.to_string());
             s.desired = Some(rc.replicas_desired);

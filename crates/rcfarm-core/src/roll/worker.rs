@@ -561,15 +561,48 @@ impl Worker {
             .into_iter()
             .collect();
         let reality = self.ctx.consul.read_keys(&keys).await?;
-        let labels = reality
-            .get(&labels_key)
-            .map(|kv| {
-                (
-                    crate::labels::parse_labels(kv.value_bytes()).unwrap_or_default(),
-                    kv.modify_index,
-                )
-            })
-            .unwrap_or_default();
+        let labels_in = |read: &std::collections::HashMap<String, KvPair>| {
+            read.get(&labels_key)
+                .map(|kv| {
+                    (
+                        crate::labels::parse_labels(kv.value_bytes()).unwrap_or_default(),
+                        kv.modify_index,
+                    )
+                })
+                .unwrap_or_default()
+        };
+        let labels = labels_in(&reality);
+        // Whether the roll has started is its label, read fresh; whether someone intervened
+        // since is the RCs' `disabled` flags, which the start wrote in the same transaction.
+        // The RC view may not hold that write yet (the start's answer was lost, and the pass
+        // after it came before the view's next answer): read apart, the two said "the old RC
+        // was enabled again after the roll started" for a pass. So when the roll has started
+        // and the view shows either RC otherwise than a started roll leaves it, both records
+        // are read again with the label, in one transaction, and a newer version is taken
+        // over the view's (the writes that follow are guarded by its index).
+        let (labels, old, new) = if labels.0.contains_key(STARTED_LABEL)
+            && (old.as_ref().is_ok_and(|rc| !rc.disabled)
+                || new.as_ref().is_ok_and(|rc| rc.disabled))
+        {
+            let keys = [labels_key.clone(), u.old_rc.key(), u.new_rc.key()];
+            let fresh = self.ctx.consul.read_keys(&keys).await?;
+            let newer = |rc: Result<Arc<Rc>, String>| match &rc {
+                Ok(seen) => match fresh.get(&seen.id.key()) {
+                    Some(kv) if kv.modify_index > seen.modify_index => {
+                        // A newer version that is invalid is the RC view's to bring: this
+                        // pass goes on with the version it has.
+                        Rc::from_kv(&kv.key, kv.value_bytes(), kv.modify_index)
+                            .map(Arc::new)
+                            .or(rc)
+                    }
+                    _ => rc,
+                },
+                Err(_) => rc,
+            };
+            (labels_in(&fresh), newer(old), newer(new))
+        } else {
+            (labels, old, new)
+        };
         let control = reality
             .get(&ctl_key)
             .map(|kv| ControlSeen::from_entry(kv.value_bytes(), kv.modify_index))

@@ -436,10 +436,13 @@ impl World {
         let _ = reaper.await;
         let log = server.commit_log();
         let observer = Observer::replay(&log);
+        let mut violations: Vec<String> =
+            observer.violations.iter().map(|v| v.to_string()).collect();
+        violations.extend(interventions_reported(&log));
         RealOutcome {
             seed: cfg.seed,
             unsettled,
-            violations: observer.violations.iter().map(|v| v.to_string()).collect(),
+            violations,
             events: self.events,
             simulated,
             commits: log.len(),
@@ -480,6 +483,36 @@ impl World {
         }
         done(self)
     }
+}
+
+/// Rolls that reported an operator's intervention (an RC of theirs disabled or enabled by
+/// someone else once they started). Nobody in these worlds touches a roll's RCs but the roll:
+/// such a report read the roll's label and its RCs' flags from views of different ages.
+fn interventions_reported(log: &[crate::server::LoggedCommit]) -> Vec<String> {
+    use crate::audit::{AUDIT_PREFIX, AuditRecord, events};
+    use crate::server::Change;
+    let mut out = Vec::new();
+    for commit in log {
+        for ch in &commit.changes {
+            let Change::Put(k, e) = ch else { continue };
+            if !k.starts_with(AUDIT_PREFIX) {
+                continue;
+            }
+            let Ok(r) = AuditRecord::from_kv(k, &e.value) else {
+                continue;
+            };
+            let reason = r.event_details["reason"].as_str().unwrap_or_default();
+            if r.event_type == events::ROLL_STALLED
+                && (reason.contains("was enabled again") || reason.contains("was disabled"))
+            {
+                out.push(format!(
+                    "commit {}: a roll reported an intervention nobody made: {reason}",
+                    commit.index
+                ));
+            }
+        }
+    }
+    out
 }
 
 fn labels(pairs: &[(&str, &str)]) -> LabelSet {
