@@ -524,6 +524,22 @@ impl Failsafe {
         matches!(self.config.max_removals, MaxRemovals::Percent(_))
     }
 
+    /// Whether a count grown to `pods` is due to be written into the window key
+    /// ([`Window::report_due`], against the key as last read). One that is not stays out of
+    /// [`Failsafe::served`] until it is: the count in the key is then low by at most what a
+    /// report lets it lag anyway, and the farm reads the registry for its growth a few times
+    /// as it converges, not on every turn of its loop.
+    pub fn growth_due(&self, pods: u64) -> bool {
+        let s = self.state.lock();
+        match self.window() {
+            Ok(w) => {
+                self.pruned(w, &s)
+                    .report_due(self.settings(), self.now_s(), &self.farm_id, pods)
+            }
+            Err(_) => false,
+        }
+    }
+
     /// The pods this farm serves, as it last set them: what its next write of the window key
     /// reports. The farm raises it only after a read of the registry sent once the claims
     /// that grew it had committed: the farms whose sessions ended before those claims (so

@@ -66,14 +66,17 @@ impl Farm {
     /// adds those pods to this farm's count drops that farm's count of them
     /// ([`crate::budget::Window::without_stale`]). The registry view the loop watches may be
     /// older than the lock tree the claims were made from: taken as it is, the key held both
-    /// counts, and the peak kept the sum for the window. The read is a few keys, made only on
-    /// the turns of the loop that find the count grown; until it answers the count stays where
-    /// it was (low for a moment, never high).
+    /// counts, and the peak kept the sum for the window. The read is a few keys, made only when
+    /// the grown count is due to be written ([`crate::failsafe::Failsafe::growth_due`]); until
+    /// then the count stays where it was (low by what a report may lag, never high).
     async fn count_served(&self) {
         let fs = &self.failsafe;
         let pods = self.status.pods_current() as u64;
         if pods <= fs.served() || !fs.counts_served() {
             fs.set_served(pods);
+            return;
+        }
+        if !fs.growth_due(pods) {
             return;
         }
         let opts = QueryOptions {

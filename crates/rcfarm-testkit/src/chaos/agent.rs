@@ -110,11 +110,26 @@ fn ephemeral_low() -> u16 {
 /// outgoing connection or port-0 listener on the machine (seen with eight tests at a time: a
 /// restarted agent's server port held by another, "bind: address already in use"). Port-0
 /// picks where that range leaves too little room below it.
+///
+/// A port is handed out once per process: the agents of one cluster are given their ports one
+/// agent at a time before any starts, and a port one agent was given is free again until that
+/// agent binds it (seen in CI: one server's Serf LAN port was another's Serf WAN port, so the
+/// cluster joined itself twice and never bootstrapped, "Found duplicate ID in configuration").
 pub fn ports_below_ephemeral(ip: Ipv4Addr, n: usize) -> Result<Vec<u16>, String> {
     use rand::Rng;
+    static HANDED_OUT: std::sync::Mutex<std::collections::BTreeSet<u16>> =
+        std::sync::Mutex::new(std::collections::BTreeSet::new());
     const LOWEST: u16 = 10_000;
     let high = ephemeral_low();
+    let mut handed = HANDED_OUT.lock().unwrap_or_else(|e| e.into_inner());
     let mut held: Vec<TcpListener> = Vec::with_capacity(n);
+    let mut take = |l: TcpListener, held: &mut Vec<TcpListener>| -> Result<(), String> {
+        let port = l.local_addr().map_err(|e| e.to_string())?.port();
+        if handed.insert(port) {
+            held.push(l);
+        }
+        Ok(())
+    };
     if high > LOWEST + 2_000 {
         let mut rng = rand::rng();
         for _ in 0..2_000 {
@@ -122,12 +137,21 @@ pub fn ports_below_ephemeral(ip: Ipv4Addr, n: usize) -> Result<Vec<u16>, String>
                 break;
             }
             if let Ok(l) = TcpListener::bind((ip, rng.random_range(LOWEST..high))) {
-                held.push(l);
+                take(l, &mut held)?;
             }
         }
     }
-    while held.len() < n {
-        held.push(TcpListener::bind((ip, 0)).map_err(|e| e.to_string())?);
+    for _ in 0..10_000 {
+        if held.len() == n {
+            break;
+        }
+        take(
+            TcpListener::bind((ip, 0)).map_err(|e| e.to_string())?,
+            &mut held,
+        )?;
+    }
+    if held.len() < n {
+        return Err(format!("no {n} free ports on {ip} not handed out before"));
     }
     held.iter()
         .map(|l| l.local_addr().map(|a| a.port()).map_err(|e| e.to_string()))
@@ -633,4 +657,21 @@ fn chown_tree(path: &Path, uid: u32) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn no_port_is_handed_out_twice_in_one_process() {
+        let ip = Ipv4Addr::LOCALHOST;
+        let mut seen = std::collections::BTreeSet::new();
+        // Each pick gives its listeners back before the next, as a cluster's agents get theirs.
+        for _ in 0..50 {
+            for p in ports_below_ephemeral(ip, 6).unwrap() {
+                assert!(seen.insert(p), "port {p} handed out twice");
+            }
+        }
+    }
 }
