@@ -511,7 +511,8 @@ impl Failsafe {
     /// a growing count ([`Failsafe::served`]) taught.
     pub fn set_live_farms(&self, live: BTreeMap<String, String>, index: u64) {
         let mut s = self.state.lock();
-        if s.live.is_none() || index >= s.live_index {
+        // `live_index` starts at 0, so the first read is always taken.
+        if index >= s.live_index {
             s.live = Some(live);
             s.live_index = index;
         }
@@ -530,14 +531,9 @@ impl Failsafe {
     /// report lets it lag anyway, and the farm reads the registry for its growth a few times
     /// as it converges, not on every turn of its loop.
     pub fn growth_due(&self, pods: u64) -> bool {
-        let s = self.state.lock();
-        match self.window() {
-            Ok(w) => {
-                self.pruned(w, &s)
-                    .report_due(self.settings(), self.now_s(), &self.farm_id, pods)
-            }
-            Err(_) => false,
-        }
+        // Only this farm's own count is looked at, which pruning never drops.
+        self.window()
+            .is_ok_and(|w| w.report_due(self.settings(), self.now_s(), &self.farm_id, pods))
     }
 
     /// The pods this farm serves, as it last set them: what its next write of the window key
