@@ -426,6 +426,11 @@ struct Reading {
 /// sends big answers chunked) from the caller's hint. Collected chunk by chunk and then copied
 /// into one buffer, a 10-MiB watch answer was held twice for a moment; grown by doubling, up
 /// to 1.5 times over.
+///
+/// Past the hint (a tree that grew by more than the watch's margin, or a first answer, whose
+/// hint is 0) the buffer grows by a quarter at a time, not by doubling, and is cut to the body
+/// at the end: the body lives on while it is decoded and folded, seconds for a big tree, and a
+/// doubled buffer held up to twice a 125-MiB pod-label answer for that long.
 async fn read_body(mut resp: reqwest::Response, hint: usize) -> reqwest::Result<Bytes> {
     let expected = resp
         .content_length()
@@ -434,9 +439,26 @@ async fn read_body(mut resp: reqwest::Response, hint: usize) -> reqwest::Result<
     // A hint is a guess: never reserve past 1 GiB on one.
     let mut buf = Vec::with_capacity(expected.min(1 << 30));
     while let Some(chunk) = resp.chunk().await? {
-        buf.extend_from_slice(&chunk);
+        push_chunk(&mut buf, &chunk);
     }
+    shrink_body(&mut buf);
     Ok(Bytes::from(buf))
+}
+
+/// Appends a chunk, growing the buffer by a quarter (or the chunk) when it is full.
+fn push_chunk(buf: &mut Vec<u8>, chunk: &[u8]) {
+    if buf.capacity() - buf.len() < chunk.len() {
+        buf.reserve_exact(chunk.len().max(buf.capacity() / 4));
+    }
+    buf.extend_from_slice(chunk);
+}
+
+/// Gives back what a body's buffer holds past the body when that is worth a call: 64 KiB or
+/// more (jemalloc cuts a large block in place, without a copy).
+fn shrink_body(buf: &mut Vec<u8>) {
+    if buf.capacity() - buf.len() >= 64 << 10 {
+        buf.shrink_to_fit();
+    }
 }
 
 struct BlockingGuard<'a>(&'a ClientStats);
@@ -614,5 +636,32 @@ mod tests {
             c.kv_url("a/b c+d?e%f"),
             "http://h:1/v1/kv/a/b%20c%2Bd%3Fe%25f"
         );
+    }
+
+    /// A chunked body past its hint is held at most a quarter over while it arrives, and at
+    /// its size once read (a few KiB over are not worth a call).
+    #[test]
+    fn a_body_past_its_hint_is_not_held_twice_over() {
+        let chunk = vec![7u8; 16 << 10];
+        for hint in [0, 1 << 20] {
+            let mut buf = Vec::with_capacity(hint);
+            for _ in 0..1024 {
+                push_chunk(&mut buf, &chunk);
+                assert!(
+                    buf.capacity() <= hint.max(buf.len() + (buf.len() / 4).max(chunk.len())),
+                    "{} held for {} (hint {hint})",
+                    buf.capacity(),
+                    buf.len()
+                );
+            }
+            shrink_body(&mut buf);
+            assert_eq!(buf.len(), 16 << 20);
+            assert_eq!(buf.capacity(), buf.len(), "hint {hint}");
+            assert!(buf.iter().all(|b| *b == 7));
+        }
+        let mut small = Vec::with_capacity(100 << 10);
+        small.extend_from_slice(&[1u8; 60 << 10]);
+        shrink_body(&mut small);
+        assert_eq!(small.capacity(), 100 << 10);
     }
 }

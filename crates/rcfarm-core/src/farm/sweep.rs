@@ -1,11 +1,10 @@
 //! The consistency sweep: reads the intents of the farm's pods in batched read-only
 //! transactions and records what it found in the [`IntentView`], for tasks to repair.
 
-use std::collections::BTreeSet;
+use std::borrow::Cow;
+use std::collections::{BTreeSet, HashMap, HashSet};
 
-use std::collections::{HashMap, HashSet};
-
-use crate::consul::{Consul, ConsulError, KvPair, MAX_TXN_OPS, QueryOptions};
+use crate::consul::{Consul, ConsulError, KvList, KvPair, KvRef, MAX_TXN_OPS, QueryOptions};
 use crate::rctask::{INTENT_PREFIX, IntentState, IntentView, intent_key};
 
 /// Batches of reads beyond which the sweep lists the whole intent tree instead.
@@ -25,26 +24,35 @@ pub async fn sweep(
     // Batched reads cost a request per 64 pods: 500 a minute for a farm with 33,000 pods, most
     // of a farm's idle load. Past a few batches, one listing of the whole intent tree is
     // cheaper in requests (Consul sends more bytes, once).
-    let found: HashMap<String, KvPair> = if keys.len() > LIST_AFTER_BATCHES * MAX_TXN_OPS {
-        let wanted: HashSet<&String> = keys.iter().collect();
-        let (entries, _) = consul
-            .kv_list(INTENT_PREFIX, &QueryOptions::default())
-            .await?;
-        entries
-            .into_iter()
-            .filter(|kv| wanted.contains(&kv.key))
-            .map(|kv| (kv.key.clone(), kv))
-            .collect()
+    let mut read: HashMap<String, KvPair> = HashMap::new();
+    let mut listed = KvList::default();
+    if keys.len() > LIST_AFTER_BATCHES * MAX_TXN_OPS {
+        // Kept as sent: the tree holds every farm's intents (a million at a million pods),
+        // and only this farm's are decoded. Decoded whole into `KvPair`s and then copied into
+        // a map, it was the biggest thing a farm held at its peak (BENCHMARKS.md, "A million
+        // pods on one machine").
+        listed = consul
+            .kv_listing(INTENT_PREFIX, &QueryOptions::default())
+            .await?
+            .0;
     } else {
-        consul.read_keys(&keys).await?
-    };
+        read = consul.read_keys(&keys).await?;
+    }
+    let wanted: HashSet<&str> = keys.iter().map(String::as_str).collect();
+    let in_list: HashMap<&str, KvRef<'_>> = listed
+        .iter()
+        .filter(|e| wanted.contains(e.key()))
+        .map(|e| (e.key(), e))
+        .collect();
     for ((node, pod), key) in pods.iter().zip(&keys) {
-        view.set_read(
-            node,
-            pod,
-            IntentState::from_value(found.get(key).map(|kv| kv.value_bytes())),
-            ticket,
-        );
+        // A key listed with no value reads as an empty value, as a batched read's does.
+        let value: Option<Cow<'_, [u8]>> = match read.get(key) {
+            Some(kv) => Some(Cow::Borrowed(kv.value_bytes())),
+            None => in_list
+                .get(key.as_str())
+                .map(|e| Cow::Owned(e.value().unwrap_or_default())),
+        };
+        view.set_read(node, pod, IntentState::from_value(value.as_deref()), ticket);
     }
     if all {
         view.retain(pods);
