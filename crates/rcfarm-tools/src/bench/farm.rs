@@ -909,6 +909,16 @@ async fn run_once(args: &BenchFarmArgs) -> Result<Figures, CliError> {
             .join(", "),
         peak_rss.join(", ")
     );
+    if matches!(target, Target::Embedded(_)) {
+        // The embedded server lives in this process with the writer: this process's figures
+        // bound the server's from above (issue 46: "the server ≤ 1.5 GiB").
+        let me = std::process::id();
+        eprintln!(
+            "this process's RSS now / at its peak (embedded server and writer), MiB: {} / {}",
+            rss_kib(me).map_or("n/a".into(), |k| format!("{:.0}", k as f64 / 1024.0)),
+            peak_rss_kib(me).map_or("n/a".into(), |k| format!("{:.0}", k as f64 / 1024.0)),
+        );
+    }
 
     // Handover and failover need another farm to take over. One that times out is reported
     // with the row (n/a) and fails the run after it (the error printed at exit): the figures
