@@ -290,11 +290,21 @@ async fn the_clusters_removal_window_beside_a_farm_of_the_previous_release(backe
     // A previous release with the window charges the same key: one cluster limit, and each
     // release keeps the other's count (9b6bfac drops the new one's session when it rewrites
     // the key: the count is then kept while its farm is live).
-    if w.farms.contains_key("old") {
+    if let Some(old) = w.farms.get("old") {
         assert!(
             removed <= 5,
             "{removed} removed under one cluster limit: {w:?}"
         );
+        // 9b6bfac writes no session with its count; 38c1fcd and later write the old farm's
+        // own: never another farm's.
+        if let Some(session) = &old.session {
+            let sessions = c.farm_sessions().await;
+            assert_eq!(
+                sessions.get(session).map(String::as_str),
+                Some("old"),
+                "the old farm's count carries a session that is not its own: {w:?}, registry {sessions:?}"
+            );
+        }
         assert!(w.farms.contains_key("new"), "{w:?}");
     }
 }
