@@ -879,3 +879,66 @@ async fn the_test_equipments_commands_say_where_they_went() {
         );
     }
 }
+
+/// `rcfarm-tools bench farm --server-process` runs the embedded server as `rcfarm consul-dev`
+/// of its own and reports that process's memory (issue 46: "the server ≤ 1.5 GiB" is read off
+/// it); it cannot be asked together with a real agent.
+#[tokio::test]
+async fn bench_farm_measures_a_server_in_its_own_process() {
+    let out = tokio::process::Command::new(crate::rcfarm_tools())
+        .args([
+            "bench", "farm", "--farms", "2", "--rcs", "20", "--nodes", "20",
+        ])
+        .args([
+            "--changes",
+            "0",
+            "--idle",
+            "1s",
+            "--server-process",
+            "--json",
+        ])
+        .args(["--farm-bin", RCFARM])
+        .output()
+        .await
+        .unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(
+        stderr.contains("the server's RSS now / at its peak (its own process)"),
+        "{stderr}"
+    );
+    assert!(
+        stdout.contains("| embedded (own process) | 2 | 20×5 |"),
+        "{stdout}"
+    );
+    let figures: serde_json::Value = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("figures: "))
+        .map(|j| serde_json::from_str(j).unwrap())
+        .unwrap_or_else(|| panic!("no figures line: {stdout}"));
+    let (now, peak) = (
+        figures["server_rss"].as_f64().unwrap_or(0.0),
+        figures["server_peak_rss"].as_f64().unwrap_or(0.0),
+    );
+    // A process that served 100 pods to two farms holds some MiB; this one's own, not this
+    // test's or the harness's (which would be the case in-process).
+    assert!(now > 1.0 && peak >= now, "{figures}");
+    assert!(figures["consul_cpu"].as_f64().is_some(), "{figures}");
+    assert!(figures["change_p99_ms"].is_null(), "{figures}");
+
+    usage_error(
+        &crate::rcfarm_tools(),
+        &[
+            "bench",
+            "farm",
+            "--server-process",
+            "--consul-bin",
+            "/bin/true",
+        ],
+        "--consul-bin",
+    )
+    .await;
+}

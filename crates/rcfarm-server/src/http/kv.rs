@@ -27,9 +27,13 @@ pub(super) async fn kv_get(shared: &Shared, key: &str, p: &Params) -> Result<Res
             .unwrap_or("")
             .to_string();
         let prefix = key.to_string();
-        let (keys, index) = blocking(shared, &opts, WatchTarget::Prefix(prefix.clone()), |s| {
-            s.read_keys(&prefix, &sep)
-        })
+        let (keys, index) = blocking(
+            shared,
+            &opts,
+            WatchTarget::Prefix(prefix.clone()),
+            |s| s.prefix_read_index(&prefix),
+            |s| s.read_keys(&prefix, &sep).0,
+        )
         .await?;
         if keys.is_empty() && !prefix.is_empty() {
             return Ok(not_found_with_meta(index));
@@ -38,9 +42,13 @@ pub(super) async fn kv_get(shared: &Shared, key: &str, p: &Params) -> Result<Res
     }
     if p.has("recurse") {
         let prefix = key.to_string();
-        let (entries, index) = blocking(shared, &opts, WatchTarget::Prefix(prefix.clone()), |s| {
-            s.read_prefix(&prefix)
-        })
+        let (entries, index) = blocking(
+            shared,
+            &opts,
+            WatchTarget::Prefix(prefix.clone()),
+            |s| s.prefix_read_index(&prefix),
+            |s| s.list_prefix(&prefix),
+        )
         .await?;
         if entries.is_empty() {
             return Ok(not_found_with_meta(index));
@@ -51,9 +59,13 @@ pub(super) async fn kv_get(shared: &Shared, key: &str, p: &Params) -> Result<Res
         return Err(bad_request("Missing key name"));
     }
     let k = key.to_string();
-    let (entry, index) = blocking(shared, &opts, WatchTarget::Key(k.clone()), |s| {
-        s.read_key(&k)
-    })
+    let (entry, index) = blocking(
+        shared,
+        &opts,
+        WatchTarget::Key(k.clone()),
+        |s| s.read_key(&k).1,
+        |s| s.read_key(&k).0,
+    )
     .await?;
     let Some(entry) = entry else {
         return Ok(not_found_with_meta(index));

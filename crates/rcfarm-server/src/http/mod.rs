@@ -157,12 +157,25 @@ fn parse_read_opts(p: &Params) -> Result<ReadOpts, Answer> {
 }
 
 fn json_body<T: Serialize + ?Sized>(status: StatusCode, value: &T, pretty: bool) -> Response {
-    let body = if pretty {
-        serde_json::to_vec_pretty(value)
+    json_body_sized(status, value, pretty, 0)
+}
+
+/// [`json_body`] into a buffer of `size_hint` bytes to start with: a body grown by doubling
+/// holds up to twice its size while it is written, and the old buffer beside the new one at
+/// each step (at a million pod labels, 125 MiB an answer).
+fn json_body_sized<T: Serialize + ?Sized>(
+    status: StatusCode,
+    value: &T,
+    pretty: bool,
+    size_hint: usize,
+) -> Response {
+    let mut buf = Vec::with_capacity(size_hint);
+    let written = if pretty {
+        serde_json::to_writer_pretty(&mut buf, value)
     } else {
-        serde_json::to_vec(value)
+        serde_json::to_writer(&mut buf, value)
     };
-    match body {
+    match written.map(|()| buf) {
         Ok(mut b) => {
             if pretty {
                 b.push(b'\n');
@@ -184,12 +197,39 @@ fn json_body<T: Serialize + ?Sized>(status: StatusCode, value: &T, pretty: bool)
 /// A listing's answer (`?recurse`, `?keys`). A long one is encoded off this worker's queue
 /// ([`cpu_heavy`]): a million pod labels take a worker for a second and more, and the session
 /// renewals and small reads queued behind it would wait that long (farms lost their sessions).
-fn json_listing<T: Serialize>(entries: &[T], pretty: bool) -> Response {
+fn json_listing<T: Serialize + Encoded>(entries: &[T], pretty: bool) -> Response {
     /// About a mebibyte of KV pairs and more.
     const HEAVY_ENTRIES: usize = 4_096;
     cpu_heavy(entries.len() >= HEAVY_ENTRIES, || {
-        json_body(StatusCode::OK, entries, pretty)
+        // The compact encoding's size, near enough that the buffer is seldom grown (pretty
+        // output grows it as it must).
+        let hint = 2 + entries.iter().map(|e| e.encoded_len() + 1).sum::<usize>();
+        json_body_sized(StatusCode::OK, entries, pretty, hint)
     })
+}
+
+/// About how many bytes an item of a listing takes in compact JSON.
+trait Encoded {
+    fn encoded_len(&self) -> usize;
+}
+
+impl Encoded for String {
+    fn encoded_len(&self) -> usize {
+        self.len() + 2
+    }
+}
+
+impl Encoded for super::store::Listed {
+    fn encoded_len(&self) -> usize {
+        // `{"LockIndex":…,"Key":"…","Flags":…,"Value":"…","CreateIndex":…,"ModifyIndex":…}`
+        // with indexes of up to 8 digits, the value in base64, and the session if any.
+        const FIXED: usize = 100;
+        let e = &self.entry;
+        FIXED
+            + self.key.len()
+            + e.value.len().div_ceil(3) * 4
+            + e.session.as_ref().map_or(0, |s| s.len() + 12)
+    }
 }
 
 fn set_meta(headers: &mut HeaderMap, index: u64) {
@@ -499,38 +539,43 @@ async fn blocking<T>(
     shared: &Shared,
     opts: &ReadOpts,
     target: WatchTarget,
-    eval: impl Fn(&super::store::Store) -> (T, u64),
+    index_of: impl Fn(&super::store::Store) -> u64,
+    build: impl Fn(&super::store::Store) -> T,
 ) -> Result<(T, u64), Answer> {
+    let eval = |s: &super::store::Store| (build(s), index_of(s));
     let deadline = (opts.index > 0).then(|| {
         let jitter = crate::util::jitter_up_to(opts.wait / 16);
         Instant::now() + opts.wait + jitter
     });
     loop {
-        if let Some(stale) = shared.stale.answer(&eval) {
+        if let Some(stale) = shared.stale.answer(eval) {
             // A Consul 0.7 leader replaying its log answers at once from what it has replayed.
             return Ok(stale);
         }
         let timed_out = deadline.is_some_and(|d| Instant::now() >= d);
-        let (value, index, applied, waiter) = {
+        // The answer is built only when it is sent: a query that waits compares the index
+        // alone. Most blocking queries arrive at the index they were last answered at and
+        // wait, and a listing's answer (a million pod labels) is the costly part.
+        let (answer, applied, waiter) = {
             let mut st = shared.state.lock();
-            let (value, index) = eval(&st.store);
+            let index = index_of(&st.store);
             let applied = st.store.index();
-            let waiter = if deadline.is_some()
+            if deadline.is_some()
                 && index <= opts.index
                 && !timed_out
                 && !shared.shutdown.is_cancelled()
             {
-                Some(st.waiters.register(&target))
+                (None, applied, Some(st.waiters.register(&target)))
             } else {
-                None
-            };
-            (value, index, applied, waiter)
+                (Some((build(&st.store), index)), applied, None)
+            }
         };
         let Some((id, rx)) = waiter else {
             shared.wait_durable(applied).await?;
-            return Ok((value, index));
+            // Invariant: no waiter means the answer was built above.
+            return answer
+                .ok_or_else(|| internal("a blocking read with neither answer nor waiter"));
         };
-        drop(value);
         // Deregisters the waiter if this request ends (timeout, shutdown, or the client hanging
         // up) before a change fires it, so abandoned queries leave nothing behind.
         let mut guard = WaiterGuard {
@@ -639,6 +684,46 @@ mod path_tests {
             ("//", "/"),
         ] {
             assert_eq!(clean_path(p), want, "{p}");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::{Entry, Listed};
+
+    /// A listing's buffer is sized near its encoding: never short by much (the buffer would
+    /// double), never far over (it would hold memory it does not use).
+    #[test]
+    fn a_listings_size_hint_is_near_its_encoding() {
+        let listing: Vec<Listed> = (0..1_000u64)
+            .map(|i| Listed {
+                key: format!("labels/pod/node-{i:05}/bench-{i}"),
+                entry: Entry {
+                    value: format!(r#"{{"rc":"{i:036}","pod":"bench-{i}"}}"#).into(),
+                    flags: 0,
+                    session: (i % 3 == 0).then(|| format!("{i:036}")),
+                    lock_index: i % 2,
+                    create_index: 1_000_000 + i,
+                    modify_index: 2_000_000 + i,
+                },
+            })
+            .collect();
+        let keys: Vec<String> = listing.iter().map(|l| l.key.clone()).collect();
+        let hint = |n: usize| 2 + n;
+        let listed_hint = hint(listing.iter().map(|e| e.encoded_len() + 1).sum());
+        let keys_hint = hint(keys.iter().map(|e| e.encoded_len() + 1).sum());
+        let listed_len = serde_json::to_vec(&listing).unwrap().len();
+        let keys_len = serde_json::to_vec(&keys).unwrap().len();
+        for (what, hint, len) in [
+            ("entries", listed_hint, listed_len),
+            ("keys", keys_hint, keys_len),
+        ] {
+            assert!(
+                hint >= len && hint <= len + len / 4,
+                "{what}: hint {hint} for {len} bytes"
+            );
         }
     }
 }

@@ -256,17 +256,20 @@ pub(super) async fn session_read(
         SessionQuery::Node(n) if n.is_empty() => return Err(bad_request("Missing node name")),
         _ => {}
     }
-    let (list, index) = blocking(shared, &opts, WatchTarget::Sessions, |s| {
-        let list = match &q {
+    let (list, index) = blocking(
+        shared,
+        &opts,
+        WatchTarget::Sessions,
+        |s| s.sessions_index(),
+        |s| match &q {
             SessionQuery::Info(id) => s
                 .session(id)
                 .map(|r| vec![r.to_entry()])
                 .unwrap_or_default(),
             SessionQuery::Node(n) => s.list_sessions(Some(n)),
             SessionQuery::List => s.list_sessions(None),
-        };
-        (list, s.sessions_index())
-    })
+        },
+    )
     .await?;
     Ok(with_meta(
         sessions_body(&list, shared.config.compat, opts.pretty),

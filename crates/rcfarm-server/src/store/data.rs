@@ -37,6 +37,37 @@ impl Entry {
     }
 }
 
+/// One entry of a recursive read (`Store::list_prefix`), encoded as Consul's `api.KVPair`
+/// exactly as [`KvPair`] is (a test holds the two to the same bytes). The value is the store's
+/// own `Bytes`: a listing of a million pod labels copies no value.
+#[derive(Debug, Clone)]
+pub struct Listed {
+    pub key: String,
+    pub entry: Entry,
+}
+
+impl Serialize for Listed {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use base64::Engine as _;
+        use serde::ser::SerializeStruct as _;
+        let e = &self.entry;
+        let mut st = s.serialize_struct("KVPair", 6 + usize::from(e.session.is_some()))?;
+        st.serialize_field("LockIndex", &e.lock_index)?;
+        st.serialize_field("Key", &self.key)?;
+        st.serialize_field("Flags", &e.flags)?;
+        // Consul's null for an empty value, as `KvPair` (`b64_opt`).
+        let value = (!e.value.is_empty())
+            .then(|| base64::engine::general_purpose::STANDARD.encode(&e.value));
+        st.serialize_field("Value", &value)?;
+        if let Some(session) = &e.session {
+            st.serialize_field("Session", session)?;
+        }
+        st.serialize_field("CreateIndex", &e.create_index)?;
+        st.serialize_field("ModifyIndex", &e.modify_index)?;
+        st.end()
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Behavior {
     Release,

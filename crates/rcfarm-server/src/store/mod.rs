@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
 use crate::consul::{KvPair, SessionEntry};
-pub use data::{Behavior, Entry, KvOp, SessionRecord};
+pub use data::{Behavior, Entry, KvOp, Listed, SessionRecord};
 use indexes::{TOMBSTONE_TTL, Tombstone};
 use txn::{OpResult, op_key};
 
@@ -140,6 +140,28 @@ impl Store {
             })
             .collect();
         (entries, self.prefix_index(prefix, max))
+    }
+
+    /// The index a recursive or `?keys` read of `prefix` reports, without building its answer
+    /// (what a blocking query compares before it waits).
+    pub fn prefix_read_index(&self, prefix: &str) -> u64 {
+        let max = self
+            .prefix_range(prefix)
+            .map(|(_, e)| e.modify_index)
+            .max()
+            .unwrap_or(0);
+        self.prefix_index(prefix, max)
+    }
+
+    /// A recursive read as the HTTP API answers it: each entry's value shared with the store
+    /// (`Bytes`), not copied, until it is encoded. Its index is [`Store::prefix_read_index`].
+    pub fn list_prefix(&self, prefix: &str) -> Vec<Listed> {
+        self.prefix_range(prefix)
+            .map(|(k, e)| Listed {
+                key: k.clone(),
+                entry: e.clone(),
+            })
+            .collect()
     }
 
     /// How many keys start with `prefix`.
@@ -538,6 +560,46 @@ mod tests {
             assert_eq!(results[1].modify_index, at);
             assert_eq!(k, if bump { at } else { first }, "bump: {bump}");
         }
+    }
+
+    /// The HTTP API's listing (values shared, index computed apart) answers what the copied
+    /// `KvPair`s did, byte for byte: locked and unlocked entries, empty values, flags, a
+    /// prefix whose newest entry was deleted (its tombstone sets the index), and no entry.
+    #[test]
+    fn a_listing_encodes_as_the_copied_pairs_and_reports_their_index() {
+        let mut s = Store::new();
+        new_session(&mut s, "s1", Duration::ZERO);
+        write(
+            &mut s,
+            &[
+                set("a/1", "one"),
+                set("a/2", ""),
+                KvOp::Set {
+                    key: "a/3".into(),
+                    value: Bytes::from_static(b"\x00\xff binary"),
+                    flags: 42,
+                },
+                set("b/1", "other"),
+            ],
+        );
+        write(&mut s, &[lock("a/4", "s1")]);
+        write(&mut s, &[set("a/9", "gone")]);
+        write(&mut s, &[KvOp::Delete { key: "a/9".into() }]);
+        for prefix in ["", "a/", "a/4", "b/", "nothing/"] {
+            let (pairs, index) = s.read_prefix(prefix);
+            assert_eq!(
+                serde_json::to_string(&s.list_prefix(prefix)).unwrap(),
+                serde_json::to_string(&pairs).unwrap(),
+                "{prefix:?}"
+            );
+            assert_eq!(s.prefix_read_index(prefix), index, "{prefix:?}");
+            assert_eq!(s.read_keys(prefix, "").1, index, "{prefix:?}");
+        }
+        assert!(
+            serde_json::to_string(&s.list_prefix("a/4"))
+                .unwrap()
+                .contains(r#""Session":"s1""#)
+        );
     }
 
     #[test]

@@ -41,6 +41,12 @@ pub struct BenchFarmArgs {
     /// of the embedded server.
     #[arg(long)]
     pub consul_bin: Option<std::path::PathBuf>,
+    /// Run the embedded server as a process of its own (`rcfarm consul-dev`, the farms'
+    /// binary) instead of inside this one, so that its RSS and CPU are reported apart from
+    /// the writer's. The change → write latencies are then not measured (they read the
+    /// in-process server's commit log).
+    #[arg(long, conflicts_with = "consul_bin")]
+    pub server_process: bool,
     /// Keep the farms' logs (and the audit database) in this directory instead of a temporary
     /// one that is removed at the end.
     #[arg(long)]
@@ -112,6 +118,10 @@ pub struct Figures {
     pub peak_rss: Vec<f64>,
     /// From an RC change to the farm's write, 99th percentile (embedded server only).
     pub change_p99_ms: Option<f64>,
+    /// The server's RSS (MiB) at the end and at its peak, when it ran as a process of its own
+    /// (`--server-process`).
+    pub server_rss: Option<f64>,
+    pub server_peak_rss: Option<f64>,
 }
 
 impl Figures {
@@ -337,14 +347,85 @@ pub(super) fn pct(v: &mut [Duration], q: f64) -> f64 {
         .map_or(0.0, |d| d.as_secs_f64() * 1e3)
 }
 
+/// The embedded server run as a process of its own (`rcfarm consul-dev`, `--server-process`).
+struct ServerProc {
+    child: Child,
+    pid: u32,
+    url: String,
+    port: u16,
+}
+
+impl ServerProc {
+    /// Starts `rcfarm consul-dev` on a free port, its log in `dir/server.log`, and waits for
+    /// the line that says where it listens.
+    async fn start(args: &BenchFarmArgs, dir: &std::path::Path) -> Result<Self, CliError> {
+        use tokio::io::AsyncBufReadExt as _;
+        let exe = match &args.farm_bin {
+            Some(b) => b.clone(),
+            None => crate::rcfarm_beside(" or pass --farm-bin PATH")?,
+        };
+        let log = std::fs::File::create(dir.join("server.log")).map_err(failed)?;
+        let mut child = Command::new(&exe)
+            .args(["consul-dev", "--listen", "127.0.0.1:0"])
+            .args(["--session-ttl-min", "1s"])
+            .env(
+                "RUST_LOG",
+                std::env::var("RCFARM_BENCH_FARM_LOG").unwrap_or_else(|_| "warn".into()),
+            )
+            .stdout(Stdio::piped())
+            .stderr(Stdio::from(log))
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|e| failed(format!("cannot start {} consul-dev: {e}", exe.display())))?;
+        let pid = child.id().unwrap_or(0);
+        let Some(out) = child.stdout.take() else {
+            return Err(failed("consul-dev's stdout was not piped"));
+        };
+        let mut lines = tokio::io::BufReader::new(out).lines();
+        let first = tokio::time::timeout(Duration::from_secs(30), async {
+            while let Ok(Some(l)) = lines.next_line().await {
+                if let Some(url) = l.strip_prefix("consul-dev listening on ") {
+                    return Some(url.trim().to_string());
+                }
+            }
+            None
+        })
+        .await;
+        let Ok(Some(url)) = first else {
+            return Err(failed(format!(
+                "{} consul-dev did not say where it listens within 30 s (its log: {})",
+                exe.display(),
+                dir.join("server.log").display()
+            )));
+        };
+        let port = url
+            .rsplit(':')
+            .next()
+            .and_then(|p| p.trim_end_matches('/').parse().ok())
+            .ok_or_else(|| failed(format!("consul-dev said an address without a port: {url}")))?;
+        // Its stdout is read no further: drained in the background so that it never blocks.
+        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        Ok(ServerProc {
+            child,
+            pid,
+            url,
+            port,
+        })
+    }
+}
+
 /// The Consul a benchmark runs against.
 enum Target {
     Embedded(EmbeddedServer),
+    Process(ServerProc),
     Real(Box<ConsulAgent>),
 }
 
 impl Target {
-    async fn start(args: &BenchFarmArgs) -> Result<Target, CliError> {
+    async fn start(args: &BenchFarmArgs, dir: &std::path::Path) -> Result<Target, CliError> {
+        if args.server_process {
+            return Ok(Target::Process(ServerProc::start(args, dir).await?));
+        }
         Ok(match &args.consul_bin {
             None => Target::Embedded(
                 EmbeddedServer::start(ServerConfig {
@@ -366,6 +447,7 @@ impl Target {
     fn url(&self) -> String {
         match self {
             Target::Embedded(s) => s.url(),
+            Target::Process(p) => p.url.clone(),
             Target::Real(a) => a.http_url(),
         }
     }
@@ -373,6 +455,7 @@ impl Target {
     fn port(&self) -> u16 {
         match self {
             Target::Embedded(s) => s.addr().port(),
+            Target::Process(p) => p.port,
             Target::Real(a) => a.ports.http,
         }
     }
@@ -380,6 +463,7 @@ impl Target {
     fn name(&self) -> &'static str {
         match self {
             Target::Embedded(_) => "embedded",
+            Target::Process(_) => "embedded (own process)",
             Target::Real(_) => "consul",
         }
     }
@@ -388,6 +472,7 @@ impl Target {
     fn cpu(&self) -> Option<Duration> {
         match self {
             Target::Embedded(_) => None,
+            Target::Process(p) => bench_probe::cpu_time(p.pid),
             Target::Real(a) => bench_probe::cpu_time(a.pid()?),
         }
     }
@@ -395,7 +480,7 @@ impl Target {
     async fn count(&self, consul: &Consul, prefix: &str) -> usize {
         match self {
             Target::Embedded(s) => s.count_prefix(prefix),
-            Target::Real(_) => consul
+            Target::Process(_) | Target::Real(_) => consul
                 .kv_keys(prefix, None, &QueryOptions::default())
                 .await
                 .map_or(0, |(k, _)| k.len()),
@@ -406,9 +491,15 @@ impl Target {
     /// labels of no RC's). A count walks every key under the prefix (Consul's listing over
     /// HTTP, or the embedded server in this process): every 20 ms it would be a load of its
     /// own (at 400,000 pods on the embedded server, a tenth of the machine taken from the
-    /// farms it times), so above 10,000 pods it is polled every 250 ms (±0.25 s).
+    /// farms it times), so above 10,000 pods it is polled every 250 ms (±0.25 s). Over HTTP
+    /// each poll is two whole key listings (some 60 MiB of JSON at a million pods, built by
+    /// the server whose memory is measured), so above 200,000 pods it polls every second
+    /// (±1 s).
     async fn every_pod_written(&self, consul: &Consul, pods: usize, other_labels: usize) -> bool {
-        if pods > 10_000 {
+        let over_http = !matches!(self, Target::Embedded(_));
+        if over_http && pods > 200_000 {
+            tokio::time::sleep(Duration::from_millis(980)).await;
+        } else if pods > 10_000 {
             tokio::time::sleep(Duration::from_millis(230)).await;
         }
         self.count(consul, "intent/").await == pods
@@ -418,6 +509,10 @@ impl Target {
     async fn shutdown(self) {
         match self {
             Target::Embedded(s) => s.shutdown().await,
+            Target::Process(mut p) => {
+                let _ = p.child.start_kill();
+                let _ = p.child.wait().await;
+            }
             Target::Real(mut a) => a.kill().await,
         }
     }
@@ -501,6 +596,8 @@ async fn compare(args: &BenchFarmArgs) -> Result<(), CliError> {
         "\n| {} {}×{} on {} nodes | {} | ratio | goal |\n|---|{}---|---|",
         if args.consul_bin.is_some() {
             "real Consul,"
+        } else if args.server_process {
+            "embedded (own process),"
         } else {
             "embedded,"
         },
@@ -524,6 +621,8 @@ async fn compare(args: &BenchFarmArgs) -> Result<(), CliError> {
     );
     let consul = if args.consul_bin.is_some() {
         "Consul CPU-seconds"
+    } else if args.server_process {
+        "the server's CPU-seconds"
     } else {
         "this process's CPU-seconds (embedded server and writer)"
     };
@@ -554,7 +653,7 @@ async fn run_once(args: &BenchFarmArgs) -> Result<Figures, CliError> {
         }
         None => tmp.path().to_path_buf(),
     };
-    let target = Target::start(&args).await?;
+    let target = Target::start(&args, &dir).await?;
     let consul = Consul::new(ConsulConfig::new(target.url())).map_err(failed)?;
     let scraper = reqwest::Client::new();
 
@@ -909,9 +1008,21 @@ async fn run_once(args: &BenchFarmArgs) -> Result<Figures, CliError> {
             .join(", "),
         peak_rss.join(", ")
     );
+    if let Target::Process(p) = &target {
+        // Issue 46: "the server ≤ 1.5 GiB", measured on its own process.
+        let (now, peak) = (rss_kib(p.pid), peak_rss_kib(p.pid));
+        figures.server_rss = now.map(|k| k as f64 / 1024.0);
+        figures.server_peak_rss = peak.map(|k| k as f64 / 1024.0);
+        eprintln!(
+            "the server's RSS now / at its peak (its own process), MiB: {} / {}",
+            now.map_or("n/a".into(), |k| format!("{:.0}", k as f64 / 1024.0)),
+            peak.map_or("n/a".into(), |k| format!("{:.0}", k as f64 / 1024.0)),
+        );
+    }
     if matches!(target, Target::Embedded(_)) {
         // The embedded server lives in this process with the writer: this process's figures
-        // bound the server's from above (issue 46: "the server ≤ 1.5 GiB").
+        // bound the server's from above (issue 46: "the server ≤ 1.5 GiB"; `--server-process`
+        // measures it alone).
         let me = std::process::id();
         eprintln!(
             "this process's RSS now / at its peak (embedded server and writer), MiB: {} / {}",
@@ -955,6 +1066,11 @@ async fn run_once(args: &BenchFarmArgs) -> Result<Figures, CliError> {
             before_handover,
             after - before_handover
         );
+        // A kill -9 needs a third farm to take over: with two, the one left is the one killed
+        // (the failover is then n/a, not a timeout).
+        if args.farms < 3 {
+            break 'takeovers;
+        }
         let gone = farms[1].session.clone().unwrap_or_default();
         signal(farms[1].pid, "KILL");
         let limit = args.session_ttl * 4 + Duration::from_secs(30);
@@ -1078,6 +1194,13 @@ async fn so_far(
         rss.join(", "),
         total(&watch_bytes(http, farms).await) / (1 << 20) as f64,
     );
+    if let Target::Process(p) = target {
+        eprintln!(
+            "the server's RSS now / at its peak (its own process), MiB: {} / {}",
+            rss_kib(p.pid).map_or("gone".into(), |k| format!("{:.0}", k as f64 / 1024.0)),
+            peak_rss_kib(p.pid).map_or("gone".into(), |k| format!("{:.0}", k as f64 / 1024.0)),
+        );
+    }
 }
 
 /// Whether each farm's gauge `metric` is non-zero.
