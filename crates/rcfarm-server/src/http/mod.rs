@@ -213,7 +213,7 @@ trait Encoded {
     fn encoded_len(&self) -> usize;
 }
 
-impl Encoded for String {
+impl Encoded for std::sync::Arc<str> {
     fn encoded_len(&self) -> usize {
         self.len() + 2
     }
@@ -699,7 +699,7 @@ mod tests {
     fn a_listings_size_hint_is_near_its_encoding() {
         let listing: Vec<Listed> = (0..1_000u64)
             .map(|i| Listed {
-                key: format!("labels/pod/node-{i:05}/bench-{i}"),
+                key: format!("labels/pod/node-{i:05}/bench-{i}").into(),
                 entry: Entry {
                     value: format!(r#"{{"rc":"{i:036}","pod":"bench-{i}"}}"#).into(),
                     flags: 0,
@@ -710,7 +710,7 @@ mod tests {
                 },
             })
             .collect();
-        let keys: Vec<String> = listing.iter().map(|l| l.key.clone()).collect();
+        let keys: Vec<std::sync::Arc<str>> = listing.iter().map(|l| l.key.clone()).collect();
         let hint = |n: usize| 2 + n;
         let listed_hint = hint(listing.iter().map(|e| e.encoded_len() + 1).sum());
         let keys_hint = hint(keys.iter().map(|e| e.encoded_len() + 1).sum());

@@ -3,6 +3,7 @@
 //! right) that transactions, reads and log replay all build on. Nothing here knows about
 //! indexes beyond the ones an entry or session carries.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -42,7 +43,7 @@ impl Entry {
 /// own `Bytes`: a listing of a million pod labels copies no value.
 #[derive(Debug, Clone)]
 pub struct Listed {
-    pub key: String,
+    pub key: Arc<str>,
     pub entry: Entry,
 }
 
@@ -53,7 +54,7 @@ impl Serialize for Listed {
         let e = &self.entry;
         let mut st = s.serialize_struct("KVPair", 6 + usize::from(e.session.is_some()))?;
         st.serialize_field("LockIndex", &e.lock_index)?;
-        st.serialize_field("Key", &self.key)?;
+        st.serialize_field("Key", &*self.key)?;
         st.serialize_field("Flags", &e.flags)?;
         // Consul's null for an empty value, as `KvPair` (`b64_opt`).
         let value = (!e.value.is_empty())
@@ -205,7 +206,7 @@ impl Store {
     pub(super) fn prefix_range<'a>(
         &'a self,
         prefix: &'a str,
-    ) -> impl Iterator<Item = (&'a String, &'a Entry)> + 'a {
+    ) -> impl Iterator<Item = (&'a Arc<str>, &'a Entry)> + 'a {
         self.kv
             .range::<str, _>((
                 std::ops::Bound::Included(prefix),
@@ -231,7 +232,11 @@ impl Store {
                         .or_default()
                         .insert(key.to_string());
                 }
-                self.kv.insert(key.to_string(), e)
+                // An update keeps the key the map holds (no new allocation for it).
+                match self.kv.get_mut(key) {
+                    Some(slot) => Some(std::mem::replace(slot, e)),
+                    None => self.kv.insert(Arc::from(key), e),
+                }
             }
             None => self.kv.remove(key),
         };

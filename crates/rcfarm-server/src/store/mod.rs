@@ -12,6 +12,7 @@ mod indexes;
 mod txn;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
@@ -67,7 +68,9 @@ pub struct Commit {
 pub struct Store {
     /// The last index handed out (Consul's Raft index).
     index: u64,
-    kv: BTreeMap<String, Entry>,
+    /// Keys shared (`Arc<str>`): a listing clones each key it answers with, and at a million
+    /// pod labels a copied key was an allocation per entry per answer.
+    kv: BTreeMap<Arc<str>, Entry>,
     /// The highest index of any change to the KV or tombstone tables.
     kv_table_index: u64,
     tombstones: BTreeMap<String, Tombstone>,
@@ -170,9 +173,9 @@ impl Store {
     }
 
     /// A `?keys` read, cut after `separator` and deduplicated.
-    pub fn read_keys(&self, prefix: &str, separator: &str) -> (Vec<String>, u64) {
+    pub fn read_keys(&self, prefix: &str, separator: &str) -> (Vec<Arc<str>>, u64) {
         let mut max = 0;
-        let mut keys: Vec<String> = Vec::new();
+        let mut keys: Vec<Arc<str>> = Vec::new();
         for (k, e) in self.prefix_range(prefix) {
             max = max.max(e.modify_index);
             let after = &k[prefix.len()..];
@@ -181,10 +184,15 @@ impl Store {
                 .flatten()
             {
                 Some(pos) => &k[..prefix.len() + pos + separator.len()],
-                None => k.as_str(),
+                None => &**k,
             };
-            if keys.last().map(String::as_str) != Some(key) {
-                keys.push(key.to_string());
+            if keys.last().map(|k| &**k) != Some(key) {
+                // A whole key is the map's own, shared; a cut one is new.
+                keys.push(if key.len() == k.len() {
+                    k.clone()
+                } else {
+                    Arc::from(key)
+                });
             }
         }
         (keys, self.prefix_index(prefix, max))
@@ -374,7 +382,7 @@ impl Store {
                     self.kv_table_index = self.kv_table_index.max(idx);
                 }
                 Change::DeleteTree(prefix) => {
-                    let keys: Vec<String> =
+                    let keys: Vec<Arc<str>> =
                         self.prefix_range(prefix).map(|(k, _)| k.clone()).collect();
                     for k in keys {
                         self.set_raw(&k, None);
@@ -411,7 +419,7 @@ impl Store {
             entries: self
                 .kv
                 .iter()
-                .map(|(k, e)| (k.clone(), e.clone()))
+                .map(|(k, e)| (k.to_string(), e.clone()))
                 .collect(),
             tombstones: self
                 .tombstones

@@ -113,7 +113,7 @@ impl Tx<'_> {
     }
 
     fn delete_tree(&mut self, prefix: &str) {
-        let keys: Vec<String> = self
+        let keys: Vec<std::sync::Arc<str>> = self
             .store
             .prefix_range(prefix)
             .map(|(k, _)| k.clone())
@@ -123,12 +123,12 @@ impl Tx<'_> {
         }
         for k in &keys {
             let old = self.store.set_raw(k, None);
-            self.undo.push(Undo::Entry(k.clone(), old));
+            self.undo.push(Undo::Entry(k.to_string(), old));
         }
         self.tombstone(prefix);
         self.store.kv_table_index = self.idx;
         self.changes.push(Change::DeleteTree(prefix.to_string()));
-        self.changed_keys.extend(keys);
+        self.changed_keys.extend(keys.iter().map(|k| k.to_string()));
     }
 
     /// Consul's `kvsSetTxn`: keeps `CreateIndex`, keeps the session unless the op manages it,
