@@ -38,7 +38,7 @@ pub(super) async fn kv_get(shared: &Shared, key: &str, p: &Params) -> Result<Res
         if keys.is_empty() && !prefix.is_empty() {
             return Ok(not_found_with_meta(index));
         }
-        return Ok(with_meta(json_listing(&keys, opts.pretty), index));
+        return Ok(with_meta(json_listing(keys, opts.pretty), index));
     }
     if p.has("recurse") {
         let prefix = key.to_string();
@@ -53,7 +53,7 @@ pub(super) async fn kv_get(shared: &Shared, key: &str, p: &Params) -> Result<Res
         if entries.is_empty() {
             return Ok(not_found_with_meta(index));
         }
-        return Ok(with_meta(json_listing(&entries, opts.pretty), index));
+        return Ok(with_meta(json_listing(entries, opts.pretty), index));
     }
     if key.is_empty() {
         return Err(bad_request("Missing key name"));

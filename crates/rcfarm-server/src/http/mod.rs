@@ -194,41 +194,139 @@ fn json_body_sized<T: Serialize + ?Sized>(
     }
 }
 
-/// A listing's answer (`?recurse`, `?keys`). A long one is encoded off this worker's queue
-/// ([`cpu_heavy`]): a million pod labels take a worker for a second and more, and the session
-/// renewals and small reads queued behind it would wait that long (farms lost their sessions).
-fn json_listing<T: Serialize + Encoded>(entries: &[T], pretty: bool) -> Response {
+/// A listing's answer (`?recurse`, `?keys`). A short one (or `?pretty`) is one body, encoded
+/// off this worker's queue when it is long ([`cpu_heavy`]: a million pod labels took a worker
+/// for a second and more, and the session renewals queued behind it waited that long).
+///
+/// A long one is streamed ([`streamed_listing`]): encoded a piece at a time as the connection
+/// takes it, its exact `Content-Length` sent first (the client sizes its buffer once). Whole,
+/// a million pod labels were a 125-MiB body held until the last byte was sent, and at a
+/// million pods the bodies of the farms' answers in flight were the server's peak (790 of
+/// 2,062 MB live in a heap profile).
+fn json_listing<T: Serialize + Encoded + Send + 'static>(
+    entries: Vec<T>,
+    pretty: bool,
+) -> Response {
     /// About a mebibyte of KV pairs and more.
     const HEAVY_ENTRIES: usize = 4_096;
+    if entries.len() >= HEAVY_ENTRIES && !pretty {
+        return streamed_listing(entries);
+    }
     cpu_heavy(entries.len() >= HEAVY_ENTRIES, || {
-        // The compact encoding's size, near enough that the buffer is seldom grown (pretty
-        // output grows it as it must).
+        // The compact encoding's size (pretty output grows the buffer as it must).
         let hint = 2 + entries.iter().map(|e| e.encoded_len() + 1).sum::<usize>();
-        json_body_sized(StatusCode::OK, entries, pretty, hint)
+        json_body_sized(StatusCode::OK, &entries, pretty, hint)
     })
 }
 
-/// About how many bytes an item of a listing takes in compact JSON.
+/// A listing's compact JSON array in pieces of [`PER_PIECE`] entries (about 100–300 KiB each,
+/// a millisecond or less of encoding: short enough for a worker). Each entry is dropped once
+/// encoded; the values it shares with the store stay the store's.
+fn streamed_listing<T: Serialize + Encoded + Send + 'static>(entries: Vec<T>) -> Response {
+    const PER_PIECE: usize = 1_024;
+    // `[` `]` and a comma between entries.
+    let length = 2
+        + entries.len().saturating_sub(1)
+        + entries.iter().map(Encoded::encoded_len).sum::<usize>();
+    let mut rest = entries.into_iter();
+    let (mut first, mut done) = (true, false);
+    let pieces = std::iter::from_fn(move || {
+        if done {
+            return None;
+        }
+        let mut buf = Vec::with_capacity(
+            rest.as_slice()
+                .iter()
+                .take(PER_PIECE)
+                .map(|e| e.encoded_len() + 1)
+                .sum::<usize>()
+                + 2,
+        );
+        if first {
+            buf.push(b'[');
+        }
+        for e in rest.by_ref().take(PER_PIECE) {
+            if !first {
+                buf.push(b',');
+            }
+            first = false;
+            if let Err(err) = serde_json::to_writer(&mut buf, &e) {
+                // Cut short: the client sees a broken body, never a wrong one.
+                done = true;
+                return Some(Err(err));
+            }
+        }
+        if rest.len() == 0 {
+            buf.push(b']');
+            done = true;
+        }
+        Some(Ok(Bytes::from(buf)))
+    });
+    let mut r = Response::new(Body::from_stream(futures::stream::iter(pieces)));
+    let h = r.headers_mut();
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    h.insert(header::CONTENT_LENGTH, HeaderValue::from(length));
+    r
+}
+
+/// How many bytes an item of a listing takes in compact JSON, exactly (serde_json's output; a
+/// test holds them equal): a streamed listing sends it as its `Content-Length`, so that a
+/// client sizes its buffer once, as for a whole body.
 trait Encoded {
     fn encoded_len(&self) -> usize;
 }
 
+/// A string's length in JSON as serde_json writes it: quoted, `"` `\\` and the control
+/// characters escaped (two bytes for the five with a short form, six for the others), every
+/// other character as its UTF-8.
+fn json_str_len(s: &str) -> usize {
+    2 + s
+        .bytes()
+        .map(|b| match b {
+            b'"' | b'\\' | b'\x08' | b'\x0c' | b'\n' | b'\r' | b'\t' => 2,
+            0x00..=0x1f => 6,
+            _ => 1,
+        })
+        .sum::<usize>()
+}
+
+/// A number's length in decimal.
+fn digits(n: u64) -> usize {
+    n.checked_ilog10().map_or(1, |d| d as usize + 1)
+}
+
 impl Encoded for std::sync::Arc<str> {
     fn encoded_len(&self) -> usize {
-        self.len() + 2
+        json_str_len(self)
     }
 }
 
 impl Encoded for super::store::Listed {
     fn encoded_len(&self) -> usize {
-        // `{"LockIndex":…,"Key":"…","Flags":…,"Value":"…","CreateIndex":…,"ModifyIndex":…}`
-        // with indexes of up to 8 digits, the value in base64, and the session if any.
-        const FIXED: usize = 100;
+        // {"LockIndex":N,"Key":S,"Flags":N,"Value":null|S[,"Session":S],"CreateIndex":N,"ModifyIndex":N}
         let e = &self.entry;
-        FIXED
-            + self.key.len()
-            + e.value.len().div_ceil(3) * 4
-            + e.session.as_ref().map_or(0, |s| s.len() + 12)
+        let value = if e.value.is_empty() {
+            4
+        } else {
+            2 + e.value.len().div_ceil(3) * 4
+        };
+        1 + 12
+            + digits(e.lock_index)
+            + 7
+            + json_str_len(&self.key)
+            + 9
+            + digits(e.flags)
+            + 9
+            + value
+            + e.session.as_deref().map_or(0, |s| 11 + json_str_len(s))
+            + 15
+            + digits(e.create_index)
+            + 15
+            + digits(e.modify_index)
+            + 1
     }
 }
 
@@ -693,36 +791,93 @@ mod tests {
     use super::*;
     use crate::store::{Entry, Listed};
 
-    /// A listing's buffer is sized near its encoding: never short by much (the buffer would
-    /// double), never far over (it would hold memory it does not use).
+    /// A streamed listing is the same JSON as the whole body, across piece boundaries and for
+    /// an empty one.
+    #[tokio::test]
+    async fn a_streamed_listing_is_the_whole_listings_json() {
+        for n in [0usize, 1, 1_023, 1_024, 1_025, 5_000] {
+            let keys: Vec<std::sync::Arc<str>> =
+                (0..n).map(|i| format!("k/\"{i}\"\n").into()).collect();
+            let whole = serde_json::to_vec(&keys).unwrap();
+            let body = body_of(streamed_listing(keys)).await;
+            assert_eq!(body.as_ref(), whole.as_slice(), "{n} keys");
+            let listing: Vec<Listed> = (0..n as u64)
+                .map(|i| Listed {
+                    key: format!("labels/pod/n{i}").into(),
+                    entry: Entry {
+                        value: if i % 2 == 0 {
+                            format!("v{i}").into()
+                        } else {
+                            Default::default()
+                        },
+                        flags: i,
+                        session: (i % 3 == 0).then(|| "s".to_string()),
+                        lock_index: 0,
+                        create_index: i,
+                        modify_index: i,
+                    },
+                })
+                .collect();
+            let whole = serde_json::to_vec(&listing).unwrap();
+            let body = body_of(streamed_listing(listing)).await;
+            assert_eq!(body.as_ref(), whole.as_slice(), "{n} entries");
+        }
+    }
+
+    /// The body, after checking that its `Content-Length` is its length.
+    async fn body_of(r: Response) -> Bytes {
+        let length: usize = r.headers()[header::CONTENT_LENGTH]
+            .to_str()
+            .unwrap()
+            .parse()
+            .unwrap();
+        let body = axum::body::to_bytes(r.into_body(), usize::MAX)
+            .await
+            .unwrap();
+        assert_eq!(body.len(), length);
+        body
+    }
+
+    /// Each item's length is exactly its compact JSON's: keys with every ASCII character (the
+    /// escaped ones included) and others, values of every length mod 3 and empty, sessions or
+    /// none, indexes from 0 to `u64::MAX`.
     #[test]
-    fn a_listings_size_hint_is_near_its_encoding() {
-        let listing: Vec<Listed> = (0..1_000u64)
-            .map(|i| Listed {
-                key: format!("labels/pod/node-{i:05}/bench-{i}").into(),
-                entry: Entry {
-                    value: format!(r#"{{"rc":"{i:036}","pod":"bench-{i}"}}"#).into(),
-                    flags: 0,
-                    session: (i % 3 == 0).then(|| format!("{i:036}")),
-                    lock_index: i % 2,
-                    create_index: 1_000_000 + i,
-                    modify_index: 2_000_000 + i,
-                },
-            })
-            .collect();
-        let keys: Vec<std::sync::Arc<str>> = listing.iter().map(|l| l.key.clone()).collect();
-        let hint = |n: usize| 2 + n;
-        let listed_hint = hint(listing.iter().map(|e| e.encoded_len() + 1).sum());
-        let keys_hint = hint(keys.iter().map(|e| e.encoded_len() + 1).sum());
-        let listed_len = serde_json::to_vec(&listing).unwrap().len();
-        let keys_len = serde_json::to_vec(&keys).unwrap().len();
-        for (what, hint, len) in [
-            ("entries", listed_hint, listed_len),
-            ("keys", keys_hint, keys_len),
-        ] {
-            assert!(
-                hint >= len && hint <= len + len / 4,
-                "{what}: hint {hint} for {len} bytes"
+    fn a_listings_lengths_are_its_jsons_exactly() {
+        let ascii: String = (0u8..0x80).map(char::from).collect();
+        let keys = [
+            "labels/pod/node-00001/bench-1".to_string(),
+            ascii,
+            "ünïcødé/键/🙂".to_string(),
+            String::new(),
+        ];
+        let mut listing = Vec::new();
+        for (i, key) in keys.iter().enumerate() {
+            for (n, index) in [0u64, 9, 10, 99_999_999, u64::MAX].into_iter().enumerate() {
+                listing.push(Listed {
+                    key: key.as_str().into(),
+                    entry: Entry {
+                        value: vec![b'x'; (i + n) % 5].into(),
+                        flags: index,
+                        session: (n % 2 == 0).then(|| format!("{key}-{n}")),
+                        lock_index: index,
+                        create_index: index / 3,
+                        modify_index: index,
+                    },
+                });
+            }
+        }
+        for e in &listing {
+            assert_eq!(
+                e.encoded_len(),
+                serde_json::to_vec(e).unwrap().len(),
+                "{:?}",
+                e.key
+            );
+            let k = e.key.clone();
+            assert_eq!(
+                k.encoded_len(),
+                serde_json::to_vec(&k).unwrap().len(),
+                "{k:?}"
             );
         }
     }
