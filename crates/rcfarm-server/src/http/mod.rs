@@ -219,7 +219,7 @@ fn json_listing<T: Serialize + Encoded + Send + 'static>(
     })
 }
 
-/// A listing's compact JSON array in pieces of [`PER_PIECE`] entries (about 100–300 KiB each,
+/// A listing's compact JSON array in pieces of `PER_PIECE` entries (about 100–300 KiB each,
 /// a millisecond or less of encoding: short enough for a worker). Each entry is dropped once
 /// encoded; the values it shares with the store stay the store's.
 fn streamed_listing<T: Serialize + Encoded + Send + 'static>(entries: Vec<T>) -> Response {
