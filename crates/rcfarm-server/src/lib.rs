@@ -341,7 +341,7 @@ impl InProcess {
 
     /// Every entry under `prefix` now, read without a request.
     pub fn list(&self, prefix: &str) -> Vec<consul::KvPair> {
-        self.shared.state.lock().store.read_prefix(prefix).0
+        self.shared.state.lock().store.read_prefix(prefix)
     }
 }
 

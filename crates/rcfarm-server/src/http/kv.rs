@@ -32,7 +32,7 @@ pub(super) async fn kv_get(shared: &Shared, key: &str, p: &Params) -> Result<Res
             &opts,
             WatchTarget::Prefix(prefix.clone()),
             |s| s.prefix_read_index(&prefix),
-            |s| s.read_keys(&prefix, &sep).0,
+            |s| s.read_keys(&prefix, &sep),
         )
         .await?;
         if keys.is_empty() && !prefix.is_empty() {
@@ -63,7 +63,7 @@ pub(super) async fn kv_get(shared: &Shared, key: &str, p: &Params) -> Result<Res
         shared,
         &opts,
         WatchTarget::Key(k.clone()),
-        |s| s.read_key(&k).1,
+        |s| s.key_read_index(&k),
         |s| s.read_key(&k).0,
     )
     .await?;

@@ -214,9 +214,13 @@ fn json_listing<T: Serialize + Encoded + Send + 'static>(
     }
     cpu_heavy(entries.len() >= HEAVY_ENTRIES, || {
         // The compact encoding's size (pretty output grows the buffer as it must).
-        let hint = 2 + entries.iter().map(|e| e.encoded_len() + 1).sum::<usize>();
-        json_body_sized(StatusCode::OK, &entries, pretty, hint)
+        json_body_sized(StatusCode::OK, &entries, pretty, listing_len(&entries))
     })
+}
+
+/// A listing's compact JSON length: `[` `]`, its items, and a comma between each two.
+fn listing_len<T: Encoded>(entries: &[T]) -> usize {
+    2 + entries.len().saturating_sub(1) + entries.iter().map(Encoded::encoded_len).sum::<usize>()
 }
 
 /// A listing's compact JSON array in pieces of `PER_PIECE` entries (about 100–300 KiB each,
@@ -224,24 +228,17 @@ fn json_listing<T: Serialize + Encoded + Send + 'static>(
 /// encoded; the values it shares with the store stay the store's.
 fn streamed_listing<T: Serialize + Encoded + Send + 'static>(entries: Vec<T>) -> Response {
     const PER_PIECE: usize = 1_024;
-    // `[` `]` and a comma between entries.
-    let length = 2
-        + entries.len().saturating_sub(1)
-        + entries.iter().map(Encoded::encoded_len).sum::<usize>();
+    let length = listing_len(&entries);
+    // A piece's buffer at the listing's mean size per entry: each entry's length is computed
+    // once (for `length`), not again per piece; a piece of longer entries grows its buffer.
+    let per_piece = (length / entries.len().max(1) + 1) * PER_PIECE + 2;
     let mut rest = entries.into_iter();
     let (mut first, mut done) = (true, false);
     let pieces = std::iter::from_fn(move || {
         if done {
             return None;
         }
-        let mut buf = Vec::with_capacity(
-            rest.as_slice()
-                .iter()
-                .take(PER_PIECE)
-                .map(|e| e.encoded_len() + 1)
-                .sum::<usize>()
-                + 2,
-        );
+        let mut buf = Vec::with_capacity(per_piece);
         if first {
             buf.push(b'[');
         }

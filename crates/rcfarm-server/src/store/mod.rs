@@ -126,23 +126,26 @@ impl Store {
     /// A single-key read: the entry and the query's index (its `ModifyIndex`, or the KV table
     /// index if it does not exist).
     pub fn read_key(&self, key: &str) -> (Option<KvPair>, u64) {
-        match self.kv.get(key) {
-            Some(e) => (Some(e.to_pair(key, true)), e.modify_index.max(1)),
-            None => (None, self.kv_index()),
-        }
+        (
+            self.kv.get(key).map(|e| e.to_pair(key, true)),
+            self.key_read_index(key),
+        )
     }
 
-    /// A recursive read.
-    pub fn read_prefix(&self, prefix: &str) -> (Vec<KvPair>, u64) {
-        let mut max = 0;
-        let entries: Vec<KvPair> = self
-            .prefix_range(prefix)
-            .map(|(k, e)| {
-                max = max.max(e.modify_index);
-                e.to_pair(k, true)
-            })
-            .collect();
-        (entries, self.prefix_index(prefix, max))
+    /// The index a single-key read reports, without copying the entry (what a blocking query
+    /// compares before it waits).
+    pub fn key_read_index(&self, key: &str) -> u64 {
+        self.kv
+            .get(key)
+            .map_or_else(|| self.kv_index(), |e| e.modify_index.max(1))
+    }
+
+    /// A recursive read's entries as copied `KvPair`s (for in-process readers; the HTTP API
+    /// answers [`Store::list_prefix`]). Its index is [`Store::prefix_read_index`].
+    pub fn read_prefix(&self, prefix: &str) -> Vec<KvPair> {
+        self.prefix_range(prefix)
+            .map(|(k, e)| e.to_pair(k, true))
+            .collect()
     }
 
     /// The index a recursive or `?keys` read of `prefix` reports, without building its answer
@@ -172,12 +175,11 @@ impl Store {
         self.prefix_range(prefix).count()
     }
 
-    /// A `?keys` read, cut after `separator` and deduplicated.
-    pub fn read_keys(&self, prefix: &str, separator: &str) -> (Vec<Arc<str>>, u64) {
-        let mut max = 0;
+    /// A `?keys` read, cut after `separator` and deduplicated. Its index is
+    /// [`Store::prefix_read_index`].
+    pub fn read_keys(&self, prefix: &str, separator: &str) -> Vec<Arc<str>> {
         let mut keys: Vec<Arc<str>> = Vec::new();
-        for (k, e) in self.prefix_range(prefix) {
-            max = max.max(e.modify_index);
+        for (k, _) in self.prefix_range(prefix) {
             let after = &k[prefix.len()..];
             let key = match (!separator.is_empty())
                 .then(|| after.find(separator))
@@ -195,7 +197,7 @@ impl Store {
                 });
             }
         }
-        (keys, self.prefix_index(prefix, max))
+        keys
     }
 
     pub fn session(&self, id: &str) -> Option<&SessionRecord> {
@@ -577,7 +579,7 @@ mod tests {
     fn a_listing_encodes_as_the_copied_pairs_and_reports_their_index() {
         let mut s = Store::new();
         new_session(&mut s, "s1", Duration::ZERO);
-        write(
+        let first = write(
             &mut s,
             &[
                 set("a/1", "one"),
@@ -590,18 +592,22 @@ mod tests {
                 set("b/1", "other"),
             ],
         );
-        write(&mut s, &[lock("a/4", "s1")]);
+        let locked = write(&mut s, &[lock("a/4", "s1")]);
         write(&mut s, &[set("a/9", "gone")]);
-        write(&mut s, &[KvOp::Delete { key: "a/9".into() }]);
-        for prefix in ["", "a/", "a/4", "b/", "nothing/"] {
-            let (pairs, index) = s.read_prefix(prefix);
+        let deleted = write(&mut s, &[KvOp::Delete { key: "a/9".into() }]);
+        for (prefix, index) in [
+            ("", deleted),
+            ("a/", deleted),
+            ("a/4", locked),
+            ("b/", first),
+            ("nothing/", s.kv_index()),
+        ] {
             assert_eq!(
                 serde_json::to_string(&s.list_prefix(prefix)).unwrap(),
-                serde_json::to_string(&pairs).unwrap(),
+                serde_json::to_string(&s.read_prefix(prefix)).unwrap(),
                 "{prefix:?}"
             );
             assert_eq!(s.prefix_read_index(prefix), index, "{prefix:?}");
-            assert_eq!(s.read_keys(prefix, "").1, index, "{prefix:?}");
         }
         assert!(
             serde_json::to_string(&s.list_prefix("a/4"))
@@ -615,7 +621,7 @@ mod tests {
         let mut s = Store::new();
         let a_index = write(&mut s, &[set("a", "1"), set("c", "1")]);
         let (index, kv_index) = (s.index(), s.kv_index());
-        let (_, prefix_index) = s.read_prefix("");
+        let prefix_index = s.prefix_read_index("");
 
         let errs = s
             .txn(
@@ -647,7 +653,7 @@ mod tests {
         assert_eq!(value(&s, "c").as_deref(), Some(&b"1"[..]));
         assert_eq!(s.get("a").unwrap().modify_index, a_index);
         assert_eq!((s.index(), s.kv_index()), (index, kv_index));
-        assert_eq!(s.read_prefix("").1, prefix_index);
+        assert_eq!(s.prefix_read_index(""), prefix_index);
         assert_eq!(write(&mut s, &[set("b", "x")]), index + 1);
     }
 
@@ -834,8 +840,9 @@ mod tests {
         assert_eq!(value(&s, "ab").as_deref(), Some(&b"x"[..]));
         assert_eq!(value(&s, "b").as_deref(), Some(&b"x"[..]));
         // The emptied prefix reports the delete's index (its tombstone), not an older one.
-        assert_eq!(s.read_prefix("a/"), (Vec::new(), rec.index));
-        assert_eq!(s.read_keys("a", "/").1, rec.index);
+        assert_eq!(s.read_prefix("a/"), Vec::new());
+        assert_eq!(s.prefix_read_index("a/"), rec.index);
+        assert_eq!(s.prefix_read_index("a"), rec.index);
         // Invalidating the session that held a deleted key touches nothing more under it.
         let commit = s.destroy_session("s1", Instant::now());
         assert!(commit.changed_keys.is_empty());
@@ -887,7 +894,7 @@ mod tests {
         // A delete's index is the prefix's until a later write, and sessions count too.
         let del = write(&mut s, &[KvOp::Delete { key: "k".into() }]);
         assert_eq!(del, last + 1);
-        assert_eq!(s.read_prefix("k").1, del);
+        assert_eq!(s.prefix_read_index("k"), del);
         assert_eq!(s.read_key("k"), (None, del));
         new_session(&mut s, "s1", Duration::ZERO);
         assert_eq!(s.index(), del + 1);

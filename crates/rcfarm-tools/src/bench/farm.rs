@@ -171,6 +171,15 @@ fn free_port() -> Result<u16, CliError> {
     Ok(l.local_addr().map_err(failed)?.port())
 }
 
+/// The `rcfarm` the farms (and a `--server-process` server) run: `--farm-bin`, or the one
+/// beside `rcfarm-tools`.
+fn farm_exe(farm_bin: Option<&std::path::Path>) -> Result<std::path::PathBuf, CliError> {
+    match farm_bin {
+        Some(b) => Ok(b.to_path_buf()),
+        None => crate::rcfarm_beside(" or pass --farm-bin PATH"),
+    }
+}
+
 /// Starts `n` farms (`bench-0` …) against `consul`, logging to `dir`, and waits until they
 /// registered.
 pub(super) async fn spawn_farms(
@@ -181,10 +190,7 @@ pub(super) async fn spawn_farms(
     extra: &[&str],
     farm_bin: Option<&std::path::Path>,
 ) -> Result<Vec<FarmProc>, CliError> {
-    let exe = match farm_bin {
-        Some(b) => b.to_path_buf(),
-        None => crate::rcfarm_beside(" or pass --farm-bin PATH")?,
-    };
+    let exe = farm_exe(farm_bin)?;
     let audit_db = format!("sqlite://{}", dir.join("audit.db").display());
     let ttl = format!("{}ms", ttl.as_millis());
     let mut farms: Vec<FarmProc> = Vec::new();
@@ -360,10 +366,7 @@ impl ServerProc {
     /// the line that says where it listens.
     async fn start(args: &BenchFarmArgs, dir: &std::path::Path) -> Result<Self, CliError> {
         use tokio::io::AsyncBufReadExt as _;
-        let exe = match &args.farm_bin {
-            Some(b) => b.clone(),
-            None => crate::rcfarm_beside(" or pass --farm-bin PATH")?,
-        };
+        let exe = farm_exe(args.farm_bin.as_deref())?;
         let log = std::fs::File::create(dir.join("server.log")).map_err(failed)?;
         let mut child = Command::new(&exe)
             .args(["consul-dev", "--listen", "127.0.0.1:0"])
@@ -411,6 +414,20 @@ impl ServerProc {
             url,
             port,
         })
+    }
+
+    /// Prints its RSS now and at its peak in MiB (`missing` where the process is gone), and
+    /// returns them in KiB.
+    fn report_rss(&self, missing: &str) -> (Option<u64>, Option<u64>) {
+        let (now, peak) = (rss_kib(self.pid), peak_rss_kib(self.pid));
+        let mib =
+            |k: Option<u64>| k.map_or(missing.into(), |k| format!("{:.0}", k as f64 / 1024.0));
+        eprintln!(
+            "the server's RSS now / at its peak (its own process), MiB: {} / {}",
+            mib(now),
+            mib(peak),
+        );
+        (now, peak)
     }
 }
 
@@ -1010,14 +1027,9 @@ async fn run_once(args: &BenchFarmArgs) -> Result<Figures, CliError> {
     );
     if let Target::Process(p) = &target {
         // Issue 46: "the server ≤ 1.5 GiB", measured on its own process.
-        let (now, peak) = (rss_kib(p.pid), peak_rss_kib(p.pid));
+        let (now, peak) = p.report_rss("n/a");
         figures.server_rss = now.map(|k| k as f64 / 1024.0);
         figures.server_peak_rss = peak.map(|k| k as f64 / 1024.0);
-        eprintln!(
-            "the server's RSS now / at its peak (its own process), MiB: {} / {}",
-            now.map_or("n/a".into(), |k| format!("{:.0}", k as f64 / 1024.0)),
-            peak.map_or("n/a".into(), |k| format!("{:.0}", k as f64 / 1024.0)),
-        );
     }
     if matches!(target, Target::Embedded(_)) {
         // The embedded server lives in this process with the writer: this process's figures
@@ -1195,11 +1207,7 @@ async fn so_far(
         total(&watch_bytes(http, farms).await) / (1 << 20) as f64,
     );
     if let Target::Process(p) = target {
-        eprintln!(
-            "the server's RSS now / at its peak (its own process), MiB: {} / {}",
-            rss_kib(p.pid).map_or("gone".into(), |k| format!("{:.0}", k as f64 / 1024.0)),
-            peak_rss_kib(p.pid).map_or("gone".into(), |k| format!("{:.0}", k as f64 / 1024.0)),
-        );
+        p.report_rss("gone");
     }
 }
 
