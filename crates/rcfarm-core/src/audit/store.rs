@@ -13,8 +13,57 @@ use sqlx::{AnyPool, Row};
 
 use super::record::AuditRecord;
 
-static SQLITE_MIGRATIONS: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations/sqlite");
-static POSTGRES_MIGRATIONS: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations/postgres");
+/// The schema's migrations, in the binary: (version, description, SQL). Built at run time
+/// rather than by sqlx's `migrate!` macro, whose proc-macro crate compiled a second copy of
+/// sqlx's drivers, SQLite and rustls for the build host (some 100 CPU-seconds of every build
+/// from scratch). What a database records is the same either way: the version, the
+/// description sqlx derives from the file name (`0001_audit_log.sql`: 1, "audit log") and the
+/// SHA-384 of the file (no ignored characters), so databases that earlier releases migrated
+/// stay valid (`tests::migrations_record_what_earlier_releases_recorded`). A migration file
+/// is never edited once released: add the next one, and a line here.
+const SQLITE_MIGRATIONS: &[(i64, &str, &str)] = &[(
+    1,
+    "audit log",
+    include_str!("../../../../migrations/sqlite/0001_audit_log.sql"),
+)];
+const POSTGRES_MIGRATIONS: &[(i64, &str, &str)] = &[(
+    1,
+    "audit log",
+    include_str!("../../../../migrations/postgres/0001_audit_log.sql"),
+)];
+
+/// One engine's migrations as sqlx's migrator takes them.
+#[derive(Debug)]
+struct Embedded(&'static [(i64, &'static str, &'static str)]);
+
+impl Embedded {
+    fn migrations(&self) -> Vec<sqlx::migrate::Migration> {
+        self.0
+            .iter()
+            .map(|&(version, description, sql)| {
+                sqlx::migrate::Migration::new(
+                    version,
+                    description.into(),
+                    sqlx::migrate::MigrationType::Simple,
+                    sqlx::SqlStr::from_static(sql),
+                    // As sqlx reads a file: a first line `-- no-transaction` opts out.
+                    sql.starts_with("-- no-transaction"),
+                )
+            })
+            .collect()
+    }
+}
+
+impl sqlx::migrate::MigrationSource<'static> for Embedded {
+    fn resolve(
+        self,
+    ) -> futures::future::BoxFuture<
+        'static,
+        Result<Vec<sqlx::migrate::Migration>, sqlx::error::BoxDynError>,
+    > {
+        Box::pin(async move { Ok(self.migrations()) })
+    }
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum AuditError {
@@ -317,11 +366,11 @@ impl AuditStore {
         Ok(store)
     }
 
-    fn migrator(&self) -> &'static sqlx::migrate::Migrator {
-        match self.engine {
-            Engine::Sqlite => &SQLITE_MIGRATIONS,
-            Engine::Postgres => &POSTGRES_MIGRATIONS,
-        }
+    fn migrations(&self) -> Embedded {
+        Embedded(match self.engine {
+            Engine::Sqlite => SQLITE_MIGRATIONS,
+            Engine::Postgres => POSTGRES_MIGRATIONS,
+        })
     }
 
     async fn migrate(&self) -> Result<(), AuditError> {
@@ -329,7 +378,7 @@ impl AuditStore {
             url: redact(&self.url),
             source,
         };
-        let known = self.migrator().iter().map(|m| m.version).max().unwrap_or(0);
+        let known = self.migrations().0.iter().map(|m| m.0).max().unwrap_or(0);
         let table_exists = match self.engine {
             Engine::Sqlite => {
                 "SELECT COUNT(*) FROM sqlite_master WHERE type = 'table' AND name = '_sqlx_migrations'"
@@ -361,7 +410,9 @@ impl AuditStore {
                 });
             }
         }
-        self.migrator()
+        sqlx::migrate::Migrator::new(self.migrations())
+            .await
+            .map_err(|e| db(e.into()))?
             .run(&self.pool)
             .await
             .map_err(|e| db(e.into()))?;
@@ -842,6 +893,43 @@ mod tests {
             "sqlite:///var/lib/rcfarm/audit.db"
         );
         assert_eq!(redact("/tmp/audit.db"), "/tmp/audit.db");
+    }
+
+    /// What a migrated database records of each migration, as earlier releases (sqlx's
+    /// `migrate!` over `migrations/`) recorded it: a database they made must validate.
+    #[test]
+    fn migrations_record_what_earlier_releases_recorded() {
+        let recorded = |e: Embedded| {
+            e.migrations()
+                .into_iter()
+                .map(|m| {
+                    (
+                        m.version,
+                        m.description.to_string(),
+                        m.no_tx,
+                        hex::encode(&*m.checksum),
+                    )
+                })
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            recorded(Embedded(SQLITE_MIGRATIONS)),
+            [(
+                1,
+                "audit log".to_string(),
+                false,
+                "b157f9b0f3d0995146a267a25aaf56c5bd849ff1f36f39ee8e7263bda3ce03225b18e78e464e35e67a07c413bbd583b6".to_string()
+            )]
+        );
+        assert_eq!(
+            recorded(Embedded(POSTGRES_MIGRATIONS)),
+            [(
+                1,
+                "audit log".to_string(),
+                false,
+                "968eaaf9cd10300b153676703661a3132976912f825fa8e363d9b177b8ad0db95eaf49f994bb5f319bc3b58759c10b2b".to_string()
+            )]
+        );
     }
 
     #[test]
