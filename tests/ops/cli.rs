@@ -880,32 +880,50 @@ async fn the_test_equipments_commands_say_where_they_went() {
     }
 }
 
-/// `rcfarm-tools bench farm --server-process` runs the embedded server as `rcfarm consul-dev`
-/// of its own and reports that process's memory (issue 46: "the server ≤ 1.5 GiB" is read off
-/// it); it cannot be asked together with a real agent.
-#[tokio::test]
-async fn bench_farm_measures_a_server_in_its_own_process() {
+/// Runs `rcfarm-tools bench ARGS --farm-bin RCFARM`, which must succeed: its stdout, its stderr
+/// and the figures it printed (`figures: {JSON}`).
+async fn bench(args: &[&str]) -> (String, String, serde_json::Value) {
     let out = tokio::process::Command::new(crate::rcfarm_tools())
-        .args([
-            "bench", "farm", "--farms", "2", "--rcs", "20", "--nodes", "20",
-        ])
-        .args([
-            "--changes",
-            "0",
-            "--idle",
-            "1s",
-            "--server-process",
-            "--json",
-        ])
+        .arg("bench")
+        .args(args)
         .args(["--farm-bin", RCFARM])
         .output()
         .await
         .unwrap();
     let (stdout, stderr) = (
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
     );
-    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(out.status.success(), "{args:?}: {stdout}\n{stderr}");
+    let figures = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("figures: "))
+        .map(|j| serde_json::from_str(j).unwrap())
+        .unwrap_or_else(|| panic!("no figures line: {stdout}"));
+    (stdout, stderr, figures)
+}
+
+/// `rcfarm-tools bench farm --server-process` runs the embedded server as `rcfarm consul-dev`
+/// of its own and reports that process's memory (issue 46: "the server ≤ 1.5 GiB" is read off
+/// it); it cannot be asked together with a real agent.
+#[tokio::test]
+async fn bench_farm_measures_a_server_in_its_own_process() {
+    let (stdout, stderr, figures) = bench(&[
+        "farm",
+        "--farms",
+        "2",
+        "--rcs",
+        "20",
+        "--nodes",
+        "20",
+        "--changes",
+        "0",
+        "--idle",
+        "1s",
+        "--server-process",
+        "--json",
+    ])
+    .await;
     assert!(
         stderr.contains("the server's RSS now / at its peak (its own process)"),
         "{stderr}"
@@ -914,11 +932,6 @@ async fn bench_farm_measures_a_server_in_its_own_process() {
         stdout.contains("| embedded (own process) | 2 | 20×5 |"),
         "{stdout}"
     );
-    let figures: serde_json::Value = stdout
-        .lines()
-        .find_map(|l| l.strip_prefix("figures: "))
-        .map(|j| serde_json::from_str(j).unwrap())
-        .unwrap_or_else(|| panic!("no figures line: {stdout}"));
     let (now, peak) = (
         figures["server_rss"].as_f64().unwrap_or(0.0),
         figures["server_peak_rss"].as_f64().unwrap_or(0.0),
@@ -939,6 +952,32 @@ async fn bench_farm_measures_a_server_in_its_own_process() {
             "/bin/true",
         ],
         "--consul-bin",
+    )
+    .await;
+}
+
+/// `rcfarm-tools bench outbox` fills the outbox, starts one farm and times its shipper
+/// emptying it (issue 46's "the audit outbox shipped as fast as it fills"); the figures it
+/// prints are checked against SQL's count and Consul's.
+#[tokio::test]
+async fn bench_outbox_ships_a_full_outbox_and_says_how_fast() {
+    // The server in its own process, so that its CPU is reported apart from the harness's.
+    let (stdout, _, figures) = bench(&["outbox", "--records", "3000", "--server-process"]).await;
+    // Every record shipped once, stored once, and gone from the outbox: counted by the farm,
+    // by SQL and by Consul, each on its own.
+    assert_eq!(figures["shipped"], 3000, "{figures}");
+    assert_eq!(figures["stored"], 3000, "{figures}");
+    assert_eq!(figures["left"], 0, "{figures}");
+    assert!(figures["server_cpu_s"].as_f64().is_some(), "{figures}");
+    assert!(
+        stdout.contains("stages (seconds in all, times): list "),
+        "{stdout}"
+    );
+
+    usage_error(
+        &crate::rcfarm_tools(),
+        &["bench", "outbox", "--records", "0"],
+        "--records",
     )
     .await;
 }

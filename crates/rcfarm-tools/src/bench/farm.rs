@@ -37,16 +37,8 @@ pub struct BenchFarmArgs {
     /// How long to watch the idle farms.
     #[arg(long, default_value = "30s", value_parser = parse_duration_flag)]
     pub idle: Duration,
-    /// Run against a real Consul agent (`consul agent -dev`) started from this binary instead
-    /// of the embedded server.
-    #[arg(long)]
-    pub consul_bin: Option<std::path::PathBuf>,
-    /// Run the embedded server as a process of its own (`rcfarm consul-dev`, the farms'
-    /// binary) instead of inside this one, so that its RSS and CPU are reported apart from
-    /// the writer's. The change → write latencies are then not measured (they read the
-    /// in-process server's commit log).
-    #[arg(long, conflicts_with = "consul_bin")]
-    pub server_process: bool,
+    #[command(flatten)]
+    pub server: ServerArgs,
     /// Keep the farms' logs (and the audit database) in this directory instead of a temporary
     /// one that is removed at the end.
     #[arg(long)]
@@ -75,11 +67,6 @@ pub struct BenchFarmArgs {
     /// steady (after `--idle`) and at its peak.
     #[arg(long, conflicts_with_all = ["floor", "prewritten"])]
     pub restart: bool,
-    /// The `rcfarm` the farms run (default: the one beside `rcfarm-tools`). `scripts/bench-guard`
-    /// times two builds' farms with one harness: this build's benchmark and each build's
-    /// `rcfarm serve`.
-    #[arg(long)]
-    pub farm_bin: Option<std::path::PathBuf>,
     /// With `--restart`: run P2's farm (`p2-rctl-server`, for example
     /// `../shared/p2/p2-rctl-server`) instead of rcfarm's, timed by the same harness on the
     /// same cluster. It serves no metrics: bytes read are not reported for it.
@@ -93,6 +80,26 @@ pub struct BenchFarmArgs {
     /// Consul, wall time and RSS per farm, each as a ratio to the first count's.
     #[arg(long, value_delimiter = ',', conflicts_with_all = ["floor", "prewritten", "restart"])]
     pub compare: Vec<usize>,
+}
+
+/// Which Consul a benchmark starts, and the `rcfarm` its farms run.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ServerArgs {
+    /// Run against a real Consul agent (`consul agent -dev`) started from this binary instead
+    /// of the embedded server.
+    #[arg(long)]
+    pub consul_bin: Option<std::path::PathBuf>,
+    /// Run the embedded server as a process of its own (`rcfarm consul-dev`, the farms'
+    /// binary) instead of inside this one, so that its RSS and CPU are reported apart from
+    /// the writer's. (`bench farm` then does not measure the change → write latencies: they
+    /// read the in-process server's commit log.)
+    #[arg(long, conflicts_with = "consul_bin")]
+    pub server_process: bool,
+    /// The `rcfarm` the farms run (default: the one beside `rcfarm-tools`). `scripts/bench-guard`
+    /// times two builds' farms with one harness: this build's benchmark and each build's
+    /// `rcfarm serve`.
+    #[arg(long)]
+    pub farm_bin: Option<std::path::PathBuf>,
 }
 
 /// What one run measured, for `--compare` and `--json`.
@@ -290,7 +297,7 @@ pub(super) fn rss_kib(pid: u32) -> Option<u64> {
 }
 
 /// The process's highest RSS so far.
-fn peak_rss_kib(pid: u32) -> Option<u64> {
+pub(super) fn peak_rss_kib(pid: u32) -> Option<u64> {
     proc_status_kib(pid, "VmHWM:")
 }
 
@@ -354,7 +361,7 @@ pub(super) fn pct(v: &mut [Duration], q: f64) -> f64 {
 }
 
 /// The embedded server run as a process of its own (`rcfarm consul-dev`, `--server-process`).
-struct ServerProc {
+pub(super) struct ServerProc {
     child: Child,
     pid: u32,
     url: String,
@@ -364,9 +371,12 @@ struct ServerProc {
 impl ServerProc {
     /// Starts `rcfarm consul-dev` on a free port, its log in `dir/server.log`, and waits for
     /// the line that says where it listens.
-    async fn start(args: &BenchFarmArgs, dir: &std::path::Path) -> Result<Self, CliError> {
+    async fn start(
+        farm_bin: Option<&std::path::Path>,
+        dir: &std::path::Path,
+    ) -> Result<Self, CliError> {
         use tokio::io::AsyncBufReadExt as _;
-        let exe = farm_exe(args.farm_bin.as_deref())?;
+        let exe = farm_exe(farm_bin)?;
         let log = std::fs::File::create(dir.join("server.log")).map_err(failed)?;
         let mut child = Command::new(&exe)
             .args(["consul-dev", "--listen", "127.0.0.1:0"])
@@ -432,16 +442,23 @@ impl ServerProc {
 }
 
 /// The Consul a benchmark runs against.
-enum Target {
+pub(super) enum Target {
     Embedded(EmbeddedServer),
     Process(ServerProc),
     Real(Box<ConsulAgent>),
 }
 
 impl Target {
-    async fn start(args: &BenchFarmArgs, dir: &std::path::Path) -> Result<Target, CliError> {
+    /// The embedded server in this process, or as `rcfarm consul-dev` of `--farm-bin` with
+    /// `--server-process`, or a real agent of `--consul-bin`.
+    pub(super) async fn start(
+        args: &ServerArgs,
+        dir: &std::path::Path,
+    ) -> Result<Target, CliError> {
         if args.server_process {
-            return Ok(Target::Process(ServerProc::start(args, dir).await?));
+            return Ok(Target::Process(
+                ServerProc::start(args.farm_bin.as_deref(), dir).await?,
+            ));
         }
         Ok(match &args.consul_bin {
             None => Target::Embedded(
@@ -461,7 +478,7 @@ impl Target {
         })
     }
 
-    fn url(&self) -> String {
+    pub(super) fn url(&self) -> String {
         match self {
             Target::Embedded(s) => s.url(),
             Target::Process(p) => p.url.clone(),
@@ -477,7 +494,7 @@ impl Target {
         }
     }
 
-    fn name(&self) -> &'static str {
+    pub(super) fn name(&self) -> &'static str {
         match self {
             Target::Embedded(_) => "embedded",
             Target::Process(_) => "embedded (own process)",
@@ -486,7 +503,7 @@ impl Target {
     }
 
     /// CPU time of the Consul process (the embedded server shares this process).
-    fn cpu(&self) -> Option<Duration> {
+    pub(super) fn cpu(&self) -> Option<Duration> {
         match self {
             Target::Embedded(_) => None,
             Target::Process(p) => bench_probe::cpu_time(p.pid),
@@ -494,7 +511,7 @@ impl Target {
         }
     }
 
-    async fn count(&self, consul: &Consul, prefix: &str) -> usize {
+    pub(super) async fn count(&self, consul: &Consul, prefix: &str) -> usize {
         match self {
             Target::Embedded(s) => s.count_prefix(prefix),
             Target::Process(_) | Target::Real(_) => consul
@@ -523,7 +540,7 @@ impl Target {
             && self.count(consul, "labels/pod/").await == pods + other_labels
     }
 
-    async fn shutdown(self) {
+    pub(super) async fn shutdown(self) {
         match self {
             Target::Embedded(s) => s.shutdown().await,
             Target::Process(mut p) => {
@@ -536,7 +553,7 @@ impl Target {
 }
 
 /// Sum over the farms of a counter, by label value.
-async fn farm_counter(
+pub(super) async fn farm_counter(
     http: &reqwest::Client,
     farms: &[FarmProc],
     metric: &str,
@@ -564,7 +581,26 @@ async fn watch_bytes(http: &reqwest::Client, farms: &[FarmProc]) -> BTreeMap<Str
     .await
 }
 
-fn total(m: &BTreeMap<String, f64>) -> f64 {
+/// The audit shipper's time by stage, summed over the farms: `list S N, read S N, …` (seconds
+/// in all, times).
+pub(super) async fn ship_stages(http: &reqwest::Client, farms: &[FarmProc]) -> String {
+    let metric = "rcfarm_audit_ship_stage_seconds";
+    let sum = farm_counter(http, farms, &format!("{metric}_sum"), "stage").await;
+    let count = farm_counter(http, farms, &format!("{metric}_count"), "stage").await;
+    ["list", "read", "store", "delete"]
+        .iter()
+        .map(|k| {
+            format!(
+                "{k} {:.2} {:.0}",
+                sum.get(*k).copied().unwrap_or(0.0),
+                count.get(*k).copied().unwrap_or(0.0)
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+pub(super) fn total(m: &BTreeMap<String, f64>) -> f64 {
     m.values().fold(0.0, |a, v| a + v)
 }
 
@@ -611,9 +647,9 @@ async fn compare(args: &BenchFarmArgs) -> Result<(), CliError> {
     };
     println!(
         "\n| {} {}×{} on {} nodes | {} | ratio | goal |\n|---|{}---|---|",
-        if args.consul_bin.is_some() {
+        if args.server.consul_bin.is_some() {
             "real Consul,"
-        } else if args.server_process {
+        } else if args.server.server_process {
             "embedded (own process),"
         } else {
             "embedded,"
@@ -636,9 +672,9 @@ async fn compare(args: &BenchFarmArgs) -> Result<(), CliError> {
         &|r| Some(r.farm_cpu),
         "≤ 1.1×",
     );
-    let consul = if args.consul_bin.is_some() {
+    let consul = if args.server.consul_bin.is_some() {
         "Consul CPU-seconds"
-    } else if args.server_process {
+    } else if args.server.server_process {
         "the server's CPU-seconds"
     } else {
         "this process's CPU-seconds (embedded server and writer)"
@@ -659,18 +695,27 @@ async fn compare(args: &BenchFarmArgs) -> Result<(), CliError> {
     Ok(())
 }
 
-/// One run of the benchmark with `args.farms` farms.
-async fn run_once(args: &BenchFarmArgs) -> Result<Figures, CliError> {
-    let args = args.clone();
+/// Where a benchmark keeps its logs and audit database: `log_dir`, or a temporary directory
+/// removed when the returned guard is dropped.
+pub(super) fn work_dir(
+    log_dir: Option<&std::path::Path>,
+) -> Result<(tempfile::TempDir, std::path::PathBuf), CliError> {
     let tmp = tempfile::tempdir().map_err(failed)?;
-    let dir = match &args.log_dir {
+    let dir = match log_dir {
         Some(d) => {
             std::fs::create_dir_all(d).map_err(failed)?;
-            d.clone()
+            d.to_path_buf()
         }
         None => tmp.path().to_path_buf(),
     };
-    let target = Target::start(&args, &dir).await?;
+    Ok((tmp, dir))
+}
+
+/// One run of the benchmark with `args.farms` farms.
+async fn run_once(args: &BenchFarmArgs) -> Result<Figures, CliError> {
+    let args = args.clone();
+    let (_tmp, dir) = work_dir(args.log_dir.as_deref())?;
+    let target = Target::start(&args.server, &dir).await?;
     let consul = Consul::new(ConsulConfig::new(target.url())).map_err(failed)?;
     let scraper = reqwest::Client::new();
 
@@ -710,7 +755,7 @@ async fn run_once(args: &BenchFarmArgs) -> Result<Figures, CliError> {
         args.session_ttl,
         dir.as_path(),
         &extra,
-        args.farm_bin.as_deref(),
+        args.server.farm_bin.as_deref(),
     )
     .await?;
     farm_sessions(&consul, &mut farms).await?;
@@ -929,31 +974,9 @@ async fn run_once(args: &BenchFarmArgs) -> Result<Figures, CliError> {
         shipped / since_start.max(0.001)
     );
     // Where the shipper's time went, stage by stage (only the shipping farm has any).
-    let stage_sum = farm_counter(
-        &scraper,
-        &farms,
-        "rcfarm_audit_ship_stage_seconds_sum",
-        "stage",
-    )
-    .await;
-    let stage_count = farm_counter(
-        &scraper,
-        &farms,
-        "rcfarm_audit_ship_stage_seconds_count",
-        "stage",
-    )
-    .await;
     eprintln!(
         "audit shipping by stage (seconds in all, times): {}",
-        ["list", "read", "store", "delete"]
-            .iter()
-            .map(|k| format!(
-                "{k} {:.1} {:.0}",
-                stage_sum.get(*k).copied().unwrap_or(0.0),
-                stage_count.get(*k).copied().unwrap_or(0.0)
-            ))
-            .collect::<Vec<_>>()
-            .join(", ")
+        ship_stages(&scraper, &farms).await
     );
     tokio::time::sleep(Duration::from_secs(2)).await;
     sampling.cancel();
@@ -1303,7 +1326,7 @@ async fn started_on_a_full_cluster(
                 args.session_ttl,
                 dir,
                 &extra,
-                args.farm_bin.as_deref(),
+                args.server.farm_bin.as_deref(),
             )
             .await?
         }

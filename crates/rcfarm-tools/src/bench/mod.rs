@@ -4,6 +4,7 @@
 pub mod audit;
 pub mod consul;
 pub mod farm;
+pub mod outbox;
 pub mod rolls;
 pub mod selectors;
 
@@ -21,6 +22,8 @@ pub enum BenchCommand {
     Audit(audit::BenchAuditArgs),
     /// Farms converging many RCs: throughput, latency, failover, idle cost, memory.
     Farm(farm::BenchFarmArgs),
+    /// One farm's audit shipper emptying a full outbox into SQL, with nothing else running.
+    Outbox(outbox::BenchOutboxArgs),
     /// Farms carrying out many concurrent rolling updates, with simulated nodes.
     Rolls(rolls::BenchRollsArgs),
 }
@@ -34,6 +37,7 @@ pub async fn run(command: BenchCommand) -> Result<(), CliError> {
             println!("{}", farm::header());
             farm::run(args).await
         }
+        BenchCommand::Outbox(args) => outbox::run(args).await,
         BenchCommand::Rolls(args) => {
             println!("{}", rolls::header());
             rolls::run(args).await
