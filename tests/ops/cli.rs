@@ -958,7 +958,7 @@ async fn bench_farm_measures_a_server_in_its_own_process() {
 
 /// `rcfarm-tools bench outbox` fills the outbox, starts one farm and times its shipper
 /// emptying it (issue 46's "the audit outbox shipped as fast as it fills"); the figures it
-/// prints are checked against SQL's count and Consul's.
+/// prints are checked against SQL's count and Consul's, and `--db` ships to the database given.
 #[tokio::test]
 async fn bench_outbox_ships_a_full_outbox_and_says_how_fast() {
     // The server in its own process, so that its CPU is reported apart from the harness's.
@@ -973,6 +973,18 @@ async fn bench_outbox_ships_a_full_outbox_and_says_how_fast() {
         stdout.contains("stages (seconds in all, times): list "),
         "{stdout}"
     );
+
+    // `--db`: a database that already holds records (the run before's) gains this run's only.
+    let dir = tempfile::tempdir().unwrap();
+    let db = format!("sqlite://{}", dir.path().join("given.db").display());
+    for _ in 0..2 {
+        let (_, _, figures) = bench(&["outbox", "--records", "500", "--db", &db]).await;
+        assert_eq!(figures["stored"], 500, "{figures}");
+        assert_eq!(figures["left"], 0, "{figures}");
+    }
+    let store = rcfarm::audit::AuditStore::connect(&db).await.unwrap();
+    let all = store.count(&Default::default()).await.unwrap();
+    assert_eq!(all, 1000);
 
     usage_error(
         &crate::rcfarm_tools(),

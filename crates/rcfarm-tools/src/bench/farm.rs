@@ -188,7 +188,8 @@ fn farm_exe(farm_bin: Option<&std::path::Path>) -> Result<std::path::PathBuf, Cl
 }
 
 /// Starts `n` farms (`bench-0` …) against `consul`, logging to `dir`, and waits until they
-/// registered.
+/// registered. They ship the audit log to `dir/audit.db` unless `extra` names an
+/// `--audit-db` of its own.
 pub(super) async fn spawn_farms(
     consul_url: &str,
     n: usize,
@@ -212,22 +213,18 @@ pub(super) async fn spawn_farms(
             "--farm-id",
             &format!("bench-{i}"),
         ])
-        .args([
-            "--http",
-            &http,
-            "--audit-db",
-            &audit_db,
-            "--session-ttl",
-            &ttl,
-        ])
-        .args(["--lock-delay", "500ms"])
-        // Benchmarks measure how fast farms converge, not their blast-radius limit.
-        .args(["--max-removals", "off", "--failsafe-confirm", "0s"])
-        .args(extra)
-        .env(
-            "RUST_LOG",
-            std::env::var("RCFARM_BENCH_FARM_LOG").unwrap_or_else(|_| "warn".into()),
-        );
+        .args(["--http", &http, "--session-ttl", &ttl]);
+        if !extra.contains(&"--audit-db") {
+            cmd.args(["--audit-db", &audit_db]);
+        }
+        cmd.args(["--lock-delay", "500ms"])
+            // Benchmarks measure how fast farms converge, not their blast-radius limit.
+            .args(["--max-removals", "off", "--failsafe-confirm", "0s"])
+            .args(extra)
+            .env(
+                "RUST_LOG",
+                std::env::var("RCFARM_BENCH_FARM_LOG").unwrap_or_else(|_| "warn".into()),
+            );
         farms.push(FarmProc::spawn(
             &mut cmd,
             log,

@@ -3,7 +3,8 @@
 //! fills, at least 20,000 records a second; in `bench farm` the farms fill it far slower than
 //! that, so the figure there is the fill rate, not what the shipper could do. Here the outbox
 //! is filled first (records shaped as the farms write them, create-only, 63 a transaction),
-//! then one real `rcfarm serve` starts with an empty SQLite file (or `--db`) and ships it.
+//! then one real `rcfarm serve` starts with an empty SQLite file (or `--db`, SQLite or
+//! PostgreSQL) and ships it.
 
 use std::time::{Duration, Instant};
 
@@ -28,6 +29,11 @@ pub struct BenchOutboxArgs {
     /// one that is removed at the end.
     #[arg(long)]
     pub log_dir: Option<std::path::PathBuf>,
+    /// The audit database the farm ships to (its `--audit-db`): `sqlite://PATH` or
+    /// `postgres://USER@HOST/DB`. Default: a fresh SQLite file in the log directory. Records
+    /// already there are counted first, and only the new ones are checked.
+    #[arg(long)]
+    pub db: Option<String>,
     /// Give up on the outbox draining after this long (the figures so far are printed).
     #[arg(long, default_value = "300s", value_parser = parse_duration_flag)]
     pub timeout: Duration,
@@ -60,6 +66,14 @@ async fn shipped(scraper: &reqwest::Client, farms: &[FarmProc]) -> usize {
     total(&farm_counter(scraper, farms, "rcfarm_audit_shipped_total", "").await) as usize
 }
 
+/// Records in the audit database at `db` (creating its schema if it is new).
+async fn sql_count(db: &str) -> Result<u64, CliError> {
+    let store = AuditStore::connect(db).await.map_err(failed)?;
+    let n = store.count(&AuditQuery::default()).await.map_err(failed)?;
+    store.close().await;
+    Ok(n)
+}
+
 pub async fn run(args: BenchOutboxArgs) -> Result<(), CliError> {
     if args.records == 0 {
         return Err(CliError::Usage(
@@ -79,10 +93,15 @@ async fn measure(
     dir: &std::path::Path,
 ) -> Result<(), CliError> {
     let consul = Consul::new(ConsulConfig::new(target.url())).map_err(failed)?;
+    let db = args
+        .db
+        .clone()
+        .unwrap_or_else(|| format!("sqlite://{}", dir.join("audit.db").display()));
     println!(
-        "rcfarm-tools bench outbox: {} records, {} server, one farm shipping to SQLite",
+        "rcfarm-tools bench outbox: {} records, {} server, one farm shipping to {}",
         args.records,
-        target.name()
+        target.name(),
+        crate::audit::store::redact(&db)
     );
 
     // Fill: create-only writes as the farms make them, 8 transactions at a time.
@@ -111,6 +130,7 @@ async fn measure(
         args.records,
         args.records as f64 / fill.max(0.001)
     );
+    let stored_before = sql_count(&db).await?;
     let cpu_before = target.cpu();
 
     // One farm: it takes the shipper lock and ships.
@@ -120,7 +140,7 @@ async fn measure(
         1,
         Duration::from_secs(5),
         dir,
-        &[],
+        &["--audit-db", &db],
         args.server.farm_bin.as_deref(),
     )
     .await?;
@@ -212,12 +232,9 @@ async fn measure(
         let _ = f.child.kill().await;
     }
 
-    // What SQL holds: every record once.
-    let db = format!("sqlite://{}", dir.join("audit.db").display());
-    let store = AuditStore::connect(&db).await.map_err(failed)?;
-    let stored = store.count(&AuditQuery::default()).await.map_err(failed)?;
-    store.close().await;
-    println!("SQL holds {stored} records");
+    // What SQL gained: every record once.
+    let stored = sql_count(&db).await?.saturating_sub(stored_before);
+    println!("SQL holds {stored} records more");
     let json = json!({
         "records": args.records,
         "server": target.name(),
@@ -233,7 +250,7 @@ async fn measure(
     });
     println!("figures: {json}");
     drained?;
-    if left > 0 || stored as usize != args.records {
+    if left > 0 || stored != args.records as u64 {
         return Err(failed(format!(
             "the outbox did not ship whole: {left} records left in Consul, {stored} of {} in SQL",
             args.records
