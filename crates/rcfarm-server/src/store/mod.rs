@@ -126,18 +126,19 @@ impl Store {
     /// A single-key read: the entry and the query's index (its `ModifyIndex`, or the KV table
     /// index if it does not exist).
     pub fn read_key(&self, key: &str) -> (Option<KvPair>, u64) {
-        (
-            self.kv.get(key).map(|e| e.to_pair(key, true)),
-            self.key_read_index(key),
-        )
+        let e = self.kv.get(key);
+        (e.map(|e| e.to_pair(key, true)), self.read_index_of(e))
     }
 
     /// The index a single-key read reports, without copying the entry (what a blocking query
     /// compares before it waits).
     pub fn key_read_index(&self, key: &str) -> u64 {
-        self.kv
-            .get(key)
-            .map_or_else(|| self.kv_index(), |e| e.modify_index.max(1))
+        self.read_index_of(self.kv.get(key))
+    }
+
+    /// A single-key read's index: the entry's `ModifyIndex`, or the KV table's if it is absent.
+    fn read_index_of(&self, e: Option<&Entry>) -> u64 {
+        e.map_or_else(|| self.kv_index(), |e| e.modify_index.max(1))
     }
 
     /// A recursive read's entries as copied `KvPair`s (for in-process readers; the HTTP API

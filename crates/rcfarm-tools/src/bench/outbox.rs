@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 
 use super::farm::{
-    FarmProc, ServerArgs, Target, failed, farm_counter, peak_rss_kib, rss_kib, ship_stages,
-    spawn_farms, total, wait_until, work_dir,
+    FarmProc, ServerArgs, Target, failed, farm_counter, peak_rss_kib, ship_stages, spawn_farms,
+    total, wait_until, work_dir,
 };
 use crate::audit::{AUDIT_PREFIX, AuditQuery, AuditRecord, AuditStore, events};
 use crate::consul::{Consul, ConsulConfig, MAX_TXN_OPS, TxnOp};
@@ -148,10 +148,8 @@ async fn measure(
     // When the first records were seen stored, and how many: the rate is over what was shipped
     // after that (the shipper's own start, its lock and first listing, is before it).
     let mut first_at: Option<(Duration, usize)> = None;
-    let mut peak_rss = 0u64;
     let drained = loop {
         tokio::time::sleep(Duration::from_millis(80)).await;
-        peak_rss = peak_rss.max(farms.first().and_then(|f| rss_kib(f.pid)).unwrap_or(0));
         let n = shipped(&scraper, &farms).await;
         if n > 0 && first_at.is_none() {
             first_at = Some((started.elapsed(), n));
@@ -168,22 +166,20 @@ async fn measure(
     };
     let since_start = started.elapsed();
     let n = shipped(&scraper, &farms).await;
-    let left = target.count(&consul, AUDIT_PREFIX).await;
     // Deletes follow the SQL commit: wait for the last batch's.
-    let left = if left > 0 && drained.is_ok() {
+    if drained.is_ok() {
         let _ = wait_until(Duration::from_secs(30), "the last deletes", || async {
             target.count(&consul, AUDIT_PREFIX).await == 0
         })
         .await;
-        target.count(&consul, AUDIT_PREFIX).await
-    } else {
-        left
-    };
+    }
+    let left = target.count(&consul, AUDIT_PREFIX).await;
     let emptied = started.elapsed();
     // Shipped after the first sighting, over the time since.
     let from_first = first_at
         .filter(|&(_, at)| at < n)
         .map(|(t, at)| (since_start.saturating_sub(t), n - at));
+    let rate = from_first.map(|(d, k)| k as f64 / d.as_secs_f64().max(0.001));
     println!(
         "shipped: {n} of {} records{}",
         args.records,
@@ -196,12 +192,11 @@ async fn measure(
         "from the farm's exec: {:.2} s ({:.0} records/s); after the first batch stored: {}",
         since_start.as_secs_f64(),
         n as f64 / since_start.as_secs_f64().max(0.001),
-        from_first.map_or(
+        from_first.zip(rate).map_or(
             "n/a (all shipped before the first look)".into(),
-            |(d, k)| format!(
-                "{k} records in {:.2} s ({:.0} records/s)",
-                d.as_secs_f64(),
-                k as f64 / d.as_secs_f64().max(0.001)
+            |((d, k), rate)| format!(
+                "{k} records in {:.2} s ({rate:.0} records/s)",
+                d.as_secs_f64()
             )
         ),
     );
@@ -221,12 +216,11 @@ async fn measure(
     };
     let secs = |d: Option<Duration>| d.map_or("n/a".into(), |d| format!("{:.1}", d.as_secs_f64()));
     println!(
-        "farm CPU-s {}, server CPU-s while shipping {}, farm RSS peak {} MiB (sampled {} MiB)",
+        "farm CPU-s {}, server CPU-s while shipping {}, farm RSS peak {} MiB",
         secs(farm_cpu),
         secs(server_cpu),
         farm.and_then(peak_rss_kib)
             .map_or("n/a".into(), |k| format!("{:.0}", k as f64 / 1024.0)),
-        peak_rss / 1024,
     );
     for mut f in farms {
         let _ = f.child.kill().await;
@@ -243,7 +237,7 @@ async fn measure(
         "left": left,
         "from_exec_s": since_start.as_secs_f64(),
         "from_first_batch_s": from_first.map(|(d, _)| d.as_secs_f64()),
-        "records_per_s": from_first.map(|(d, k)| k as f64 / d.as_secs_f64().max(0.001)),
+        "records_per_s": rate,
         "stored": stored,
         "farm_cpu_s": farm_cpu.map(|d| d.as_secs_f64()),
         "server_cpu_s": server_cpu.map(|d| d.as_secs_f64()),
