@@ -16,7 +16,7 @@ mod writes;
 
 pub use intents::{INTENT_PREFIX, IntentState, IntentView, intent_key};
 pub use plan::{Action, Neighbours, Observed, Plan, Removals, Transfer, plan};
-pub use status::{Condition, FarmStatus, RcStatus, StatusRegistry, set_condition};
+pub use status::{Condition, FarmStatus, RcScrape, RcStatus, StatusRegistry, set_condition};
 pub use transfers::{
     STATUS_PREFIX, TransferReader, parse_transfers, rcfarm_status, rcfarm_status_key, stale_starts,
     status_key,

@@ -99,15 +99,11 @@ async fn ready(State(s): State<ApiState>) -> Response {
 
 async fn metrics(State(s): State<ApiState>) -> Response {
     // Gauges that are sums over this farm's RCs are computed at scrape time.
-    let rcs = s.status.rcs();
-    metrics::gauge!("rcfarm_pods_desired")
-        .set(rcs.iter().filter_map(|r| r.desired).sum::<u64>() as f64);
-    metrics::gauge!("rcfarm_pods_current")
-        .set(rcs.iter().map(|r| r.current as u64).sum::<u64>() as f64);
-    metrics::gauge!("rcfarm_pods_healthy")
-        .set(rcs.iter().map(|r| r.healthy as u64).sum::<u64>() as f64);
-    metrics::gauge!("rcfarm_rcs_unmet")
-        .set(rcs.iter().filter(|r| r.has_condition("Unmet")).count() as f64);
+    let rcs = s.status.scrape();
+    metrics::gauge!("rcfarm_pods_desired").set(rcs.desired as f64);
+    metrics::gauge!("rcfarm_pods_current").set(rcs.current as f64);
+    metrics::gauge!("rcfarm_pods_healthy").set(rcs.healthy as f64);
+    metrics::gauge!("rcfarm_rcs_unmet").set(rcs.unmet as f64);
     metrics::gauge!("rcfarm_ready").set(if *s.ready.borrow() { 1.0 } else { 0.0 });
     let rolls = s.rolls.all();
     for (gauge, condition) in [
@@ -131,7 +127,7 @@ async fn metrics(State(s): State<ApiState>) -> Response {
             if !text.is_empty() && !text.ends_with('\n') {
                 text.push('\n');
             }
-            text.push_str(&series::render(&rcs, &rolls, chrono::Utc::now()));
+            text.push_str(&series::render(&rcs.noted, &rolls, chrono::Utc::now()));
             text.push_str(&series::render_watch_ages(
                 &crate::consul::watch_answer_ages(),
             ));
