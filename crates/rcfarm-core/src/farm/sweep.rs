@@ -55,7 +55,9 @@ pub async fn sweep(
         view.set_read(node, pod, IntentState::from_value(value.as_deref()), ticket);
     }
     if all {
-        view.retain(pods);
+        let keep: HashSet<(&str, &str)> =
+            pods.iter().map(|(n, p)| (n.as_str(), p.as_str())).collect();
+        view.retain(|node, pod| keep.contains(&(node, pod)));
     }
     Ok(keys.len())
 }
