@@ -16,11 +16,11 @@ use super::record::AuditRecord;
 /// The schema's migrations, in the binary: (version, description, SQL). Built at run time
 /// rather than by sqlx's `migrate!` macro, whose proc-macro crate compiled a second copy of
 /// sqlx's drivers, SQLite and rustls for the build host (67–78 CPU-seconds of the tests'
-/// build from scratch, BENCHMARKS.md). What a database records is the same either way: the version, the
-/// description sqlx derives from the file name (`0001_audit_log.sql`: 1, "audit log") and the
-/// SHA-384 of the file (no ignored characters), so databases that earlier releases migrated
-/// stay valid (`tests::migrations_record_what_earlier_releases_recorded`). A migration file
-/// is never edited once released: add the next one, and a line here.
+/// build from scratch, BENCHMARKS.md). What a database records is the same either way: the
+/// version, the description sqlx derives from the file name (`0001_audit_log.sql`: 1, "audit
+/// log") and the SHA-384 of the file (no ignored characters), so databases that earlier
+/// releases migrated stay valid (`tests::migrations_record_what_earlier_releases_recorded`).
+/// A migration file is never edited once released: add the next one, and a line here.
 const SQLITE_MIGRATIONS: &[(i64, &str, &str)] = &[(
     1,
     "audit log",

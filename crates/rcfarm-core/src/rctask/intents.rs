@@ -66,10 +66,11 @@ struct Entry {
 /// lookup and compared whole keys (about 8 % of a converging farm's samples there).
 #[derive(Debug, Default)]
 pub struct IntentView {
-    entries: RwLock<HashMap<String, HashMap<NodeName, Entry>>>,
+    entries: RwLock<Entries>,
     clock: AtomicU64,
 }
 
+/// Pod id → node → what was last read or written there.
 type Entries = HashMap<String, HashMap<NodeName, Entry>>;
 
 /// Sets `node`'s entry for `pod_id` to `entry`, unless `stays` says the one there stays.

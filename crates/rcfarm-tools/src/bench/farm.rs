@@ -1198,10 +1198,7 @@ async fn moved_from(
     what: &str,
 ) -> Result<Duration, CliError> {
     wait_until(limit, what, || async move {
-        let owned: f64 = farm_counter(http, survivors, "rcfarm_owned_rcs", "")
-            .await
-            .values()
-            .sum();
+        let owned = total(&farm_counter(http, survivors, "rcfarm_owned_rcs", "").await);
         owned >= n as f64
             && owners(c)
                 .await
