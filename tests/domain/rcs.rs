@@ -475,11 +475,11 @@ async fn ownership_and_mutation_locks() {
     assert!(garbage.is_empty());
     assert_eq!(
         holders[&id].ownership,
-        Some((a.clone(), "farm-a".to_string()))
+        Some((a.as_str().into(), "farm-a".into()))
     );
     assert_eq!(
         holders[&id].mutation,
-        Some((b.clone(), "transfer".to_string()))
+        Some((b.as_str().into(), "transfer".into()))
     );
 
     // Fencing: a write checked against the ownership lock lands only for the holder.
@@ -529,7 +529,10 @@ async fn ownership_and_mutation_locks() {
     c.kv_put(&id.mutation_lock_key(), b"", None).await.unwrap();
     assert!(store.acquire_mutation(id, &a, "roll").await.unwrap());
     let (holders, _) = store.lock_holders().await.unwrap();
-    assert_eq!(holders[&id].mutation, Some((a.clone(), "roll".to_string())));
+    assert_eq!(
+        holders[&id].mutation,
+        Some((a.as_str().into(), "roll".into()))
+    );
     assert!(holders[&id].mutation_index.is_some());
     let _unused: LabelSet = LabelSet::new();
 }
@@ -587,12 +590,12 @@ async fn a_handover_releases_only_its_own_transfer_locks_in_one_listing() {
     let mutation = |i: usize| holders.get(&ids[i]).and_then(|h| h.mutation.clone());
     assert_eq!(
         mutation(0),
-        Some((a.clone(), ids[0].node_transfer_holder()))
+        Some((a.as_str().into(), ids[0].node_transfer_holder().into()))
     );
     assert_eq!(mutation(1), None);
-    assert_eq!(mutation(2), Some((a.clone(), "roll".to_string())));
+    assert_eq!(mutation(2), Some((a.as_str().into(), "roll".into())));
     assert_eq!(
         mutation(3),
-        Some((b.clone(), ids[3].node_transfer_holder()))
+        Some((b.as_str().into(), ids[3].node_transfer_holder().into()))
     );
 }

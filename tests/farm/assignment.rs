@@ -179,7 +179,7 @@ impl Written {
             let apart = ids.iter().filter(|id| exp[id] != oth[id]).count();
             if held.is_empty() || apart >= 3 {
                 let by_rule: BTreeMap<RcId, String> =
-                    ids.iter().map(|id| (*id, exp[id].clone())).collect();
+                    ids.iter().map(|id| (*id, exp[id].to_string())).collect();
                 break (ids, by_rule);
             }
         };

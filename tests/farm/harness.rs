@@ -577,7 +577,7 @@ impl Cluster {
             .unwrap();
         holders
             .into_iter()
-            .filter_map(|(id, h)| h.ownership.map(|(s, _)| (id, s)))
+            .filter_map(|(id, h)| h.ownership.map(|(s, _)| (id, s.to_string())))
             .collect()
     }
 

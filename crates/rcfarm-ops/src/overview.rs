@@ -164,8 +164,8 @@ impl Overview {
         let owner = |id: &RcId| {
             holders
                 .get(id)
-                .and_then(|h| h.ownership.clone())
-                .map(|(s, _)| s)
+                .and_then(|h| h.ownership.as_ref())
+                .map(|(s, _)| s.to_string())
         };
         for (id, rc) in &listing.rcs {
             let idt = id.to_string();

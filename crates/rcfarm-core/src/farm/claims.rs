@@ -30,6 +30,7 @@
 
 use std::borrow::Borrow;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Arc;
 
 use crate::labels::{LabelSet, Selector};
 use crate::rc::RcId;
@@ -94,7 +95,9 @@ impl Rule {
 /// The assignment: RC → farm id.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Assignment {
-    pub owner: BTreeMap<RcId, String>,
+    /// Each RC's farm id, shared by all its RCs (not a copy per RC: every farm computes this
+    /// over every RC of the cluster at each change).
+    pub owner: BTreeMap<RcId, Arc<str>>,
     /// Each farm's cap (its fair share).
     pub cap: BTreeMap<String, usize>,
 }
@@ -104,7 +107,7 @@ impl Assignment {
     pub fn of(&self, farm_id: &str) -> BTreeSet<RcId> {
         self.owner
             .iter()
-            .filter(|(_, f)| f.as_str() == farm_id)
+            .filter(|(_, f)| &***f == farm_id)
             .map(|(rc, _)| *rc)
             .collect()
     }
@@ -128,7 +131,7 @@ impl Assignment {
             |f: &str| held.get(f).copied().unwrap_or(0) > self.cap.get(f).copied().unwrap_or(0);
         self.owner
             .iter()
-            .any(|(rc, f)| f == farm_id && holder(rc).is_some_and(|h| h != farm_id && over(h)))
+            .any(|(rc, f)| &**f == farm_id && holder(rc).is_some_and(|h| h != farm_id && over(h)))
     }
 }
 
@@ -240,10 +243,14 @@ pub fn assign_by<L, H: Borrow<str>>(
             *slot = Some(i);
         }
     }
+    let ids: Vec<Arc<str>> = farms
+        .iter()
+        .map(|f| Arc::from(f.farm_id.as_str()))
+        .collect();
     let owner = items
         .keys()
         .zip(chosen)
-        .filter_map(|(rc, i)| Some((*rc, farms[i?].farm_id.clone())))
+        .filter_map(|(rc, i)| Some((*rc, ids[i?].clone())))
         .collect();
     let cap = farms
         .iter()
@@ -351,7 +358,7 @@ mod tests {
         let all = rcs(300);
         let three = farms(&["a", "b", "c"]);
         let before = assign(&all, &three, B);
-        let held: BTreeMap<RcId, String> = before.owner.clone();
+        let held: BTreeMap<RcId, Arc<str>> = before.owner.clone();
         assert_eq!(assign_held(&all, &three, &held, B), before);
         let four = farms(&["a", "b", "c", "d"]);
         let after = assign_held(&all, &four, &held, B);
@@ -377,7 +384,7 @@ mod tests {
             .keys()
             .filter(|rc| before.owner[rc] != left.owner[rc])
             .collect();
-        assert!(moved.iter().all(|rc| before.owner[*rc] == "b"));
+        assert!(moved.iter().all(|rc| &*before.owner[*rc] == "b"));
         assert_eq!(left.of("a").len(), 150);
         assert_eq!(left.of("c").len(), 150);
     }
@@ -447,7 +454,7 @@ mod tests {
                 .into_iter()
                 .max_by_key(|g| score(g, rc))
                 .unwrap();
-            assert_eq!(f, best);
+            assert_eq!(&**f, best);
         }
         let skewed: BTreeMap<RcId, String> = all.keys().map(|rc| (*rc, "a".to_string())).collect();
         assert_eq!(assign_held(&all, &three, &skewed, R), a);
@@ -464,13 +471,13 @@ mod tests {
         }
         let four = assign(&all, &farms(&["a", "b", "c", "d"]), R);
         for rc in all.keys() {
-            if four.owner[rc] != "d" {
+            if &*four.owner[rc] != "d" {
                 assert_eq!(four.owner[rc], a.owner[rc], "only what d wins moves");
             }
         }
         let two = assign(&all, &farms(&["a", "c"]), R);
         for rc in all.keys() {
-            if a.owner[rc] != "b" {
+            if &*a.owner[rc] != "b" {
                 assert_eq!(two.owner[rc], a.owner[rc], "only b's RCs move");
             }
         }

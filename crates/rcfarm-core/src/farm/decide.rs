@@ -4,6 +4,7 @@
 //! read as the rules, one row per case.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -22,7 +23,7 @@ pub struct Situation<'a> {
     pub matching: &'a BTreeSet<RcId>,
     pub assignment: &'a Assignment,
     /// The session holding each object's lock, as last read.
-    pub holders: &'a BTreeMap<RcId, String>,
+    pub holders: &'a BTreeMap<RcId, Arc<str>>,
     /// Of `matching`, what no session holds per the view, and what this farm's session
     /// holds: kept with the view ([`HeldIndex`]), so a reconcile walks what it may claim or
     /// start, not every object (20,000 RCs several times a second, in every farm).
@@ -51,7 +52,7 @@ pub struct HeldIndex {
 impl HeldIndex {
     pub fn new(
         matching: &BTreeSet<RcId>,
-        holders: &BTreeMap<RcId, String>,
+        holders: &BTreeMap<RcId, Arc<str>>,
         session: &str,
     ) -> HeldIndex {
         HeldIndex {
@@ -62,7 +63,7 @@ impl HeldIndex {
                 .collect(),
             ours: holders
                 .iter()
-                .filter(|(_, s)| s.as_str() == session)
+                .filter(|(_, s)| &***s == session)
                 .map(|(id, _)| *id)
                 .collect(),
         }
@@ -72,7 +73,7 @@ impl HeldIndex {
 impl Situation<'_> {
     /// Held by this farm's session.
     pub fn held_by_us(&self, id: &RcId) -> bool {
-        self.holders.get(id).is_some_and(|s| s == self.session) && !(self.released)(id)
+        self.holders.get(id).is_some_and(|s| **s == *self.session) && !(self.released)(id)
     }
 
     /// Held by some session, as far as this farm knows.
@@ -90,7 +91,7 @@ impl Situation<'_> {
         self.assignment
             .owner
             .get(id)
-            .is_some_and(|f| f == self.farm_id)
+            .is_some_and(|f| **f == *self.farm_id)
     }
 }
 
@@ -124,7 +125,7 @@ pub fn stops<T>(
                 Stop::Ended
             } else if !s.held_by_us(id) && !(s.claimed)(id) {
                 match s.holders.get(id) {
-                    Some(other) if other != s.session => Stop::HeldElsewhere(other.clone()),
+                    Some(other) if **other != *s.session => Stop::HeldElsewhere(other.to_string()),
                     _ => Stop::LockGone,
                 }
             } else {
@@ -298,7 +299,12 @@ pub fn handovers<T>(
                 .keys()
                 .filter(handable)
                 .filter(|id| s.matching.contains(id))
-                .filter(|id| s.assignment.owner.get(id).is_some_and(|f| f != s.farm_id))
+                .filter(|id| {
+                    s.assignment
+                        .owner
+                        .get(id)
+                        .is_some_and(|f| **f != *s.farm_id)
+                })
                 .take(over)
                 .copied(),
         );
@@ -351,7 +357,7 @@ mod tests {
         all: BTreeSet<RcId>,
         matching: BTreeSet<RcId>,
         assignment: Assignment,
-        holders: BTreeMap<RcId, String>,
+        holders: BTreeMap<RcId, Arc<str>>,
         claimed: HashSet<RcId>,
         released: HashSet<RcId>,
         refused: HashSet<RcId>,
@@ -378,14 +384,14 @@ mod tests {
                     owner: self
                         .assigned
                         .iter()
-                        .map(|(n, f)| (rc(*n), f.to_string()))
+                        .map(|(n, f)| (rc(*n), Arc::from(*f)))
                         .collect(),
                     cap: [("f".to_string(), self.cap_f), ("g".to_string(), 100)].into(),
                 },
                 holders: self
                     .held
                     .iter()
-                    .map(|(n, s)| (rc(*n), s.to_string()))
+                    .map(|(n, s)| (rc(*n), Arc::from(*s)))
                     .collect(),
                 claimed: set(&self.claimed),
                 released: set(&self.released),
@@ -560,7 +566,7 @@ mod tests {
             let all: BTreeSet<RcId> = (1..=exist).map(id).collect();
             let matching: BTreeSet<RcId> = (1..=waiting).map(id).collect();
             let assignment = Assignment {
-                owner: matching.iter().map(|r| (*r, "g".to_string())).collect(),
+                owner: matching.iter().map(|r| (*r, "g".into())).collect(),
                 cap: [("f".to_string(), 1), ("g".to_string(), 100)].into(),
             };
             let holders = BTreeMap::new();

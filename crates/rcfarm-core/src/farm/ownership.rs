@@ -5,6 +5,7 @@
 //! shutdown. This module is that machinery; the kinds differ only in their [`Kind`].
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -72,7 +73,7 @@ pub(crate) struct ClaimView<'a> {
     pub matching: &'a BTreeSet<RcId>,
     pub assignment: &'a Assignment,
     /// The session holding each object's lock.
-    pub holders: &'a BTreeMap<RcId, String>,
+    pub holders: &'a BTreeMap<RcId, Arc<str>>,
     /// Of `matching` and `holders`, what is unheld and what is this farm's, if the caller
     /// keeps it with its view (`None`: computed at each reconcile; fine for a few objects).
     pub held: Option<&'a HeldIndex>,
@@ -757,7 +758,7 @@ mod tests {
         let farm = test_farm(&consul, &ours);
         let all: BTreeSet<RcId> = [id].into();
         let assignment = Assignment {
-            owner: [(id, "f".to_string())].into(),
+            owner: [(id, "f".into())].into(),
             cap: [("f".to_string(), 1)].into(),
         };
         let cancel = tokio_util::sync::CancellationToken::new();
@@ -808,7 +809,7 @@ mod tests {
         id: RcId,
         all: BTreeSet<RcId>,
         assignment: Assignment,
-        holders: BTreeMap<RcId, String>,
+        holders: BTreeMap<RcId, Arc<str>>,
     }
 
     impl AssignedAway {
@@ -832,10 +833,10 @@ mod tests {
                 id,
                 all: [id].into(),
                 assignment: Assignment {
-                    owner: [(id, "g".to_string())].into(),
+                    owner: [(id, "g".into())].into(),
                     cap: [("f".to_string(), 0), ("g".to_string(), 1)].into(),
                 },
-                holders: [(id, ours.id().to_string())].into(),
+                holders: [(id, Arc::from(ours.id().as_str()))].into(),
             }
         }
 

@@ -954,7 +954,7 @@ fn stray_mutation_locks(inputs: &ClaimInputs, owned: &OwnedRcs) -> Vec<(RcId, St
         .our_mutations
         .iter()
         .filter_map(|(id, v)| {
-            let ours_for_transfer = *v == id.node_transfer_holder();
+            let ours_for_transfer = **v == *id.node_transfer_holder();
             // A rolling update's lock is the roll farm's business; any other value under our
             // session (a late request of a stopped task, an older version) is stray.
             let stray = if ours_for_transfer {
@@ -962,7 +962,7 @@ fn stray_mutation_locks(inputs: &ClaimInputs, owned: &OwnedRcs) -> Vec<(RcId, St
             } else {
                 !v.starts_with(crate::roll::ROLL_HOLDER_PREFIX)
             };
-            stray.then(|| (*id, v.clone()))
+            stray.then(|| (*id, v.to_string()))
         })
         .collect()
 }
@@ -988,7 +988,7 @@ pub(crate) struct ClaimInputs {
     /// The rule the assignment was computed by (`registry::agreed_rule`).
     rule: super::claims::Rule,
     /// RC → the session holding its ownership lock.
-    owners: BTreeMap<RcId, String>,
+    owners: BTreeMap<RcId, Arc<str>>,
     /// Pod ids of RCs another session holds.
     foreign_pod_ids: HashSet<String>,
     /// The RCs another session holds.
@@ -998,7 +998,7 @@ pub(crate) struct ClaimInputs {
     /// Of `all`, what no session holds (for the gauge of RCs nobody serves).
     all_unheld: Vec<RcId>,
     /// The mutation locks this farm's session holds, as (RC, value held).
-    our_mutations: Vec<(RcId, String)>,
+    our_mutations: Vec<(RcId, Arc<str>)>,
     farms: Vec<FarmInfo>,
 }
 
@@ -1015,10 +1015,10 @@ impl ClaimInputs {
             .collect();
         self.assignment.handover_due_to(farm_id, |rc| {
             let s = self.owners.get(rc)?;
-            if s.as_str() == session {
+            if &**s == session {
                 return Some(farm_id);
             }
-            farm_of.get(s.as_str()).copied()
+            farm_of.get(&**s).copied()
         })
     }
 }
@@ -1059,14 +1059,14 @@ fn claim_inputs<'a>(
         .iter()
         .map(|f| (f.session.as_str(), f.farm_id.as_str()))
         .collect();
-    let owners: BTreeMap<RcId, String> = locks
+    let owners: BTreeMap<RcId, Arc<str>> = locks
         .holders
         .iter()
         .filter_map(|(id, h)| h.ownership.as_ref().map(|(s, _)| (*id, s.clone())))
         .collect();
     let mut farm_holding: BTreeMap<RcId, &str> = owners
         .iter()
-        .filter_map(|(id, s)| Some((*id, *farm_of.get(s.as_str())?)))
+        .filter_map(|(id, s)| Some((*id, *farm_of.get(&**s)?)))
         .collect();
     // Claims the lock tree does not show yet are ours too: counted as free, they were given to
     // this farm again on top of its share, and it then had that many to hand back.
@@ -1081,7 +1081,7 @@ fn claim_inputs<'a>(
     let held = HeldIndex::new(&matching, &owners, &key.4);
     let theirs: HashSet<RcId> = owners
         .iter()
-        .filter(|(_, s)| **s != key.4)
+        .filter(|(_, s)| ***s != *key.4)
         .map(|(id, _)| *id)
         .collect();
     // Only a pod id more than one RC carries can be another farm's and a candidate's both (and
@@ -1108,7 +1108,7 @@ fn claim_inputs<'a>(
         .iter()
         .filter_map(|(id, h)| {
             let (s, v) = h.mutation.as_ref()?;
-            (*s == key.4).then(|| (*id, v.clone()))
+            (**s == *key.4).then(|| (*id, v.clone()))
         })
         .collect();
     ClaimInputs {

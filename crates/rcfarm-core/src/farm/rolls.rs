@@ -79,14 +79,14 @@ pub(crate) struct RollDispatch {
 type Changes = Result<Arc<LabelChanges>, broadcast::error::RecvError>;
 
 /// Holders of roll locks from the `lock/rolls/` tree; keys that are no roll lock are set aside.
-fn parse_roll_locks(entries: &[KvPair]) -> (BTreeMap<RollId, String>, Vec<String>) {
+fn parse_roll_locks(entries: &[KvPair]) -> (BTreeMap<RollId, Arc<str>>, Vec<String>) {
     let mut holders = BTreeMap::new();
     let mut garbage = Vec::new();
     for e in entries {
         match e.key.strip_prefix(ROLL_LOCK_PREFIX).map(RcId::parse) {
             Some(Ok(id)) => {
                 if let Some(s) = &e.session {
-                    holders.insert(id, s.clone());
+                    holders.insert(id, Arc::from(s.as_str()));
                 }
             }
             _ => garbage.push(e.key.clone()),
@@ -266,7 +266,7 @@ impl Farm {
                 let roll = v
                     .strip_prefix("rcfarm-roll:")
                     .and_then(|r| RcId::parse(r).ok())?;
-                (s == sid && !owned.tasks.contains_key(&roll)).then(|| (*rc, roll_holder(roll)))
+                (**s == **sid && !owned.tasks.contains_key(&roll)).then(|| (*rc, roll_holder(roll)))
             })
             .collect();
         self.release_stray_mutation_locks(sid, stray).await;
@@ -407,7 +407,7 @@ impl Farm {
             rcs.extend(locks.holders.iter().filter_map(|(rc, h)| {
                 h.mutation
                     .as_ref()
-                    .is_some_and(|(s, v)| s == session.id() && *v == holder)
+                    .is_some_and(|(s, v)| **s == **session.id() && **v == *holder)
                     .then_some(*rc)
             }));
             for rc in rcs {

@@ -2,6 +2,7 @@
 //! lock, with its state in P2's status key so whichever farm serves the RC next resumes it.
 
 use std::collections::BTreeSet;
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::{Value, json};
@@ -241,7 +242,7 @@ impl Worker {
             return Ok(());
         }
         let key = self.id.node_transfer_lock_key();
-        let details = |(session, lock_index): &(String, u64)| {
+        let details = |(session, lock_index): &(Arc<str>, u64)| {
             json!({
                 "replication_controller_id": self.id,
                 "pod_id": rc.pod_id(),

@@ -198,7 +198,7 @@ pub(super) struct Worker {
     pub(super) unmet: Option<String>,
     /// The hold of P2's node-transfer lock (session, `LockIndex`) last reported as freezing
     /// this RC's transfers.
-    pub(super) frozen: Option<(String, u64)>,
+    pub(super) frozen: Option<(Arc<str>, u64)>,
     /// The `ModifyIndex` of the invalid record last reported.
     pub(super) invalid_reported: Option<u64>,
     /// The `ModifyIndex` of the RC version whose writes Consul refused as too large or
@@ -711,7 +711,7 @@ impl Worker {
             .locks
             .borrow()
             .mutation(self.id)
-            .is_some_and(|(s, v)| *s == self.session && *v == self.id.node_transfer_holder())
+            .is_some_and(|(s, v)| **s == *self.session && **v == *self.id.node_transfer_holder())
     }
 
     /// The records of other RCs that run pods of this RC's pod id and that the farm's listing

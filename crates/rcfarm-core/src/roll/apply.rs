@@ -91,7 +91,7 @@ impl Worker {
                         .locks
                         .borrow()
                         .mutation(id)
-                        .is_some_and(|(s, v)| *s == self.session && *v == holder);
+                        .is_some_and(|(s, v)| **s == *self.session && **v == *holder);
                     if !held {
                         ops.extend(RcStore::mutation_lock_ops(id, &self.session, &holder, seen));
                     }
@@ -523,7 +523,7 @@ impl Worker {
                 .locks
                 .borrow()
                 .mutation(id)
-                .is_some_and(|(s, v)| *s == self.session && *v == holder);
+                .is_some_and(|(s, v)| **s == *self.session && **v == *holder);
             if ours {
                 ops.push(TxnOp::check_session(id.mutation_lock_key(), &self.session));
                 ops.push(TxnOp::delete(id.mutation_lock_key()));

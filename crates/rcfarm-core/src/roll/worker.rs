@@ -671,7 +671,7 @@ impl Worker {
         let holder = roll_holder(self.id);
         let lock_state = |id: RcId| match locks.mutation(id) {
             None => LockState::Free,
-            Some((s, v)) if *s == self.session && *v == holder => LockState::Ours,
+            Some((s, v)) if **s == *self.session && **v == *holder => LockState::Ours,
             Some((s, v)) => LockState::Elsewhere(describe_holder(&locks, s, v)),
         };
         let transfer = [
@@ -1060,7 +1060,7 @@ pub(super) fn describe_holder(locks: &LockView, session: &str, value: &str) -> S
         .holders
         .values()
         .filter_map(|h| h.ownership.as_ref())
-        .find(|(s, _)| s == session)
+        .find(|(s, _)| &**s == session)
         .map(|(_, name)| name.clone());
     let by = farm.map(|f| format!(" by {f}")).unwrap_or_default();
     if let Some(roll) = value.strip_prefix(ROLL_HOLDER_PREFIX) {

@@ -188,7 +188,7 @@ pub async fn not_converged(consul: &Consul, running: &BTreeSet<u32>) -> Vec<Stri
         let owner = holders
             .get(id)
             .and_then(|h| h.ownership.as_ref())
-            .map(|(s, _)| s.clone());
+            .map(|(s, _)| s.to_string());
         if !owner.as_ref().is_some_and(|s| live.contains(s)) {
             out.push(format!("{id}: not owned by a running farm"));
             continue;

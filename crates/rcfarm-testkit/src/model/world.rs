@@ -1711,7 +1711,7 @@ struct DecideView {
     farm_id: String,
     session: String,
     all: BTreeSet<RcId>,
-    holders: BTreeMap<RcId, String>,
+    holders: BTreeMap<RcId, std::sync::Arc<str>>,
     assignment: crate::farm::claims::Assignment,
     held: HeldIndex,
 }
@@ -1726,7 +1726,7 @@ impl DecideView {
             })
             .collect();
         let farm_of = |s: &Session| (0..FARMS).find(|i| w.farms[*i].session == *s).map(farm_id);
-        let holders = locks.iter().map(|(id, s)| (*id, s.name())).collect();
+        let holders = locks.iter().map(|(id, s)| (*id, s.name().into())).collect();
         let held_by: BTreeMap<RcId, String> = locks
             .iter()
             .filter_map(|(id, s)| Some((*id, farm_of(s)?)))

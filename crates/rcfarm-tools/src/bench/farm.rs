@@ -347,7 +347,7 @@ async fn owners(c: &Consul) -> Result<BTreeMap<RcId, String>, CliError> {
     Ok(parse_locks(&entries)
         .0
         .into_iter()
-        .filter_map(|(id, h)| h.ownership.map(|(s, _)| (id, s)))
+        .filter_map(|(id, h)| h.ownership.map(|(s, _)| (id, s.to_string())))
         .collect())
 }
 
