@@ -95,8 +95,8 @@ impl Rule {
 /// The assignment: RC → farm id.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Assignment {
-    /// Each RC's farm id, shared by all its RCs (not a copy per RC: every farm computes this
-    /// over every RC of the cluster at each change).
+    /// Each RC's farm id, one `Arc` per farm shared by all the RCs assigned to it (not a copy
+    /// per RC: every farm computes this over every RC of the cluster at each change).
     pub owner: BTreeMap<RcId, Arc<str>>,
     /// Each farm's cap (its fair share).
     pub cap: BTreeMap<String, usize>,
