@@ -76,7 +76,19 @@ pub(crate) async fn a_transfer_in_flight_from(
     env: &[(&str, &str)],
 ) -> (Cluster, RcId) {
     let mut c = Cluster::start_on(backend).await;
-    nodes(&c, 4, 1).await;
+    let o = a_transfer_in_flight_on(&mut c, bin, farm, flags, env).await;
+    (c, o)
+}
+
+/// [`a_transfer_in_flight_from`] on the cluster `c` (one that keeps its data, say).
+pub(crate) async fn a_transfer_in_flight_on(
+    c: &mut Cluster,
+    bin: &str,
+    farm: &str,
+    flags: &[&str],
+    env: &[(&str, &str)],
+) -> RcId {
+    nodes(c, 4, 1).await;
     let sim = c.simulate(4, 0.0);
     let url = c.server.url();
     c.spawn_farm_from(bin, farm, &url, flags, env).await;
@@ -98,7 +110,7 @@ pub(crate) async fn a_transfer_in_flight_from(
         move || async move { transfer_in_flight(cr, o).await && placed(cr, o).await == 3 },
     )
     .await;
-    (c, o)
+    o
 }
 
 on_every_backend!(a_resumed_transfer_ends_while_a_roller_holds_the_rcs_mutation_lock);

@@ -13,6 +13,7 @@ use rcfarm::consul::QueryOptions;
 use rcfarm::rc::RcId;
 use rcfarm::server::Change;
 
+use crate::brakes::a_transfer_in_flight_on;
 use crate::harness::{Backend, Cluster, nodes, signal};
 use crate::on_both_backends;
 use crate::sick_audit::{drained, outbox, private_postgres, scale_all, sql_ids};
@@ -225,6 +226,101 @@ async fn consul_restored_from_a_backup(backend: Backend) {
     // Two histories, each checked whole: up to the backup and on to the restore (what the
     // restore undid), and up to the backup and on from the restored store (the embedded
     // server's commit logs; on real Consul the outside observer saw it all as one).
+    if c.is_real() {
+        c.check_invariants(|_| false);
+    } else {
+        assert_no_violations(&[&until_backup, &undone]);
+        assert_no_violations(&[&until_backup, &c.server.commit_log()]);
+    }
+}
+
+/// Whether `id`'s transfer off `retired` has ended: no status key, two pods, none on `retired`.
+async fn transfer_ended(c: &Cluster, id: RcId, retired: &str) -> bool {
+    let p = c.placements().await;
+    !c.transfer_in_flight(id).await
+        && p.get(&id)
+            .is_some_and(|n| n.len() == 2 && !n.contains(retired))
+}
+
+on_both_backends!(a_transfer_the_restore_brings_back_is_ended_by_the_farm_that_saw_it_end);
+/// A node transfer in flight at the backup, completed after it, and brought back by the
+/// restore (P2's status key, the old pod and the new one): the farm that completed it, still
+/// serving the RC with the same task, learns it is in flight again and ends it again. Before,
+/// the task trusted its own memory of the status key ("no transfer") over the restored store:
+/// it removed the surplus pod as an ordinary scale-down and left the key, so the transfer
+/// stayed in flight for good, and a rolling update of the RC waited on it for good (the
+/// restore chaos, CI of 2026-12-01: "a transfer is in flight", the roll 2 of 3 replicas on).
+async fn a_transfer_the_restore_brings_back_is_ended_by_the_farm_that_saw_it_end(backend: Backend) {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut c, config) = Cluster::start_persistent(&backend, &dir.path().join("data")).await;
+    // A TTL that outlasts the pauses around the backup and the restore; a transfer timeout
+    // that never rolls the transfer back within the test. node-00 is the retired node.
+    let o = a_transfer_in_flight_on(
+        &mut c,
+        crate::harness::BIN,
+        "f1",
+        &["--session-ttl", "8s", "--transfer-timeout", "10m"],
+        &[],
+    )
+    .await;
+    let retired = "node-00".to_string();
+
+    // The backup, the farm paused across it.
+    let backup = tempfile::tempdir().unwrap();
+    let backup_data = backup.path().join("data");
+    signal(c.farms[0].pid, "STOP");
+    let until_backup = c
+        .restart_server_doing(Duration::ZERO, config.clone(), |d| {
+            copy_dir(d, &backup_data)
+        })
+        .await;
+    signal(c.farms[0].pid, "CONT");
+
+    // After it, the new pod passes its health check and the farm completes the transfer.
+    let sim = c.simulate(4, 0.0);
+    let (cr, rr) = (&c, &retired);
+    c.wait_for(
+        Duration::from_secs(60),
+        "the transfer completed after the backup",
+        move || transfer_ended(cr, o, rr),
+    )
+    .await;
+
+    // The restore brings it back in flight, under the same farm, same session, same task.
+    signal(c.farms[0].pid, "STOP");
+    let backup_data = backup.path().join("data");
+    let undone = c
+        .restart_server_doing(Duration::from_secs(1), config, |d| {
+            copy_dir(&backup_data, d)
+        })
+        .await;
+    assert!(
+        c.transfer_in_flight(o).await,
+        "the restored store holds the transfer"
+    );
+    assert_eq!(c.placements().await[&o].len(), 3, "and both its pods");
+    signal(c.farms[0].pid, "CONT");
+
+    // The simulated node reports the new pod healthy again; the farm ends the transfer again.
+    let (cr, rr) = (&c, &retired);
+    let took = c
+        .wait_for(
+            Duration::from_secs(60),
+            "the restored transfer ended, its status key gone, the retired node's pod removed",
+            move || transfer_ended(cr, o, rr),
+        )
+        .await;
+    sim.cancel();
+    let log = c.farm_log(0);
+    assert!(
+        log.matches("resuming a node transfer in flight").count() >= 1,
+        "the farm learnt the transfer from the restored store"
+    );
+    println!(
+        "FIGURE a restored transfer ended {:.1} s after the restore; {} transfers completed by the farm",
+        took.as_secs_f64(),
+        log.matches("node transfer completed").count()
+    );
     if c.is_real() {
         c.check_invariants(|_| false);
     } else {

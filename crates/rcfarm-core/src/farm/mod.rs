@@ -503,6 +503,7 @@ impl Farm {
                 pod_tickets: Default::default(),
                 roll_sources: Default::default(),
                 pace: self.pace.clone(),
+                store_regressions: self.store_regressions.clone(),
                 config: cfg.task.clone(),
                 clock: cfg.clock,
             });

@@ -18,9 +18,22 @@ use crate::rc::{Rc, RcStore};
 use crate::scheduler::{NodeName, SchedulerError};
 
 impl Worker {
+    /// Learns the RC's transfer in flight from Consul, unless `transfer` already reflects it.
+    /// It does not once a watch of this farm has seen the store go back since it was read: a
+    /// store restored from a backup can hold a transfer this task saw end (its status key,
+    /// its old pod and its new one back), which nobody else will end while this task serves
+    /// the RC (the restore chaos: "a transfer is in flight" to the end, and the rolling update
+    /// waiting on it with it).
     pub(super) async fn load_transfer(&mut self) -> Result<(), TaskError> {
-        if self.transfer_loaded {
+        // Read before the listing is sent: a regression seen after it makes another read.
+        let epoch = self.ctx.store_regressions.count();
+        if self.transfer_loaded && self.transfer_epoch == epoch {
             return Ok(());
+        }
+        if self.transfer_epoch != epoch {
+            // A listing sent before the watch saw the store go back may be the old store's.
+            self.transfer_since = self.ctx.clock.now();
+            self.transfer_epoch = epoch;
         }
         let (stored, stale_start) = self
             .ctx

@@ -94,6 +94,9 @@ pub struct TaskContext {
     pub roll_sources: parking_lot::RwLock<Arc<HashMap<RcId, RcId>>>,
     /// Every write waits for its slot here while the audit outbox is too big.
     pub pace: Arc<crate::audit::AuditPace>,
+    /// How many times the farm's watches saw Consul answer with an older state than they had
+    /// seen (a store restored from a backup): what a task read before one is re-read.
+    pub store_regressions: Arc<crate::consul::Regressions>,
     pub config: TaskConfig,
     pub clock: Clock,
 }
@@ -152,6 +155,7 @@ pub fn spawn(
             events,
             transfer: None,
             transfer_loaded: false,
+            transfer_epoch: 0,
             transfer_since: now,
             transfer_started: None,
             unconfirmed_alloc: None,
@@ -186,6 +190,9 @@ pub(super) struct Worker {
     /// start or finish may have been applied with its answer lost, and acting on the old
     /// belief would leave a stale transfer in Consul or record its end twice.
     pub(super) transfer_loaded: bool,
+    /// [`TaskContext::store_regressions`] when `transfer` was read: a store gone back since
+    /// may hold a transfer this task saw end (see `load_transfer`).
+    pub(super) transfer_epoch: u64,
     /// The transfer must be learnt from a read sent after this (the claim, or a failed pass).
     pub(super) transfer_since: tokio::time::Instant,
     /// When the transfer in flight started, on this farm's monotonic clock (its recorded
@@ -445,6 +452,9 @@ impl Worker {
         let mut result = Ok(Pass::Again);
         let mut held = None;
         for _ in 0..self.ctx.config.max_actions_per_pass.max(1) {
+            // Read again only if the store went back during the pass (else `transfer` is
+            // what this pass's writes left it).
+            self.load_transfer().await?;
             let mut o = self
                 .observe(rc, allocation_exhausted, mutation_locked_elsewhere)
                 .await?;
