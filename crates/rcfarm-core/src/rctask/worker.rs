@@ -147,6 +147,8 @@ pub fn spawn(
     let span = tracing::info_span!("rc", rc_id = %id, farm_id = %ctx.farm_id);
     crate::task::spawn(id, initial, parent, move |inbox| {
         let now = ctx.clock.now();
+        // The regressions seen before the task started are behind its first read.
+        let epoch = ctx.store_regressions.count();
         let mut worker = Worker {
             ctx,
             session,
@@ -155,7 +157,7 @@ pub fn spawn(
             events,
             transfer: None,
             transfer_loaded: false,
-            transfer_epoch: 0,
+            transfer_epoch: epoch,
             transfer_since: now,
             transfer_started: None,
             unconfirmed_alloc: None,
